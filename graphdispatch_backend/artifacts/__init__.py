@@ -1,0 +1,1 @@
+"""Artifact bundles: manifests, trust checks, the registry and region matching (pure)."""

@@ -1,0 +1,125 @@
+"""The artifact registry: discover bundle roots, verify every bundle, apply `enable`.
+
+Roots are searched one level deep (`root/artifact.json`, `root/*/artifact.json`). Every
+bundle is verified even when `enable` narrows the selection, so a corrupt bundle is always
+reported; a bad bundle is recorded in `errors` and never hides the good ones. Entry code
+is loaded lazily, the first time an artifact matches a region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from graphdispatch_backend.artifacts.bundle import VerifiedBundle, load_entry, verify_bundle
+from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, Manifest
+from graphdispatch_backend.errors import BundleRejected, BundleRejection, Contain, RegistryError
+
+
+class ArtifactLoadError(Exception):
+    """The entry code of a verified bundle would not load (or was tampered with)."""
+
+
+@dataclasses.dataclass
+class Artifact:
+    """A verified bundle; `load()` executes its entry code once, from verified bytes."""
+
+    bundle: VerifiedBundle
+    _fn: Callable[..., Any] | None = None
+    _error: str | None = None
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.manifest.id
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.bundle.manifest
+
+    def load(self, contain: Contain) -> Callable[..., Any]:
+        """Load once. `contain` (from backend.py, the one broad boundary) runs the
+        untrusted module code and hands back what it raised instead of raising it."""
+        with self._lock:
+            if self._fn is None and self._error is None:
+                fn, exc = contain(lambda: load_entry(self.bundle))
+                if isinstance(exc, BundleRejected):
+                    self._error = f"{exc.reason.value}: {exc.detail}"
+                elif exc is not None:
+                    self._error = f"{type(exc).__name__}: {exc}"
+                else:
+                    self._fn = fn
+            if self._fn is None:
+                raise ArtifactLoadError(self._error)
+            return self._fn
+
+
+def discover(root: Path) -> list[Path]:
+    """Bundle folders under a root: the root itself if it holds a manifest, else its children."""
+    if (root / MANIFEST_NAME).exists() or (root / MANIFEST_NAME).is_symlink():
+        return [root]
+    return sorted(p for p in root.iterdir() if (p / MANIFEST_NAME).exists() or (p / MANIFEST_NAME).is_symlink())
+
+
+@dataclasses.dataclass
+class Registry:
+    roots: tuple[str, ...] = ()
+    artifacts: dict[str, Artifact] = dataclasses.field(default_factory=dict)  # verified and enabled
+    verified_ids: tuple[str, ...] = ()
+    enabled_filter: tuple[str, ...] | None = None
+    excluded: dict[str, Artifact] = dataclasses.field(default_factory=dict)
+    errors: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def load(cls, roots: Sequence[str], enable: Sequence[str] | None = None) -> Registry:
+        reg = cls(roots=tuple(roots), enabled_filter=tuple(enable) if enable is not None else None)
+        found: dict[str, list[VerifiedBundle]] = {}
+        for root in reg.roots:
+            path = Path(root)
+            if not path.is_dir():
+                reg.errors.append({"bundle": root, "reason": "missing_root", "message": f"{root} is not a folder"})
+                continue
+            for folder in discover(path):
+                try:
+                    bundle = verify_bundle(folder)
+                except BundleRejected as exc:
+                    reg.errors.append({"bundle": str(folder), "reason": exc.reason.value, "message": exc.detail})
+                    continue
+                found.setdefault(bundle.manifest.id, []).append(bundle)
+        verified: dict[str, Artifact] = {}
+        for artifact_id, bundles in sorted(found.items()):
+            if len(bundles) > 1:
+                folders = " and ".join(str(b.folder) for b in bundles)
+                reg.errors.append({
+                    "bundle": folders,
+                    "reason": BundleRejection.DUPLICATE_ID.value,
+                    "message": f"id {artifact_id!r} is provided by {folders}; neither is used",
+                })
+                continue
+            verified[artifact_id] = Artifact(bundles[0])
+        reg.verified_ids = tuple(sorted(verified))
+        if enable is None:
+            reg.artifacts = verified
+            return reg
+        missing = sorted(set(enable) - set(verified))
+        if missing:
+            raise RegistryError(
+                f"enable names {', '.join(repr(m) for m in missing)}, which no verified bundle provides; "
+                f"available: {', '.join(reg.verified_ids) or 'none'}"
+            )
+        reg.artifacts = {k: v for k, v in verified.items() if k in enable}
+        reg.excluded = {k: v for k, v in verified.items() if k not in enable}
+        return reg
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "roots": list(self.roots),
+            "loaded": sorted(self.artifacts),
+            "verified": list(self.verified_ids),
+            "enabled_filter": list(self.enabled_filter) if self.enabled_filter is not None else None,
+            "excluded_ids": sorted(self.excluded),
+            "errors": list(self.errors),
+        }

@@ -1,0 +1,257 @@
+"""The `torch.compile` backend, and the one place that catches broad exceptions.
+
+`graphdispatch_backend(gm, example_inputs, options=..., mode=...)` resolves the options,
+finds the session, lowers the Dynamo graph with aot (inside the observed autocast state),
+runs the pass pipeline on the ATen graph and wraps the result in a CompiledGraph. If
+anything in that goes wrong, the graph runs eagerly instead, counted and reported with
+its reason (`backend_error`); under `strict` the error is raised as GraphDispatchError.
+Registered through the `torch_dynamo_backends` entry point as "graphdispatch".
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+
+from graphdispatch_backend.artifacts.match import MatchOutcome, match_region
+from graphdispatch_backend.artifacts.registry import ArtifactLoadError
+from graphdispatch_backend.capture.autocast import AutocastState
+from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
+from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
+from graphdispatch_backend.errors import Contain, Decline, GraphDispatchError, OptionsError, Rejection
+from graphdispatch_backend.options import Options
+from graphdispatch_backend.passes import PassContext, run_pipeline
+from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
+from graphdispatch_backend.region import Region
+from graphdispatch_backend.runtime.contract import PlaceholderContract
+from graphdispatch_backend.runtime.gate import ArtifactGate
+from graphdispatch_backend.runtime.program import CompiledGraph
+from graphdispatch_backend.runtime.runner import GraphRunner
+from graphdispatch_backend.session import Session, session_for
+
+# Dynamo steers its own tracing with these; they must pass through any backend untouched.
+_DYNAMO_CONTROL = tuple(
+    getattr(torch._dynamo.exc, name)
+    for name in ("RestartAnalysis", "SkipFrame", "TensorifyScalarRestartAnalysis", "ShortenTraceback")
+    if hasattr(torch._dynamo.exc, name)
+)
+
+
+_DETAILS = {
+    Decline.DISABLED: "cuda_graphs=False",
+    Decline.NOT_CUDA: "the graph's inputs are not all on CUDA; cuda_graphs='emulate' shows what a GPU would do",
+    Decline.NO_CUDA_DEVICE: "cuda_graphs=True but this machine has no CUDA device",
+    Decline.AUTOGRAD: "training graphs run eagerly in v1",
+    Decline.NO_CAPTURABLE_PIECE: "every node of the graph must stay outside a CUDA graph",
+}
+
+
+def make_contain(strict: bool) -> Contain:
+    """Run a thunk of third-party code (artifact, capture, export) and hand back what it
+    raised instead of raising; our own typed errors pass through. Under `strict`, raise
+    GraphDispatchError instead."""
+
+    def contain(thunk: Callable[[], Any]) -> tuple[Any, Exception | None]:
+        try:
+            return thunk(), None
+        except GraphDispatchError:
+            raise
+        except Exception as exc:
+            if strict:
+                raise GraphDispatchError(f"{type(exc).__name__}: {exc}") from exc
+            return None, exc
+
+    return contain
+
+
+def graphdispatch_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    extra = sorted(set(kwargs) - {"options", "mode"})
+    if extra:
+        raise OptionsError(f"unexpected backend argument {extra[0]!r}; torch.compile passes 'options' and 'mode'")
+    options = Options.resolve(kwargs.get("options"), kwargs.get("mode"))
+    session = session_for(options, make_contain)
+    record = session.report.new_graph()
+    try:
+        return _compile(session, record, gm, example_inputs)
+    except _DYNAMO_CONTROL:
+        raise
+    except Exception as exc:
+        if options.strict:
+            raise exc if isinstance(exc, GraphDispatchError) else GraphDispatchError(
+                f"compiling a graph failed: {type(exc).__name__}: {exc}") from exc
+        return _fallback(session, record, gm, exc)
+    finally:
+        session.write()
+
+
+def _fallback(session: Session, record: GraphRecord, gm: fx.GraphModule, exc: Exception) -> Callable[..., Any]:
+    """The Dynamo graph, run as is: nothing half-built from this graph is used."""
+    record.kind, record.cuda_graph_mode = "fallback", "off"
+    record.substitutions.clear()
+    record.pieces.clear()
+    record.piece_stats.clear()
+    record.error = f"{type(exc).__name__}: {exc}"
+    record.cuda_graph_reason, record.cuda_graph_detail = Decline.BACKEND_ERROR.value, record.error
+    session.events.warn_once(f"backend_error:{type(exc).__name__}",
+                             "graphdispatch: a graph runs eager because compiling it failed: %s", record.error)
+    session.events.decision("fallback", {"graph": record.name, "error": record.error})
+
+    def run(*args: Any) -> Any:
+        out = gm(*args)
+        record.called(False, Decline.BACKEND_ERROR.value)
+        return out
+
+    return run
+
+
+def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
+             example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    record.compile_id = str(gm.meta.get("dynamo_compile_id", ""))
+    autocast = AutocastState.observe()
+    origins = input_origins(gm, example_inputs)
+    builder = _Builder(session, record, origins)
+    compiled = lower(gm, example_inputs, autocast, inference_compiler=builder.inference,
+                     forward_compiler=builder.forward, backward_compiler=builder.backward)
+    session.events.decision("compile", {"graph": record.name, "kind": record.kind, "nodes": record.nodes,
+                                        "regions": len(record.regions), "substitutions": len(record.substitutions),
+                                        "cuda_graph": record.cuda_graph_mode, "autocast": autocast.to_dict()})
+    if session.exporter is None:
+        return compiled
+    n_lifted = sum(1 for _ in gm.named_parameters(remove_duplicate=False)) + sum(
+        1 for _ in gm.named_buffers(remove_duplicate=False))
+    observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
+
+    def run(*args: Any) -> Any:
+        observe(args)
+        return compiled(*args)
+
+    return run
+
+
+def _named(obj: Any, name: str) -> Any:
+    """FX code generation names call targets by __name__/__qualname__/__module__."""
+    obj.__name__ = obj.__qualname__ = "".join(c if c.isalnum() else "_" for c in name)
+    obj.__module__ = "graphdispatch"
+    return obj
+
+
+class _Builder:
+    """The aot compilers for one Dynamo graph: passes, gates and runners, wired together."""
+
+    def __init__(self, session: Session, record: GraphRecord, origins: tuple[InputOrigin, ...]) -> None:
+        self.session = session
+        self.record = record
+        self.origins = origins
+        self.module_rejections: Counter[str] = Counter()
+
+    def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
+        return self._build(gm, training=False)
+
+    def forward(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
+        return self._build(gm, training=True)
+
+    def backward(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        return make_boxed_func(gm.forward)
+
+    def _build(self, gm: fx.GraphModule, training: bool) -> CompiledGraph:
+        record = self.record
+        record.kind = "autograd" if training else "inference"
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        record.nodes, record.inputs = len(gm.graph.nodes), len(placeholders)
+        native = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the original, for contract fallbacks
+        contract = PlaceholderContract.of(gm)
+        engine, reason, device = self._engine_for(placeholders, training)
+        record.cuda_graph_mode = engine or "off"
+        scope = self.session.scope(engine) if engine else None
+        ctx = PassContext(
+            input_origins=self.origins,
+            matcher=None if training else self._match,
+            make_call=None if training else self._make_call,
+            pieces_spec=PieceSpec(device, lambda piece, info: self._runner(scope, piece, info)) if scope else None,
+        )
+        run_pipeline(gm, ctx)
+        record.stripped_assertions = ctx.stripped_assertions
+        record.regions = [self._region_entry(r, ctx.outcomes.get(r.name)) for r in ctx.regions]
+        record.module_rejections = dict(self.module_rejections)
+        record.pieces = [p.to_dict() for p in ctx.pieces]
+        record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
+        run: Callable[..., Any] = gm
+        if scope is not None:
+            if not ctx.split_reasons and ctx.pieces:
+                run = self._runner(scope, gm, ctx.pieces[0])
+            elif not any(p.capturable for p in ctx.pieces):
+                reason = Decline.NO_CAPTURABLE_PIECE
+        record.cuda_graph_reason = reason.value if reason else None
+        record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
+        return CompiledGraph(run, native, contract, record, self.session.timing, reason, self._contract_mismatch)
+
+    def _engine_for(self, placeholders: list[fx.Node], training: bool) -> tuple[str | None, Decline | None, str]:
+        mode = self.session.options.cuda_graphs
+        devices = {n.meta["val"].device.type for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)}
+        device = "cuda" if "cuda" in devices else (sorted(devices)[0] if devices else "cpu")
+        if training:
+            return None, Decline.AUTOGRAD, device
+        if mode is False:
+            return None, Decline.DISABLED, device
+        if mode == "emulate":
+            return "host", None, device
+        if mode == "auto":
+            return ("cuda", None, device) if devices == {"cuda"} else (None, Decline.NOT_CUDA, device)
+        if not torch.cuda.is_available():
+            return None, Decline.NO_CUDA_DEVICE, device
+        return ("cuda", None, device) if "cuda" in devices else (None, Decline.NOT_CUDA, device)
+
+    def _match(self, region: Region) -> MatchOutcome:
+        reg = self.session.registry
+        outcome = match_region(region, reg.artifacts.values(), reg.excluded.values(), torch.__version__)
+        for rejection in outcome.rejections:
+            if rejection.reason is Rejection.MODULE:
+                self.module_rejections[rejection.artifact] += 1
+        return outcome
+
+    def _make_call(self, region: Region, outcome: MatchOutcome, native: fx.GraphModule) -> Callable[..., Any] | None:
+        session, artifact = self.session, outcome.selected
+        try:
+            fn = artifact.load(session.contain)
+        except ArtifactLoadError as exc:
+            outcome.reject(artifact.id, Rejection.LOAD_FAILED, str(exc))
+            session.events.warn_once(f"load:{artifact.id}", "graphdispatch: artifact %s did not load: %s",
+                                     artifact.id, exc)
+            return None
+        sub = SubstitutionRecord(region.name, artifact.id, capturable=artifact.manifest.capturable)
+        self.record.substitutions.append(sub)
+        gate = ArtifactGate(artifact=fn, native=native, record=sub, parity=artifact.manifest.parity,
+                            contain=session.contain, events=session.events, timing=session.timing,
+                            speed_gate=session.options.speed_gate, strict=session.options.strict)
+        session.events.decision("substitution",
+                                {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
+        return _named(gate, f"gd_artifact_{artifact.id}")
+
+    def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo) -> GraphRunner:
+        opts = self.session.options
+        stats = CudaGraphStats()
+        self.record.piece_stats.append(stats)
+        gates = [n.target for n in piece.graph.nodes if "gd_substitution" in n.meta]
+        state = {i: o.name for i, o in enumerate(info.input_origins) if o is not None and o.is_state}
+        runner = GraphRunner(piece, f"{self.record.name}.piece_{info.index}", scope, stats,
+                             warmup=opts.warmup, max_captures=opts.max_captures,
+                             verify_inputs=opts.verify_inputs, state_names=state, gates=gates)
+        return _named(runner, f"gd_piece_{info.index}")
+
+    def _region_entry(self, region: Region, outcome: MatchOutcome | None) -> dict[str, Any]:
+        entry = region.to_dict()
+        if outcome is not None:
+            entry["artifact"] = outcome.selected.id if outcome.selected is not None else None
+            entry["rejections"] = [r.to_dict() for r in outcome.rejections if r.reason is not Rejection.MODULE]
+        return entry
+
+    def _contract_mismatch(self, detail: str) -> None:
+        self.session.events.warn_once(f"contract:{self.record.name}",
+                                      "graphdispatch: %s ran eager: inputs break its contract: %s",
+                                      self.record.name, detail)

@@ -1,0 +1,1 @@
+"""Diagnostics: the session report, timing, events and rendering. Imports no other layer."""

@@ -1,0 +1,60 @@
+"""Per-artifact attribution: which regions each artifact matched, served and lost, and why.
+
+Built from the graph records at report time, so a regression (the origin runtime's 0.83x
+run with four artifacts) points at the artifact that caused it: its parity verdicts, its
+demotions with reasons, and its measured time against native (speed gate or shadow).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+
+def _blank(enabled: bool) -> dict[str, Any]:
+    return {
+        "enabled": enabled,
+        "regions_matched": [],
+        "calls": 0,
+        "native_calls": 0,
+        "parity": Counter(),
+        "demotions": [],
+        "rejections": Counter(),
+        "speed": [],
+        "shadow": {"calls": 0, "artifact_s": 0.0, "native_s": 0.0},
+    }
+
+
+def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    loaded = set(registry.get("loaded", []))
+    ids = loaded | set(registry.get("excluded_ids", []))
+    out: dict[str, dict[str, Any]] = {i: _blank(i in loaded) for i in sorted(ids)}
+    for g in graphs:
+        for region in g["regions"]:
+            for rej in region.get("rejections", []):
+                if rej["artifact"] in out:
+                    out[rej["artifact"]]["rejections"][rej["reason"]] += 1
+        for artifact, count in g.get("module_rejections", {}).items():
+            if artifact in out:
+                out[artifact]["rejections"]["module"] += count
+        for sub in g["substitutions"]:
+            entry = out.setdefault(sub["artifact"], _blank(True))
+            entry["regions_matched"].append(f"{g['name']}:{sub['region']}")
+            entry["calls"] += sub["calls"]
+            entry["native_calls"] += sub["native_calls"]
+            entry["parity"][sub["parity"]] += 1
+            if sub["demoted"]:
+                entry["demotions"].append({
+                    "graph": g["name"], "region": sub["region"], "reason": sub["reason"], "detail": sub["detail"],
+                })
+            if sub["speed"]:
+                entry["speed"].append({"region": sub["region"], **sub["speed"]})
+            shadow = sub.get("shadow") or {}
+            for key in ("calls", "artifact_s", "native_s"):
+                entry["shadow"][key] += shadow.get(key, 0)
+    for entry in out.values():
+        entry["parity"] = dict(entry["parity"])
+        entry["rejections"] = dict(entry["rejections"])
+        s = entry["shadow"]
+        s["speedup"] = (s["native_s"] / s["artifact_s"]) if s["artifact_s"] else None
+    return out

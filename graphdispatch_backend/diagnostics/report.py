@@ -1,0 +1,255 @@
+"""The session report: counters and decisions as data, written as `dispatch.json`.
+
+The runtime and the passes fill these records; nothing here imports them. Every call is
+accounted for: per graph (and per captured piece) `calls == replays + eager_calls`, and
+`eager_by_reason` sums to `eager_calls`. The file holds metadata only, never tensor values,
+and is written atomically (temp file + replace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n", "utf-8")
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class CudaGraphStats:
+    """Counters of one captured piece (or of a whole graph, aggregated)."""
+
+    state: str = "eager"
+    captures: int = 0
+    recaptures: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
+    declines: Counter[str] = dataclasses.field(default_factory=Counter)
+    decline_details: dict[str, str] = dataclasses.field(default_factory=dict)
+    shape_keys: int = 0
+    static_bytes: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def replayed(self) -> None:
+        with self.lock:
+            self.replays += 1
+
+    def eager(self, reason: str) -> None:
+        with self.lock:
+            self.eager_calls += 1
+            self.eager_by_reason[reason] += 1
+
+    def decline(self, reason: str, detail: str) -> None:
+        with self.lock:
+            self.declines[reason] += 1
+            self.decline_details.setdefault(reason, detail)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "captures": self.captures,
+            "recaptures": self.recaptures,
+            "replays": self.replays,
+            "eager_calls": self.eager_calls,
+            "eager_by_reason": dict(self.eager_by_reason),
+            "declines": dict(self.declines),
+            "decline_details": dict(self.decline_details),
+            "shape_keys": self.shape_keys,
+            "static_bytes": self.static_bytes,
+        }
+
+
+@dataclasses.dataclass
+class SubstitutionRecord:
+    """One region served by one artifact, behind its parity gate."""
+
+    region: str
+    artifact: str
+    capturable: bool = True
+    parity: str = "pending"  # pending | passed | failed
+    parity_mode: str = "bitwise"
+    gates: int = 0  # shape keys gated
+    calls: int = 0  # calls the artifact served
+    native_calls: int = 0  # calls the native region served (gate failures, demotion)
+    demoted: bool = False
+    reason: str | None = None
+    detail: str | None = None
+    max_abs_diff: float | None = None
+    first_mismatch_index: list[int] | None = None
+    speed: dict[str, float] | None = None  # speed_gate: median ms of both
+    shadow: dict[str, float] = dataclasses.field(default_factory=dict)  # timing="shadow"
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+                for f in dataclasses.fields(self)
+                if f.name != "lock"
+            }
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """Everything known about one compiled graph."""
+
+    index: int
+    compile_id: str = ""
+    kind: str = "inference"  # inference | autograd | fallback
+    nodes: int = 0
+    inputs: int = 0
+    stripped_assertions: int = 0
+    calls: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
+    contract_mismatches: int = 0
+    contract_detail: str | None = None
+    cuda_graph_mode: str = "off"
+    cuda_graph_reason: str | None = None
+    cuda_graph_detail: str | None = None
+    regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    module_rejections: dict[str, int] = dataclasses.field(default_factory=dict)  # artifact -> regions
+    substitutions: list[SubstitutionRecord] = dataclasses.field(default_factory=list)
+    pieces: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    piece_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list)
+    split_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    export: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"graph_{self.index}"
+
+    def called(self, replayed: bool, reason: str | None) -> None:
+        with self.lock:
+            self.calls += 1
+            if replayed:
+                self.replays += 1
+            else:
+                self.eager_calls += 1
+                self.eager_by_reason[reason or "eager"] += 1
+
+    def cuda_graph(self) -> dict[str, Any]:
+        declines: Counter[str] = Counter()
+        details: dict[str, str] = {}
+        for stats in self.piece_stats:
+            declines.update(stats.declines)
+            for k, v in stats.decline_details.items():
+                details.setdefault(k, v)
+        if self.cuda_graph_reason:  # the whole graph was declined once, at compile time
+            declines[self.cuda_graph_reason] += 1
+            details.setdefault(self.cuda_graph_reason, self.cuda_graph_detail or self.cuda_graph_reason)
+        states = {s.state for s in self.piece_stats}
+        if not self.piece_stats:
+            state = "eager"
+        elif len(states) == 1:
+            state = states.pop()
+        else:
+            state = "mixed"
+        return {
+            "mode": self.cuda_graph_mode,
+            "state": state,
+            "reason": self.cuda_graph_reason,
+            "captures": sum(s.captures for s in self.piece_stats),
+            "recaptures": sum(s.recaptures for s in self.piece_stats),
+            "replays": self.replays,
+            "eager_calls": self.eager_calls,
+            "eager_by_reason": dict(self.eager_by_reason),
+            "declines": dict(declines),
+            "decline_details": details,
+            "static_bytes": sum(s.static_bytes for s in self.piece_stats),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        pieces = [
+            {**info, "cuda_graph": stats.to_dict()} if stats is not None else info
+            for info, stats in zip(self.pieces, self._stats_per_piece())
+        ]
+        return {
+            "name": self.name,
+            "compile_id": self.compile_id,
+            "kind": self.kind,
+            "nodes": self.nodes,
+            "inputs": self.inputs,
+            "calls": self.calls,
+            "stripped_assertions": self.stripped_assertions,
+            "contract_mismatches": self.contract_mismatches,
+            "contract_detail": self.contract_detail,
+            "error": self.error,
+            "cuda_graph": self.cuda_graph(),
+            "pieces": pieces,
+            "split_reasons": dict(self.split_reasons),
+            "substitutions": [s.to_dict() for s in self.substitutions],
+            "regions": self.regions,
+            "module_rejections": dict(self.module_rejections),
+            "export": self.export,
+        }
+
+    def _stats_per_piece(self) -> list[CudaGraphStats | None]:
+        stats = iter(self.piece_stats)
+        return [next(stats, None) if p.get("capturable") else None for p in self.pieces]
+
+
+@dataclasses.dataclass
+class SessionReport:
+    """One compile session (one Options value): its graphs, registry and timing."""
+
+    options: dict[str, Any]
+    registry: dict[str, Any] = dataclasses.field(default_factory=dict)
+    graphs: list[GraphRecord] = dataclasses.field(default_factory=list)
+    environment: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def new_graph(self) -> GraphRecord:
+        with self.lock:
+            record = GraphRecord(index=len(self.graphs))
+            self.graphs.append(record)
+            return record
+
+    def to_dict(self) -> dict[str, Any]:
+        from graphdispatch_backend.diagnostics.attribution import attribute
+
+        graphs = [g.to_dict() for g in list(self.graphs)]
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "environment": self.environment,
+            "options": self.options,
+            "registry": self.registry,
+            "totals": _totals(graphs),
+            "artifacts": attribute(graphs, self.registry),
+            "graphs": graphs,
+        }
+
+    def write(self, report_dir: str | os.PathLike[str]) -> Path:
+        path = Path(report_dir) / "dispatch.json"
+        write_json_atomic(path, self.to_dict())
+        return path
+
+
+def _totals(graphs: list[dict[str, Any]]) -> dict[str, Any]:
+    eager_by_reason: Counter[str] = Counter()
+    for g in graphs:
+        eager_by_reason.update(g["cuda_graph"]["eager_by_reason"])
+    return {
+        "graphs": len(graphs),
+        "calls": sum(g["calls"] for g in graphs),
+        "replays": sum(g["cuda_graph"]["replays"] for g in graphs),
+        "eager_calls": sum(g["cuda_graph"]["eager_calls"] for g in graphs),
+        "eager_by_reason": dict(eager_by_reason),
+        "substitutions": sum(len(g["substitutions"]) for g in graphs),
+        "demotions": sum(1 for g in graphs for s in g["substitutions"] if s["demoted"]),
+    }

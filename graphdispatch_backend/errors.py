@@ -1,0 +1,150 @@
+"""Typed errors and typed reasons.
+
+Every fallback, rejection, demotion and decline in graphdispatch names one member of an
+enum below; reports count them by value and tests compare them by identity. No code
+compares a message string to decide anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+# How code outside backend.py runs something that may raise anything (artifact code,
+# capture): the callable is run and (result, None) or (None, exception) comes back.
+# backend.py supplies the implementation; under `strict` it raises GraphDispatchError.
+Contain: TypeAlias = Callable[[Callable[[], Any]], tuple[Any, Exception | None]]
+
+
+class GraphDispatchError(Exception):
+    """Root of every error graphdispatch raises on purpose (and what `strict` raises)."""
+
+
+class OptionsError(GraphDispatchError, ValueError):
+    """An option key or value is not valid; the message names the key and what is allowed."""
+
+
+class ManifestError(GraphDispatchError, ValueError):
+    """A manifest does not follow schema v1; `field` is the dotted path of the bad field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class RegistryError(GraphDispatchError, ValueError):
+    """The artifact selection cannot be honoured (for example an unknown id in `enable`)."""
+
+
+class CudaGraphUnavailable(GraphDispatchError):
+    """The CUDA-graph fast path is refused for one runner entry; eager answers instead."""
+
+    def __init__(self, reason: Decline, detail: str = "") -> None:
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+        self.detail = detail
+
+
+class CudaGraphWarmingUp(CudaGraphUnavailable):
+    """Not a refusal: the entry still collects warmup observations. Its own type, so a
+    reworded message can never turn every warmup into a permanent decline."""
+
+    def __init__(self, remaining: int) -> None:
+        super().__init__(Decline.WARMUP, f"{remaining} warmup call(s) left")
+        self.remaining = remaining
+
+
+class Decline(str, enum.Enum):
+    """Why a call ran eager instead of replaying a captured graph."""
+
+    # Not refusals: the fast path is on its way.
+    WARMUP = "warmup"
+    VERIFYING = "verifying"
+    BUSY = "busy"  # another thread holds the runner while it captures or verifies
+    # Refusals of one runner entry (a shape key) or of a whole graph.
+    DISABLED = "disabled"  # cuda_graphs=False
+    NOT_CUDA = "not_cuda"  # cuda_graphs="auto" or True, but the graph's tensors are not on CUDA
+    NO_CUDA_DEVICE = "no_cuda_device"  # cuda_graphs=True on a machine without CUDA
+    AUTOGRAD = "autograd"
+    BACKEND_ERROR = "backend_error"
+    CONTRACT_MISMATCH = "contract_mismatch"
+    MAX_CAPTURES = "max_captures"
+    NON_TENSOR_OUTPUT = "non_tensor_output"
+    PARAMETER_MOVED = "parameter_moved"
+    PINNED_INPUT_MOVED = "pinned_input_moved"
+    PINNED_INPUT_CHURN = "pinned_input_churn"
+    CAPTURE_FAILED = "capture_failed"
+    REPLAY_FAILED = "replay_failed"
+    VERIFY_MISMATCH = "verify_mismatch"
+    VERIFY_NOT_DISTINCT = "verify_inputs_not_distinct"
+    ARTIFACT_DEMOTED = "artifact_demoted"
+    NO_CAPTURABLE_PIECE = "no_capturable_piece"
+    UNCAPTURABLE_PIECE = "uncapturable_piece"
+
+    @property
+    def is_refusal(self) -> bool:
+        return self not in (Decline.WARMUP, Decline.VERIFYING, Decline.BUSY)
+
+
+class SplitReason(str, enum.Enum):
+    """Why a node cannot sit inside a captured piece (piecewise capture)."""
+
+    SCALAR_READ = "scalar_read"  # aten._local_scalar_dense: a host sync
+    ASSERT_SCALAR = "assert_scalar"
+    CUDAGRAPH_UNSAFE_TAG = "cudagraph_unsafe_tag"
+    RANDOM_OP = "random_op"  # replays would not advance the RNG the way eager does
+    FOREIGN_DEVICE = "foreign_device"  # e.g. a CPU tensor inside a CUDA graph
+    ARTIFACT_NOT_CAPTURABLE = "artifact_not_capturable"
+
+
+class Rejection(str, enum.Enum):
+    """Why an artifact does not substitute a region (matching, at compile time)."""
+
+    MODULE = "module"
+    FINGERPRINT = "fingerprint"
+    SIGNATURE = "signature"
+    DEVICE = "device"
+    TORCH_VERSION = "torch_version"
+    NOT_ENABLED = "not_enabled"
+    NOT_CONVEX = "not_convex"
+    NONDETERMINISTIC = "nondeterministic"  # the region draws random numbers
+    NOT_SELECTED = "not_selected"  # another artifact won the region
+    OVERLAP = "overlap"  # an enclosing or earlier region was already substituted
+    LOAD_FAILED = "load_failed"  # entry code would not load (or was tampered with)
+    AUTOGRAD = "autograd"  # training graphs take no fast path in v1
+
+
+class Demotion(str, enum.Enum):
+    """Why an artifact was demoted to the native region for the rest of the session."""
+
+    PARITY = "parity"
+    RAISED = "raised"
+    BAD_OUTPUT = "bad_output"  # wrong count, type, shape, dtype, stride or device
+    MUTATED_INPUT = "mutated_input"
+    SLOWER = "slower"  # speed_gate: not faster than native
+
+
+class BundleRejection(str, enum.Enum):
+    """Why a bundle folder was refused by the registry (its code never runs)."""
+
+    MANIFEST = "manifest"
+    UNREADABLE = "unreadable"
+    UNSAFE_PATH = "unsafe_path"
+    SYMLINK = "symlink"
+    PYCACHE = "pycache"
+    UNDECLARED_FILE = "undeclared_file"
+    MISSING_FILE = "missing_file"
+    SIZE_MISMATCH = "size_mismatch"
+    HASH_MISMATCH = "hash_mismatch"
+    DUPLICATE_ID = "duplicate_id"
+    TAMPERED = "tampered"  # the entry file changed between verification and load
+
+
+class BundleRejected(GraphDispatchError):
+    """A bundle folder failed verification."""
+
+    def __init__(self, reason: BundleRejection, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail

@@ -1,0 +1,184 @@
+"""The one frozen options object, and the one place that reads `GRAPHDISPATCH_*` variables.
+
+`Options.resolve(options, mode)` copies the caller's dict, merges the environment (an
+explicit option wins), validates every value once and freezes the result. Equal options
+are one compile identity: they share a session (report, registry, static buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from graphdispatch_backend.errors import OptionsError
+
+ENV_PREFIX = "GRAPHDISPATCH_"
+CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
+TIMING_MODES = ("off", "host", "sync", "shadow")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Validated backend options (DESIGN.md section 2).
+
+    artifacts: bundle roots, searched one level deep.
+    enable: allowlist of artifact ids; None admits every verified bundle.
+    cuda_graphs: "auto" (on when the graph's inputs are all on CUDA), True, False, or
+        "emulate" (the full state machine on any device through HostReplayEngine).
+    warmup: eager calls per shape key before capture (at least 1, so every artifact
+        gate settles before a capture records it).
+    max_captures: distinct shape keys captured per graph piece; later keys run eager.
+    verify_inputs: distinct live input sets a capture must match eager on, bit for bit.
+    speed_gate: time artifact against native on live inputs; keep the faster.
+    timing: "off", "host", "sync" or "shadow".
+    report_dir: where dispatch.json, timing.json and region exports go.
+    export_regions: export every region for kernel authors at flush.
+    strict: raise GraphDispatchError instead of falling back.
+    """
+
+    artifacts: tuple[str, ...] = ()
+    enable: tuple[str, ...] | None = None
+    cuda_graphs: bool | str = "auto"
+    warmup: int = 3
+    max_captures: int = 8
+    verify_inputs: int = 2
+    speed_gate: bool = False
+    timing: str = "off"
+    report_dir: str | None = None
+    export_regions: bool = False
+    strict: bool = False
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def resolve(
+        cls,
+        options: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Options:
+        """Copy, merge with the environment, validate and freeze."""
+        given = dict(options or {})  # a copy: torch.compile mutates the caller's dict
+        unknown = sorted(k for k in given if k not in cls.names())
+        if unknown:
+            raise OptionsError(
+                f"unknown option {unknown[0]!r}; valid keys: {', '.join(cls.names())}"
+            )
+        merged: dict[str, Any] = {}
+        env = os.environ if environ is None else environ
+        for name, text in env.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            key = name[len(ENV_PREFIX) :].lower()
+            if key not in cls.names():
+                raise OptionsError(
+                    f"unknown environment variable {name!r}; valid: "
+                    + ", ".join(ENV_PREFIX + k.upper() for k in cls.names())
+                )
+            merged[key] = _from_env(key, text)
+        if mode not in (None, "default"):
+            if mode != "reduce-overhead":
+                raise OptionsError(
+                    f"mode {mode!r} is not supported; use 'default' or 'reduce-overhead'"
+                )
+            merged["cuda_graphs"] = True
+        merged.update(given)
+        return cls(**{k: _validate(k, v) for k, v in merged.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in dataclasses.fields(self)
+        }
+
+
+def _from_env(key: str, text: str) -> Any:
+    """Turn an environment string into the value the option would have in a dict."""
+    text = text.strip()
+    kind = _KINDS[key]
+    if kind == "bool" or (key == "cuda_graphs" and text.lower() in _TRUE + _FALSE):
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise OptionsError(f"{ENV_PREFIX}{key.upper()}={text!r}: expected one of {_TRUE + _FALSE}")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise OptionsError(f"{ENV_PREFIX}{key.upper()}={text!r}: expected an integer") from None
+    if key == "artifacts":
+        return [p for p in text.split(os.pathsep) if p]
+    if key == "enable":
+        return text
+    return text
+
+
+_KINDS = {
+    "artifacts": "paths",
+    "enable": "ids",
+    "cuda_graphs": "mode",
+    "warmup": "int",
+    "max_captures": "int",
+    "verify_inputs": "int",
+    "speed_gate": "bool",
+    "timing": "str",
+    "report_dir": "path",
+    "export_regions": "bool",
+    "strict": "bool",
+}
+
+
+def _validate(key: str, value: Any) -> Any:
+    kind = _KINDS[key]
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise OptionsError(f"option {key!r} must be True or False, got {value!r}")
+        return value
+    if kind == "int":
+        low = 1 if key in ("warmup", "verify_inputs", "max_captures") else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise OptionsError(f"option {key!r} must be an integer >= {low}, got {value!r}")
+        return value
+    if key == "cuda_graphs":
+        if isinstance(value, str) and value.lower() in ("auto", "emulate"):
+            return value.lower()
+        if isinstance(value, bool):
+            return value
+        raise OptionsError(f"option 'cuda_graphs' must be one of {CUDA_GRAPH_MODES}, got {value!r}")
+    if key == "timing":
+        if value not in TIMING_MODES:
+            raise OptionsError(f"option 'timing' must be one of {TIMING_MODES}, got {value!r}")
+        return value
+    if key == "report_dir":
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise OptionsError(f"option 'report_dir' must be a path, got {value!r}")
+        return os.path.abspath(os.fspath(value))
+    if key == "artifacts":
+        paths = [value] if isinstance(value, (str, os.PathLike)) else value
+        if value is None:
+            return ()
+        if not isinstance(paths, (list, tuple)) or not all(
+            isinstance(p, (str, os.PathLike)) and str(p) for p in paths
+        ):
+            raise OptionsError(f"option 'artifacts' must be a path or a list of paths, got {value!r}")
+        return tuple(os.path.abspath(os.fspath(p)) for p in paths)
+    # enable
+    if value is None:
+        return None
+    ids = value.split(",") if isinstance(value, str) else value
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) for i in ids):
+        raise OptionsError(
+            f"option 'enable' must be a list of artifact ids or a comma-separated string, got {value!r}"
+        )
+    cleaned = tuple(sorted({i.strip() for i in ids if i.strip()}))
+    return cleaned

@@ -1,0 +1,73 @@
+"""PassContext: what the passes read (inputs, injected factories) and what they record.
+
+Passes are pure graph rewrites; anything they need from the runtime or the registry is
+handed in here as a plain callable by backend.py, so no pass imports the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from graphdispatch_backend.artifacts.match import MatchOutcome
+from graphdispatch_backend.capture.lower import InputOrigin
+from graphdispatch_backend.errors import SplitReason
+from graphdispatch_backend.region import Region
+
+# (region, outcome, native region graph) -> the callable the substituted node calls,
+# or None when the artifact could not be loaded (the outcome then records why).
+MakeCall = Callable[[Region, MatchOutcome, fx.GraphModule], Callable[..., Any] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceSpec:
+    """How split_pieces cuts a graph for piecewise capture."""
+
+    graph_device: str  # device type the captured pieces run on ("cuda", or "cpu" in emulation)
+    make_piece: Callable[[fx.GraphModule, PieceInfo], Callable[..., Any]]
+
+
+@dataclasses.dataclass
+class PieceInfo:
+    """One capturable piece, or one run of nodes left eager, in graph order."""
+
+    index: int
+    capturable: bool
+    nodes: int
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops: list[str] = dataclasses.field(default_factory=list)
+    input_origins: tuple[InputOrigin | None, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "capturable": self.capturable,
+            "nodes": self.nodes,
+            "split_reasons": dict(self.reasons),
+            "ops": self.ops,
+        }
+
+
+@dataclasses.dataclass
+class SubstitutionInfo:
+    region: str
+    artifact: str
+    capturable: bool
+
+
+@dataclasses.dataclass
+class PassContext:
+    input_origins: tuple[InputOrigin, ...] = ()
+    matcher: Callable[[Region], MatchOutcome] | None = None
+    make_call: MakeCall | None = None
+    pieces_spec: PieceSpec | None = None
+    # results
+    stripped_assertions: int = 0
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    outcomes: dict[str, MatchOutcome] = dataclasses.field(default_factory=dict)
+    substitutions: list[SubstitutionInfo] = dataclasses.field(default_factory=list)
+    pieces: list[PieceInfo] = dataclasses.field(default_factory=list)
+    split_reasons: dict[SplitReason, int] = dataclasses.field(default_factory=dict)

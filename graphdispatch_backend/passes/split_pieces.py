@@ -1,0 +1,130 @@
+"""split_pieces: cut a graph into capturable pieces around nodes a CUDA graph cannot hold.
+
+A node cannot be captured when it reads a scalar back to the host
+(`aten._local_scalar_dense`), asserts on a scalar, is tagged `cudagraph_unsafe`, draws
+random numbers (a replay would not advance the generator as eager does), produces a tensor
+on another device than the graph's (a CPU tensor in a CUDA graph), or is an artifact call
+whose manifest says `"capturable": false`. Such nodes stay inline, in order; each maximal
+run of other nodes with real work becomes one piece, called through `make_piece`.
+A graph with no such node is left alone: it is captured whole.
+
+Before::
+
+    mm = aten.mm.default(x, w)
+    item = aten._local_scalar_dense.default(s)
+    mul = aten.mul.Tensor(mm, item)
+
+After::
+
+    piece_0 = gd_piece_0(x, w);  mm = piece_0[0]
+    item = aten._local_scalar_dense.default(s)
+    piece_1 = gd_piece_1(mm, item);  mul = piece_1[0]
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import torch
+import torch.fx as fx
+
+from graphdispatch_backend.artifacts.fingerprint import op_key
+from graphdispatch_backend.capture.lower import InputOrigin
+from graphdispatch_backend.errors import SplitReason
+from graphdispatch_backend.passes.context import PassContext, PieceInfo
+from graphdispatch_backend.passes.ops import draws_random
+from graphdispatch_backend.passes.subgraph import boundary, extract, replace_with_call
+
+_SCHEMA_REASONS = {
+    "aten::_local_scalar_dense": SplitReason.SCALAR_READ,
+    "aten::_assert_scalar": SplitReason.ASSERT_SCALAR,
+    "aten::_assert_async": SplitReason.ASSERT_SCALAR,
+}
+
+
+def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
+    """Why this node must stay outside a captured piece, or None."""
+    if node.op != "call_function":
+        return None
+    if node.meta.get("gd_capturable") is False:
+        return SplitReason.ARTIFACT_NOT_CAPTURABLE
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.name in _SCHEMA_REASONS:
+        return _SCHEMA_REASONS[schema.name]
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.cudagraph_unsafe in tags:
+        return SplitReason.CUDAGRAPH_UNSAFE_TAG
+    if draws_random(node):
+        return SplitReason.RANDOM_OP
+    # A tensor on another device, produced or read here: a CPU scalar would be baked into
+    # the capture as a kernel argument and go stale on replay.
+    for value in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
+        if isinstance(value, torch.Tensor) and value.device.type != graph_device:
+            return SplitReason.FOREIGN_DEVICE
+    return None
+
+
+def _is_work(node: fx.Node) -> bool:
+    """Pieces made only of views and getitems are not worth a graph."""
+    if node.target is operator.getitem:
+        return False
+    return not getattr(getattr(node.target, "_schema", None), "is_view", False) and not getattr(
+        node.target, "is_view", False
+    )
+
+
+def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
+    spec = ctx.pieces_spec
+    if spec is None:
+        return
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    reasons: dict[fx.Node, SplitReason] = {}
+    for node in calls:
+        reason = split_reason(node, spec.graph_device)
+        if reason is None and node.target is operator.getitem:
+            src = node.args[0]
+            reason = reasons.get(src) if isinstance(src, fx.Node) else None
+        if reason is not None:
+            reasons[node] = reason
+    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    if not reasons:
+        origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
+        ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins)]
+        return
+    runs: list[tuple[bool, list[fx.Node]]] = []
+    for node in calls:
+        capturable = node not in reasons
+        if runs and runs[-1][0] == capturable:
+            runs[-1][1].append(node)
+        else:
+            runs.append((capturable, [node]))
+    for r in reasons.values():
+        ctx.split_reasons[r] = ctx.split_reasons.get(r, 0) + 1
+    pieces: list[PieceInfo] = []
+    for capturable, nodes in runs:
+        info = PieceInfo(len(pieces), capturable, len(nodes), ops=_ops(nodes))
+        if not capturable:
+            info.reasons = dict(Counter(reasons[n].value for n in nodes))
+            pieces.append(info)
+            continue
+        if not any(_is_work(n) for n in nodes):
+            continue  # left inline, uncounted: no work to capture
+        inputs, outputs = boundary(nodes)
+        if not outputs:
+            continue
+        info.input_origins = tuple(_origin(ctx, placeholders, n) for n in inputs)
+        piece_gm = extract(nodes, inputs, outputs)
+        target = spec.make_piece(piece_gm, info)
+        replace_with_call(gm, nodes, inputs, outputs, target, {"gd_piece": info.index})
+        pieces.append(info)
+    ctx.pieces = pieces
+
+
+def _origin(ctx: PassContext, placeholders: dict[fx.Node, int], node: fx.Node) -> InputOrigin | None:
+    index = placeholders.get(node)
+    return ctx.input_origins[index] if index is not None and index < len(ctx.input_origins) else None
+
+
+def _ops(nodes: list[fx.Node], limit: int = 6) -> list[str]:
+    return [op_key(n.target) for n in nodes[:limit]] + (["..."] if len(nodes) > limit else [])

@@ -1,0 +1,142 @@
+"""Per-call input checks, frozen once, in O(number of inputs), never by walking a graph.
+
+- PlaceholderContract: what the lowered graph was traced for (tensor dtype, device, rank
+  and static sizes; scalar types). A mismatch runs the original graph eagerly, counted.
+- LayoutIdentity: that the tensors at some positions are exactly the ones recorded
+  (data_ptr, shape, stride, dtype, device); what a captured graph relies on for pinned
+  inputs and parameters. data_ptr alone misses a restrided view of the same block.
+
+Both check in C++ where torch offers it (Dynamo's TensorGuards); the Python fallback
+only runs to explain a failure.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._C._dynamo.guards import TensorGuards
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def layout_identity(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset())
+
+
+def _static_dims(value: Any) -> list[int | None]:
+    return [s if isinstance(s, int) else None for s in value.shape]
+
+
+class PlaceholderContract:
+    """Frozen from the placeholders' metadata; tensor checks compile to TensorGuards on
+    the first call that satisfies the metadata (guards need real tensors, not fakes)."""
+
+    def __init__(self, metas: Sequence[Any]) -> None:
+        self._metas = tuple(metas)
+        self._tensor_pos = tuple(i for i, m in enumerate(metas) if isinstance(m, torch.Tensor))
+        self._scalar_pos = tuple(
+            (i, bool if isinstance(m, (bool, torch.SymBool)) else int if isinstance(m, (int, torch.SymInt)) else float)
+            for i, m in enumerate(metas)
+            if isinstance(m, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+        )
+        self._pick = operator.itemgetter(*self._tensor_pos) if len(self._tensor_pos) > 1 else None
+        self._guards: TensorGuards | None = None
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> PlaceholderContract:
+        return cls([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
+
+    def _tensors(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        if self._pick is not None:
+            return self._pick(args)
+        return tuple(args[i] for i in self._tensor_pos)
+
+    def check(self, args: Sequence[Any]) -> bool:
+        if len(args) != len(self._metas):
+            return False
+        for i, kind in self._scalar_pos:
+            if not isinstance(args[i], kind):
+                return False
+        guards = self._guards
+        if guards is not None:
+            return guards.check(*self._tensors(args))
+        if self.explain(args) is not None:
+            return False
+        tensors = self._tensors(args)
+        self._guards = TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[_static_dims(self._metas[i]) for i in self._tensor_pos],
+            dynamic_dims_strides=[[None] * t.dim() for t in tensors],
+        )
+        return True
+
+    def explain(self, args: Sequence[Any]) -> str | None:
+        """The first reason `args` break the contract, in words; None if they keep it."""
+        if len(args) != len(self._metas):
+            return f"{len(args)} inputs, the graph takes {len(self._metas)}"
+        for i, kind in self._scalar_pos:
+            if not isinstance(args[i], kind):
+                return f"input {i}: {type(args[i]).__name__}, expected {kind.__name__}"
+        for i in self._tensor_pos:
+            meta, arg = self._metas[i], args[i]
+            if not isinstance(arg, torch.Tensor):
+                return f"input {i}: {type(arg).__name__}, expected a tensor"
+            if arg.dtype != meta.dtype or arg.device.type != meta.device.type or arg.dim() != meta.dim():
+                return (f"input {i}: {arg.dtype} {arg.device} rank {arg.dim()}, expected "
+                        f"{meta.dtype} {meta.device} rank {meta.dim()}")
+            for d, (want, got) in enumerate(zip(_static_dims(meta), arg.shape)):
+                if want is not None and want != got:
+                    return f"input {i}: size {tuple(arg.shape)}, expected {want} at dim {d}"
+        if self._guards is not None and not self._guards.check(*self._tensors(args)):
+            return "tensor properties differ from the first call (strides aside): " + str(
+                self._guards.check_verbose(*self._tensors(args))
+            )
+        return None
+
+
+class LayoutIdentity:
+    """The exact tensors at `positions`, as recorded; `mismatch(args)` names the first
+    position whose tensor is not the recorded one, or returns None."""
+
+    def __init__(self, positions: Sequence[int], args: Sequence[Any]) -> None:
+        self.positions = tuple(positions)
+        tensors = [args[p] for p in self.positions]
+        self.identities = tuple(layout_identity(t) for t in tensors)
+        self._ptrs = [ident[0] for ident in self.identities]
+        self._pick = operator.itemgetter(*self.positions) if len(self.positions) > 1 else None
+        self._guards = (
+            TensorGuards(
+                *tensors,
+                dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                dynamic_dims_strides=[list(t.stride()) for t in tensors],
+            )
+            if tensors
+            else None
+        )
+
+    def _tensors(self, args: Sequence[Any]) -> Sequence[Any]:
+        if self._pick is not None:
+            return self._pick(args)
+        return [args[p] for p in self.positions]
+
+    def addresses_match(self, tensors: Sequence[Any]) -> bool:
+        return list(map(_data_ptr, tensors)) == self._ptrs
+
+    def layouts_match(self, tensors: Sequence[Any]) -> bool:
+        return self._guards is None or self._guards.check(*tensors)
+
+    def mismatch(self, args: Sequence[Any]) -> int | None:
+        if not self.positions:
+            return None
+        tensors = self._tensors(args)
+        if self.addresses_match(tensors) and self.layouts_match(tensors):
+            return None
+        for p, ident in zip(self.positions, self.identities):
+            if layout_identity(args[p]) != ident:
+                return p
+        # guards also cover requires_grad and dispatch keys, which identities do not
+        return self.positions[0]

@@ -1,0 +1,228 @@
+"""ArtifactGate: the call a substituted region makes, with its parity gate and demotion.
+
+On the first call per shape key the native region and the artifact run on the same live
+inputs (native first; the inputs are snapshotted so an artifact that writes into them is
+caught and undone); the artifact serves only if its outputs pass the manifest's parity
+(shapes, dtypes, strides, then bits or allclose with NaN/inf in place). Raising at any
+call, a wrong output at any call, failing parity, mutating an input, or (with
+`speed_gate`) not being faster, demotes the artifact to the native region for the rest of
+the session; the run goes on with the native output. Under `strict` a demotion raises.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.diagnostics.events import Events
+from graphdispatch_backend.diagnostics.report import SubstitutionRecord
+from graphdispatch_backend.diagnostics.timing import Timing
+from graphdispatch_backend.errors import Contain, Demotion, GraphDispatchError
+from graphdispatch_backend.runtime.parity import Mismatch, compare
+
+SPEED_REPEATS = 7
+
+
+class ArtifactDemoted(GraphDispatchError):
+    """Raised instead of demoting when `strict` is set."""
+
+
+def _meta(outs: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs)
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+class ArtifactGate:
+    def __init__(
+        self,
+        *,
+        artifact: Callable[..., Any],
+        native: Callable[..., Sequence[Any]],
+        record: SubstitutionRecord,
+        parity: Any,  # manifest Parity: mode, rtol, atol
+        contain: Contain,
+        events: Events,
+        timing: Timing,
+        speed_gate: bool = False,
+        strict: bool = False,
+    ) -> None:
+        self._artifact = artifact
+        self._native = native
+        self._record = record
+        self._parity = parity
+        self._contain = contain
+        self._events = events
+        self._timing = timing
+        self._speed_gate = speed_gate
+        self._strict = strict
+        self._passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._lock = threading.Lock()
+        self.demoted = False
+        record.parity_mode = parity.mode
+
+    def __call__(self, *inputs: Any) -> Sequence[Any]:
+        if self.demoted:
+            return self._run_native(inputs)
+        key = tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in inputs)
+        expected = self._passed.get(key)
+        if expected is None:
+            with self._lock:
+                if self.demoted:
+                    return self._run_native(inputs)
+                if key not in self._passed:
+                    return self._gate(key, inputs)
+                expected = self._passed[key]
+        if self._timing.shadow:
+            return self._shadow(inputs, expected)
+        result, exc = self._contain(lambda: self._artifact(*inputs))
+        if exc is not None:
+            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
+            return self._run_native(inputs)
+        outs = _as_tuple(result)
+        if _meta(outs) != expected:
+            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
+            return self._run_native(inputs)
+        with self._record.lock:
+            self._record.calls += 1
+        return outs
+
+    def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
+        with self._record.lock:
+            self._record.native_calls += 1
+        return self._native(*inputs)
+
+    def _gate(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
+        start = self._timing.now() if self._timing.enabled else 0.0
+        try:
+            return self._judge(key, inputs)
+        finally:
+            if self._timing.enabled:
+                self._timing.add("artifact_gate", self._timing.now() - start)
+
+    def _judge(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
+        with self._record.lock:
+            self._record.gates += 1
+        snapshot = [(a, a.clone()) for a in inputs if isinstance(a, torch.Tensor)]
+        native = self._run_native(inputs)
+        result, exc = self._contain(lambda: self._artifact(*inputs))
+        touched = [a for a, before in snapshot if not _same(a, before)]
+        for a, before in snapshot:
+            if not _same(a, before):
+                a.copy_(before)  # undo the artifact's write before anything else reads it
+        if touched:
+            self._demote(Demotion.MUTATED_INPUT, f"wrote into {len(touched)} of its inputs")
+            return native
+        if exc is not None:
+            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
+            return native
+        outs = _as_tuple(result)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}; tensors expected")
+            return native
+        p = self._parity
+        mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
+        if mismatch is not None:
+            self._demote(Demotion.PARITY, str(mismatch), mismatch)
+            return native
+        if self._speed_gate and not self._faster(inputs):
+            return native
+        with self._record.lock:
+            self._record.parity = "passed"
+            self._record.calls += 1
+            self._record.native_calls -= 1  # the native run here was the reference, not a fallback
+        self._passed[key] = _meta(outs)
+        self._events.decision("parity", {"region": self._record.region, "artifact": self._record.artifact,
+                                         "verdict": "passed", "mode": p.mode})
+        return outs
+
+    def _faster(self, inputs: Sequence[Any]) -> bool:
+        native_ms = _median_ms(lambda: self._native(*inputs), inputs)
+        artifact_ms = _median_ms(lambda: self._artifact(*inputs), inputs)
+        self._record.speed = {"artifact_ms": artifact_ms, "native_ms": native_ms,
+                              "speedup": native_ms / artifact_ms if artifact_ms else None}
+        if artifact_ms < native_ms:
+            return True
+        self._demote(Demotion.SLOWER,
+                     f"artifact {artifact_ms:.3f} ms, native {native_ms:.3f} ms (median of {SPEED_REPEATS})")
+        return False
+
+    def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
+        t0 = self._timing.now()
+        result, exc = self._contain(lambda: self._artifact(*inputs))
+        t1 = self._timing.now()
+        self._native(*inputs)
+        t2 = self._timing.now()
+        with self._record.lock:
+            shadow = self._record.shadow
+            shadow["calls"] = shadow.get("calls", 0) + 1
+            shadow["artifact_s"] = shadow.get("artifact_s", 0.0) + (t1 - t0)
+            shadow["native_s"] = shadow.get("native_s", 0.0) + (t2 - t1)
+        outs = _as_tuple(result) if exc is None else None
+        if exc is not None or _meta(outs) != expected:
+            self._demote(Demotion.RAISED if exc is not None else Demotion.BAD_OUTPUT,
+                         f"{type(exc).__name__}: {exc}" if exc is not None else f"returned {_describe(outs)}")
+            return self._run_native(inputs)
+        with self._record.lock:
+            self._record.calls += 1
+        return outs
+
+    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None) -> None:
+        record = self._record
+        with record.lock:
+            record.demoted, record.reason, record.detail = True, reason.value, detail
+            if reason in (Demotion.PARITY, Demotion.MUTATED_INPUT) or record.parity == "pending":
+                record.parity = "failed"
+            if mismatch is not None:
+                record.max_abs_diff = mismatch.max_abs_diff
+                record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index else None
+        self.demoted = True
+        message = f"artifact {record.artifact} demoted to native for region {record.region} ({reason.value}): {detail}"
+        self._timing.note(message)
+        self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
+                                           "reason": reason.value, "detail": detail})
+        if self._strict:
+            raise ArtifactDemoted(message)
+        self._events.warn_once(f"demote:{record.artifact}:{reason.value}",
+                               "graphdispatch: %s; the run goes on", message)
+
+
+def _same(a: torch.Tensor, before: torch.Tensor) -> bool:
+    return compare([before], [a], "bitwise", check_strides=False) is None
+
+
+def _describe(outs: Sequence[Any] | None) -> str:
+    if outs is None:
+        return "nothing"
+    return ", ".join(
+        f"Tensor{list(o.shape)} {o.dtype} stride {o.stride()}" if isinstance(o, torch.Tensor) else type(o).__name__
+        for o in outs
+    ) or "an empty tuple"
+
+
+def _describe_meta(meta: tuple[Any, ...]) -> str:
+    return ", ".join(
+        f"Tensor{list(m[0])} {m[2]} stride {m[1]}" if isinstance(m, tuple) else getattr(m, "__name__", str(m))
+        for m in meta
+    )
+
+
+def _median_ms(fn: Callable[[], Any], inputs: Sequence[Any]) -> float:
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    samples = []
+    for _ in range(SPEED_REPEATS):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(samples)

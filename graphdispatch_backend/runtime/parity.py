@@ -1,0 +1,134 @@
+"""Compare two output tuples: bit for bit, or allclose with NaN/inf pinned in place.
+
+Bitwise means the same bits: -0.0 differs from 0.0, and NaN payloads must agree, which
+`torch.equal` cannot tell. Shapes, dtypes, devices and strides are compared first. A
+mismatch carries the max abs diff and the first mismatching index for the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    output: int
+    what: str  # count | type | shape | dtype | device | stride | values | nan_inf
+    detail: str
+    max_abs_diff: float | None = None
+    first_index: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "what": self.what,
+            "detail": self.detail,
+            "max_abs_diff": self.max_abs_diff,
+            "first_mismatch_index": list(self.first_index) if self.first_index is not None else None,
+        }
+
+    def __str__(self) -> str:
+        extra = []
+        if self.max_abs_diff is not None:
+            extra.append(f"max abs diff {self.max_abs_diff:.3g}")
+        if self.first_index is not None:
+            extra.append(f"first at {list(self.first_index)}")
+        return f"output {self.output}: {self.what}: {self.detail}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of the same width (floats), so == compares bits."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        return flat.view(_SAME_SIZE_INT[flat.element_size()])
+    return flat
+
+
+def _where(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    flat = int(torch.nonzero(mask.reshape(-1))[0].item())
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> tuple[float | None, tuple[int, ...]]:
+    first = _where(differ, a.shape)
+    if a.dtype == torch.bool:
+        return None, first
+    da = (a.detach().abs() if a.is_complex() else a.detach()).to(torch.float64)
+    db = (b.detach().abs() if b.is_complex() else b.detach()).to(torch.float64)
+    finite = torch.isfinite(da) & torch.isfinite(db)
+    gap = (da - db).abs()[finite]
+    return (float(gap.max()) if gap.numel() else None), first
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(_bits(a), _bits(b))
+
+
+def compare(
+    expected: Sequence[Any],
+    actual: Sequence[Any],
+    mode: str = "bitwise",
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    check_strides: bool = True,
+) -> Mismatch | None:
+    """None when `actual` may stand in for `expected`; else the first mismatch."""
+    if len(expected) != len(actual):
+        return Mismatch(-1, "count", f"{len(actual)} outputs, expected {len(expected)}")
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if not isinstance(e, torch.Tensor) or not isinstance(a, torch.Tensor):
+            if type(e) is not type(a) or e != a:
+                return Mismatch(i, "type", f"{type(a).__name__} {a!r:.40}, expected {type(e).__name__} {e!r:.40}")
+            continue
+        for what, want, got in (("shape", e.shape, a.shape), ("dtype", e.dtype, a.dtype),
+                                ("device", e.device, a.device)):
+            if want != got:
+                return Mismatch(i, what, f"{got}, expected {want}")
+        if check_strides and e.numel() > 1 and e.stride() != a.stride():
+            return Mismatch(i, "stride", f"{a.stride()}, expected {e.stride()}")
+        if e.numel() == 0:
+            continue
+        mismatch = _values(i, e, a, mode, rtol, atol)
+        if mismatch is not None:
+            return mismatch
+    return None
+
+
+def _values(i: int, e: torch.Tensor, a: torch.Tensor, mode: str, rtol: float, atol: float) -> Mismatch | None:
+    if mode == "bitwise" or not (e.is_floating_point() or e.is_complex()):
+        be, ba = _bits(e), _bits(a)
+        if torch.equal(be, ba):
+            return None
+        differ = (be != ba).reshape(-1)
+        if e.is_complex():  # two bit-words per element
+            differ = differ.view(-1, 2).any(dim=1)
+        gap, first = _diff(e, a, differ)
+        return Mismatch(i, "values", "bits differ", gap, first)
+    ee, aa = e.detach(), a.detach()
+    for name, fn in (("nan", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        if e.is_complex():
+            me, ma = fn(torch.view_as_real(ee)).any(-1), fn(torch.view_as_real(aa)).any(-1)
+        else:
+            me, ma = fn(ee), fn(aa)
+        if not torch.equal(me, ma):
+            return Mismatch(i, "nan_inf", f"{name} positions differ", None, _where(me != ma, e.shape))
+    finite = torch.isfinite(ee) & torch.isfinite(aa) if not e.is_complex() else torch.ones_like(ee, dtype=torch.bool)
+    close = torch.isclose(aa.to(torch.complex128 if e.is_complex() else torch.float64),
+                          ee.to(torch.complex128 if e.is_complex() else torch.float64), rtol=rtol, atol=atol)
+    bad = finite & ~close
+    if bool(bad.any()):
+        gap, first = _diff(e, a, bad.reshape(-1))
+        return Mismatch(i, "values", f"not within rtol={rtol} atol={atol}", gap, first)
+    return None

@@ -1,0 +1,85 @@
+"""CompiledGraph: the callable aot calls for one lowered graph; every call is counted.
+
+Per call: check the placeholder contract (O(inputs); a mismatch runs the original, native
+graph eagerly, counted), run the pipeline's graph (whose pieces may replay captured
+graphs), and record whether the call replayed or ran eager, and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from graphdispatch_backend.diagnostics.report import GraphRecord
+from graphdispatch_backend.diagnostics.timing import Timing
+from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime.contract import PlaceholderContract
+from graphdispatch_backend.runtime.runner import begin_call, end_call
+
+
+class CompiledGraph:
+    _boxed_call = True  # aot hands us its argument list as is
+
+    def __init__(
+        self,
+        run: Callable[..., Sequence[Any]],
+        native: Callable[..., Sequence[Any]],
+        contract: PlaceholderContract,
+        record: GraphRecord,
+        timing: Timing,
+        eager_reason: Decline | None,
+        on_contract_mismatch: Callable[[str], None],
+    ) -> None:
+        self._run = run
+        self._native = native
+        self._contract = contract
+        self._record = record
+        self._timing = timing
+        # A graph without captured pieces runs eager on every call, always for this reason.
+        self._eager_reason = eager_reason.value if eager_reason is not None else None
+        self._on_mismatch = on_contract_mismatch
+        self._timed = timing.enabled
+
+    def __call__(self, args: list[Any]) -> Sequence[Any]:
+        if self._timed:  # the one check the hot path pays when timing is off
+            return self._timed_call(args)
+        if not self._contract.check(args):
+            return self._contract_fallback(args)
+        if self._eager_reason is not None:
+            out = self._run(*args)
+            self._record.called(False, self._eager_reason)
+            return out
+        begin_call()
+        out = self._run(*args)
+        reason = end_call()
+        self._record.called(reason is None, reason)
+        return out
+
+    def _contract_fallback(self, args: Sequence[Any]) -> Sequence[Any]:
+        detail = self._contract.explain(args) or "inputs differ from the traced placeholders"
+        with self._record.lock:
+            self._record.contract_mismatches += 1
+            self._record.contract_detail = self._record.contract_detail or detail
+        self._on_mismatch(detail)
+        out = self._native(*args)
+        self._record.called(False, Decline.CONTRACT_MISMATCH.value)
+        return out
+
+    def _timed_call(self, args: list[Any]) -> Sequence[Any]:
+        timing = self._timing
+        start = timing.now()
+        ok = self._contract.check(args)
+        timing.add("validate", timing.now() - start)
+        if not ok:
+            return self._contract_fallback(args)
+        begin_call()
+        start = timing.now()
+        out = self._run(*args)
+        timing.add("execute", timing.now() - start)
+        reason = end_call() if self._eager_reason is None else self._eager_reason
+        self._record.called(reason is None, reason)
+        if timing.shadow:
+            start = timing.now()
+            self._native(*args)
+            timing.add("shadow.native_forward", timing.now() - start)
+        return out

@@ -1,0 +1,56 @@
+"""RuntimeScope: what all runners of one compile session share.
+
+- Static input buffers, keyed by flat position and layout: the 48 pieces of a block stack
+  (one graph break per block) share one buffer set instead of holding 48.
+- One replay lock: copy-in, replay and clone-out of a shared buffer set must not
+  interleave between threads.
+- The replay engine, timing, events and the `contain` boundary from backend.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.diagnostics.events import Events
+from graphdispatch_backend.diagnostics.timing import Timing
+from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.runtime.engine import ReplayEngine
+
+
+class StaticBuffers:
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, position: int, like: torch.Tensor) -> torch.Tensor:
+        key = (position, tuple(like.shape), like.stride(), like.dtype, like.device)
+        with self._lock:
+            buf = self._buffers.get(key)
+            if buf is None:
+                if torch._debug_has_internal_overlap(like) == 0:  # dense, no self-overlap
+                    buf = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+                else:  # an expanded view cannot be written into; verification judges the copy
+                    buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                self._buffers[key] = buf
+            return buf
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+class RuntimeScope:
+    def __init__(self, engine: ReplayEngine, timing: Timing, events: Events, contain: Contain) -> None:
+        self.engine = engine
+        self.timing = timing
+        self.events = events
+        self.contain = contain
+        self.buffers = StaticBuffers()
+        self.replay_lock = threading.RLock()

@@ -1,0 +1,118 @@
+"""Sessions: one per Options value (the compile identity), holding what its graphs share.
+
+A session owns the artifact registry, the report, timing, events, the runtime scopes
+(static buffers per engine) and the region exporter. `flush()` finalizes exports and
+writes `dispatch.json` and `timing.json`; it runs at process exit too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import platform
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.artifacts.registry import Registry
+from graphdispatch_backend.capture.export import RegionExporter
+from graphdispatch_backend.diagnostics.events import Events, log
+from graphdispatch_backend.diagnostics.report import SessionReport, write_json_atomic
+from graphdispatch_backend.diagnostics.timing import Timing
+from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.options import Options
+from graphdispatch_backend.runtime.engine import CudaGraphEngine, HostReplayEngine
+from graphdispatch_backend.runtime.scope import RuntimeScope
+
+
+class Session:
+    def __init__(self, options: Options, contain: Contain) -> None:
+        self.options = options
+        self.registry = Registry.load(options.artifacts, options.enable)
+        self.timing = Timing(options.timing)
+        self.events = Events()
+        self.contain = contain
+        self.report = SessionReport(
+            options=options.to_dict(),
+            registry=self.registry.summary(),
+            environment={
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "cuda_available": torch.cuda.is_available(),
+            },
+        )
+        self.exporter = RegionExporter(options.report_dir) if options.export_regions else None
+        self._scopes: dict[str, RuntimeScope] = {}
+        self._lock = threading.Lock()
+        for error in self.registry.errors:
+            self.events.warn_once(
+                f"bundle:{error['bundle']}", "graphdispatch: bundle %s rejected (%s): %s",
+                error["bundle"], error["reason"], error["message"],
+            )
+
+    def scope(self, engine: str) -> RuntimeScope:
+        with self._lock:
+            if engine not in self._scopes:
+                impl = CudaGraphEngine() if engine == "cuda" else HostReplayEngine()
+                self._scopes[engine] = RuntimeScope(impl, self.timing, self.events, self.contain)
+            return self._scopes[engine]
+
+    def write(self) -> None:
+        if self.options.report_dir is None:
+            return
+        path = self.report.write(self.options.report_dir)
+        write_json_atomic(path.with_name("timing.json"), self.timing.to_dict())
+
+    def flush(self) -> None:
+        if self.exporter is not None:
+            self.exporter.finalize(self.events, self.contain)
+        self.write()
+
+
+_SESSIONS: dict[Options, Session] = {}
+_LATEST: list[Session] = []
+_GLOBAL = threading.Lock()
+
+
+def session_for(options: Options, make_contain: Callable[[bool], Contain]) -> Session:
+    with _GLOBAL:
+        session = _SESSIONS.get(options)
+        if session is None:
+            session = _SESSIONS[options] = Session(options, make_contain(options.strict))
+        _LATEST[:] = [session]
+        return session
+
+
+def latest_report() -> dict[str, Any] | None:
+    """The current session's report as a dict (None before any compile)."""
+    with _GLOBAL:
+        session = _LATEST[0] if _LATEST else None
+    return session.report.to_dict() if session is not None else None
+
+
+def flush() -> None:
+    """Finalize region exports and write every session's reports now."""
+    with _GLOBAL:
+        sessions = list(_SESSIONS.values())
+    for session in sessions:
+        session.flush()
+
+
+def reset() -> None:
+    """Forget every session (tests; a new compile starts a fresh session and report).
+    Call torch._dynamo.reset() too if compiled code should be dropped."""
+    with _GLOBAL:
+        _SESSIONS.clear()
+        _LATEST.clear()
+
+
+def _flush_at_exit() -> None:
+    try:
+        flush()
+    except OSError as exc:  # a report directory that vanished must not fail the exit
+        log.warning("graphdispatch: could not write the report at exit: %s", exc)
+
+
+atexit.register(_flush_at_exit)
