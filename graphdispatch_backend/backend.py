@@ -181,7 +181,8 @@ class _Builder:
         record.module_rejections = dict(self.module_rejections)
         record.pieces = [p.to_dict() for p in ctx.pieces]
         record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
-        run: Callable[..., Any] = gm
+        # forward, not __call__: nn.Module's call machinery costs microseconds per call
+        run: Callable[..., Any] = gm.forward
         if scope is not None:
             if not ctx.split_reasons and ctx.pieces:
                 run = self._runner(scope, gm, ctx.pieces[0])
@@ -189,7 +190,7 @@ class _Builder:
                 reason = Decline.NO_CAPTURABLE_PIECE
         record.cuda_graph_reason = reason.value if reason else None
         record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
-        return CompiledGraph(run, native, contract, record, self.session.timing, reason, self._contract_mismatch)
+        return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason, self._contract_mismatch)
 
     def _engine_for(self, placeholders: list[fx.Node], training: bool) -> tuple[str | None, Decline | None, str]:
         mode = self.session.options.cuda_graphs
@@ -239,7 +240,7 @@ class _Builder:
         self.record.piece_stats.append(stats)
         gates = [n.target for n in piece.graph.nodes if "gd_substitution" in n.meta]
         state = {i: o.name for i, o in enumerate(info.input_origins) if o is not None and o.is_state}
-        runner = GraphRunner(piece, f"{self.record.name}.piece_{info.index}", scope, stats,
+        runner = GraphRunner(piece.forward, f"{self.record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state, gates=gates)
         return _named(runner, f"gd_piece_{info.index}")
