@@ -120,7 +120,9 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                      forward_compiler=builder.forward, backward_compiler=builder.backward)
     session.events.decision("compile", {"graph": record.name, "kind": record.kind, "nodes": record.nodes,
                                         "regions": len(record.regions), "substitutions": len(record.substitutions),
-                                        "cuda_graph": record.cuda_graph_mode, "autocast": autocast.to_dict()})
+                                        "cuda_graph": record.cuda_graph_mode,
+                                        "cuda_graph_reason": record.cuda_graph_reason,
+                                        "autocast": autocast.to_dict()})
     if session.exporter is None:
         return compiled
     n_lifted = sum(1 for _ in gm.named_parameters(remove_duplicate=False)) + sum(
@@ -190,7 +192,14 @@ class _Builder:
                 reason = Decline.NO_CAPTURABLE_PIECE
         record.cuda_graph_reason = reason.value if reason else None
         record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
-        return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason, self._contract_mismatch)
+        asked = self.session.options.cuda_graphs in (True, "emulate")
+        if reason is not None and (asked or reason is Decline.NO_CAPTURABLE_PIECE):
+            # the user asked for graphs (or a piece could have had one): say why there is none
+            self.session.events.warn_once(
+                f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; it runs eager",
+                record.name, reason.value, record.cuda_graph_detail)
+        return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
+                             self._contract_mismatch)
 
     def _engine_for(self, placeholders: list[fx.Node], training: bool) -> tuple[str | None, Decline | None, str]:
         mode = self.session.options.cuda_graphs

@@ -76,12 +76,18 @@ class Options:
             if not name.startswith(ENV_PREFIX):
                 continue
             key = name[len(ENV_PREFIX) :].lower()
+            if not text.strip():  # `export GRAPHDISPATCH_ENABLE=` means unset, not "enable nothing"
+                continue
             if key not in cls.names():
                 raise OptionsError(
                     f"unknown environment variable {name!r}; valid: "
                     + ", ".join(ENV_PREFIX + k.upper() for k in cls.names())
                 )
-            merged[key] = _from_env(key, text)
+            value = _from_env(key, text)
+            try:  # validated here too, so the error names the variable, not only the key
+                merged[key] = _validate(key, value)
+            except OptionsError as exc:
+                raise OptionsError(f"{name}={text!r}: {exc}") from None
         if mode not in (None, "default"):
             if mode != "reduce-overhead":
                 raise OptionsError(

@@ -2,6 +2,7 @@
 
 - `aten_graph(fn, *args)`: the lowered ATen inference graph graphdispatch's passes see,
   with the input origins, through Dynamo and aot (no passes run).
+- `regions(lowered)`: `tag_regions` run on it, as {region name: Region}.
 - `normalize(gm)`: small, stable text of a graph for `assertExpectedInline`.
 - `op_counts(gm)`: op histogram by schema name, to pair with goldens.
 - `write_bundle(...)`: a bundle folder with a correct manifest (sizes, sha256).
@@ -27,6 +28,9 @@ from functorch.compile import make_boxed_func
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
+from graphdispatch_backend.passes.context import PassContext
+from graphdispatch_backend.passes.tag_regions import tag_regions
+from graphdispatch_backend.region import Region
 
 
 @dataclasses.dataclass
@@ -36,8 +40,9 @@ class Lowered:
     dynamo_gm: fx.GraphModule
 
 
-def aten_graph(fn: Callable[..., Any], *args: Any, index: int = 0) -> Lowered:
-    """Compile `fn` with a recording backend; return the `index`-th lowered graph."""
+def aten_graph(fn: Callable[..., Any], *args: Any, index: int = 0, dynamic: bool | None = None) -> Lowered:
+    """Compile `fn` with a recording backend; return the `index`-th lowered graph.
+    `dynamic` is torch.compile's (True: symbolic sizes from the first call)."""
     seen: list[Lowered] = []
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -48,12 +53,19 @@ def aten_graph(fn: Callable[..., Any], *args: Any, index: int = 0) -> Lowered:
             return make_boxed_func(aten.forward)
 
         return lower(gm, example_inputs, AutocastState.observe(), inference_compiler=keep,
-                     forward_compiler=keep, backward_compiler=make_boxed_func)
+                     forward_compiler=keep, backward_compiler=lambda bw, _inputs: make_boxed_func(bw.forward))
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend)(*args)
+    torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
     torch._dynamo.reset()
     return seen[index]
+
+
+def regions(lowered: Lowered) -> dict[str, Region]:
+    """Run `tag_regions` on a lowered graph (annotating its nodes); regions by name."""
+    ctx = PassContext(input_origins=lowered.origins)
+    tag_regions(lowered.gm, ctx)
+    return {r.name: r for r in ctx.regions}
 
 
 def normalize(gm: fx.GraphModule) -> str:
@@ -61,7 +73,8 @@ def normalize(gm: fx.GraphModule) -> str:
     lines = []
     for line in gm.code.splitlines():
         line = re.sub(r"\s*#.*$", "", line).rstrip()
-        line = re.sub(r";\s+[\w, ]+ = None$", "", line)
+        # FX frees dead values with `;  a = None` or, for several, `;  a = b = None`
+        line = re.sub(r";\s+[\w, ]+(?: = [\w, ]+)* = None$", "", line)
         if line.strip():
             lines.append(line)
     return "\n".join(lines)
@@ -80,9 +93,11 @@ def write_bundle(
     source: str,
     symbol: str = "forward",
     extra_files: dict[str, bytes] | None = None,
+    fingerprint: str | None = None,
     **fields: Any,
 ) -> Path:
-    """Write `folder/kernel.py` (+ extra files) and a manifest declaring them correctly."""
+    """Write `folder/kernel.py` (+ extra files) and a manifest declaring them correctly;
+    `fingerprint` (copied from the region report) pins the region beyond its name."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     files = {"kernel.py": source.encode(), **(extra_files or {})}
@@ -92,7 +107,7 @@ def write_bundle(
     manifest = {
         "schema_version": 1,
         "id": artifact_id,
-        "region": {"module": module},
+        "region": {"module": module, **({"fingerprint": fingerprint} if fingerprint else {})},
         "signature": {"inputs": list(inputs), "outputs": list(outputs)},
         "entry_point": {"file": "kernel.py", "symbol": symbol},
         "files": [{"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

@@ -121,9 +121,16 @@ def verify_bundle(folder: Path) -> VerifiedBundle:
 
 
 def _read_verified(bundle: VerifiedBundle, rel: str) -> bytes:
-    entry = bundle.manifest.file(rel)
+    try:
+        entry = bundle.manifest.file(rel)
+    except KeyError:  # `read_bundle_file("../x")` from artifact code: nothing undeclared is read
+        raise _reject(BundleRejection.UNDECLARED_FILE, f"{rel!r} is not declared in files") from None
     _regular(bundle.folder / rel, rel)
-    with open(bundle.folder / rel, "rb") as fh:
+    try:  # O_NOFOLLOW: a file swapped for a symlink after the lstat above is not followed
+        fd = os.open(bundle.folder / rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise _reject(BundleRejection.TAMPERED, f"{rel} changed since it was verified ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
         data = fh.read(entry.bytes + 1)
     if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
         raise _reject(BundleRejection.TAMPERED, f"{rel} changed since it was verified")
@@ -158,9 +165,10 @@ def hash_bundle(folder: Path) -> dict[str, Any]:
     """Rewrite the manifest's `files` from the folder's contents (for authors); return it."""
     folder = Path(folder)
     path = folder / MANIFEST_NAME
+    listed = list_folder(folder)  # first: a symlinked artifact.json is refused before it is read
     data = json.loads(path.read_text("utf-8"))
     files = []
-    for rel in list_folder(folder):
+    for rel in listed:
         if rel in (MANIFEST_NAME, MANIFEST_NAME + ".tmp"):
             continue
         files.append({"path": rel, "sha256": sha256_file(folder / rel), "bytes": os.lstat(folder / rel).st_size})

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from graphdispatch_backend.artifacts.bundle import hash_bundle, verify_bundle
+from graphdispatch_backend.artifacts.bundle import hash_bundle, read_manifest, verify_bundle
 from graphdispatch_backend.artifacts.registry import discover
 from graphdispatch_backend.errors import BundleRejected, ManifestError
 from graphdispatch_backend.table import table
@@ -20,11 +20,14 @@ def verify_command(roots: Sequence[str]) -> int:
         if not path.is_dir():
             rows.append(["-", "rejected", f"missing_root: {root} is not a folder", root])
             continue
-        for folder in discover(path):
+        folders = discover(path)
+        if not folders:  # an empty root is a mistake in CI, not an "ok" with nothing checked
+            rows.append(["-", "rejected", f"no_bundles: no artifact.json in {root} or its subfolders", root])
+        for folder in folders:
             try:
                 bundle = verify_bundle(folder)
             except BundleRejected as exc:
-                rows.append(["?", "rejected", f"{exc.reason.value}: {exc.detail}", str(folder)])
+                rows.append([_id_of(folder), "rejected", f"{exc.reason.value}: {exc.detail}", str(folder)])
             else:
                 m = bundle.manifest
                 rows.append([m.id, "ok", f"{m.module} ({len(m.files)} files, parity {m.parity.mode})", str(folder)])
@@ -34,6 +37,15 @@ def verify_command(roots: Sequence[str]) -> int:
             row[1], row[2] = "rejected", f"duplicate_id: {row[0]} is provided by more than one folder"
     print(table(["id", "verdict", "reason", "bundle"], rows))
     return 0 if rows and all(r[1] == "ok" for r in rows) else 1
+
+
+def _id_of(folder: Path) -> str:
+    """The id a rejected bundle claims, when its manifest parses (a hash mismatch, say): it
+    tells the author which bundle to fix. Reading the manifest executes nothing."""
+    try:
+        return read_manifest(folder).id
+    except BundleRejected:
+        return "?"
 
 
 def hash_command(bundle: str) -> int:

@@ -24,6 +24,10 @@ from graphdispatch_backend.region import TensorSpec
 
 def op_key(target: Any) -> str:
     """A build-independent name for a call target."""
+    if isinstance(target, str):
+        # a call_method target is the method's name (Dynamo graphs: `x.reshape(...)`); without
+        # this every method call hashed alike as "str", so relu() and sigmoid() collided
+        return f"Tensor.{target}"
     schema = getattr(target, "_schema", None)
     if schema is not None:
         return f"{schema.name}.{schema.overload_name or 'default'}"
@@ -57,6 +61,19 @@ def _constant(value: Any, refs: dict[fx.Node, Any]) -> Any:
     return {"type": type(value).__qualname__}  # value-free on purpose
 
 
+def node_key(node: fx.Node) -> str:
+    """op_key of a node; a call_module node is keyed by its module's class, because its
+    target is the module's (name-bearing) path."""
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        try:
+            module = owner.get_submodule(node.target) if owner is not None else None
+        except AttributeError:
+            module = None
+        return f"module::{type(module).__qualname__}" if module is not None else "module::?"
+    return op_key(node.target)
+
+
 def _spec(spec: TensorSpec | None) -> Any:
     if spec is None:
         return None
@@ -79,7 +96,7 @@ def fingerprint(
         body.append(
             [
                 node.op,
-                op_key(node.target),
+                node_key(node),
                 _constant(list(node.args), refs),
                 _constant(dict(node.kwargs), refs),
             ]

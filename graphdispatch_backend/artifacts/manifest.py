@@ -8,6 +8,7 @@ touches the file system and never executes anything.
 from __future__ import annotations
 
 import dataclasses
+import math
 import posixpath
 import re
 from typing import Any
@@ -66,7 +67,11 @@ class Manifest:
     description: str
 
     def file(self, path: str) -> FileEntry:
-        return next(f for f in self.files if f.path == path)
+        """The declared entry for `path`; KeyError (naming it) if the manifest does not declare it."""
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(f"{path!r} is not declared in files")
 
 
 def _keys(obj: Any, field: str, required: set[str], optional: set[str]) -> dict[str, Any]:
@@ -88,7 +93,8 @@ def _join(field: str, key: str) -> str:
 def _str(value: Any, field: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str:
     if not isinstance(value, str) or not value:
         raise ManifestError(field, f"must be a non-empty string, got {value!r}")
-    if pattern is not None and not pattern.match(value):
+    # fullmatch, not match: `$` would accept a trailing newline ("forward\n", an id with "\n").
+    if pattern is not None and not pattern.fullmatch(value):
         raise ManifestError(field, f"must be {what}, got {value!r}")
     return value
 
@@ -148,14 +154,15 @@ def parse_manifest(data: Any) -> Manifest:
         {"parity", "devices", "capturable", "torch", "description"},
     )
     version = top["schema_version"]
-    if isinstance(version, bool) or version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # not True, not 1.0
         raise ManifestError("schema_version", f"must be {SCHEMA_VERSION}, got {version!r}")
     artifact_id = _str(top["id"], "id", _ID, "letters, digits, '.', '_' or '-' (max 128)")
     region = _keys(top["region"], "region", {"module"}, {"fingerprint"})
     module = _str(region["module"], "region.module")
-    fp = region.get("fingerprint")
-    if fp is not None:
-        fp = _str(fp, "region.fingerprint", _HEX32, "32 lowercase hex characters")
+    # Optional means "may be omitted": an explicit null is a type error like any other.
+    fp = None
+    if "fingerprint" in region:
+        fp = _str(region["fingerprint"], "region.fingerprint", _HEX32, "32 lowercase hex characters")
     sig = _keys(top["signature"], "signature", {"inputs", "outputs"}, set())
     entries = []
     for side, named in (("inputs", True), ("outputs", False)):
@@ -195,7 +202,7 @@ def parse_manifest(data: Any) -> Manifest:
         parity=_parity(top.get("parity", {"mode": "bitwise"})),
         devices=_devices(top.get("devices", list(_DEVICES))),
         capturable=_bool(top.get("capturable", True), "capturable"),
-        **_torch_range(top.get("torch")),
+        **(_torch_range(top["torch"]) if "torch" in top else {"torch_min": None, "torch_max_exclusive": None}),
         description=_str(top["description"], "description") if "description" in top else "",
     )
 
@@ -210,17 +217,22 @@ def _parity(value: Any) -> Parity:
     data = _keys(value, "parity", {"mode"}, {"rtol", "atol"})
     mode = data["mode"]
     if mode == "bitwise":
-        if len(data) > 1:
-            raise ManifestError("parity", "bitwise parity takes no tolerances")
+        for key in ("rtol", "atol"):
+            if key in data:
+                raise ManifestError(f"parity.{key}", "bitwise parity takes no tolerances")
         return Parity()
     if mode != "allclose":
         raise ManifestError("parity.mode", f"must be 'bitwise' or 'allclose', got {mode!r}")
     tol = {}
     for key in ("rtol", "atol"):
         v = data.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v != v or v == float("inf"):
-            raise ManifestError(f"parity.{key}", f"must be a finite number >= 0, got {v!r}")
-        tol[key] = float(v)
+        try:  # JSON integers are unbounded: float(10**400) raises OverflowError
+            number = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+        except OverflowError:
+            number = math.inf
+        if not (math.isfinite(number) and number >= 0):
+            raise ManifestError(f"parity.{key}", f"must be a finite number >= 0, got {v!r:.40}")
+        tol[key] = number
     return Parity("allclose", tol["rtol"], tol["atol"])
 
 
@@ -234,8 +246,6 @@ def _devices(value: Any) -> tuple[str, ...]:
 
 
 def _torch_range(value: Any) -> dict[str, str | None]:
-    if value is None:
-        return {"torch_min": None, "torch_max_exclusive": None}
     data = _keys(value, "torch", set(), {"min", "max_exclusive"})
     low = _version(data["min"], "torch.min") if "min" in data else None
     high = _version(data["max_exclusive"], "torch.max_exclusive") if "max_exclusive" in data else None

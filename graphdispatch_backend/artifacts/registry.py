@@ -45,9 +45,9 @@ class Artifact:
         untrusted module code and hands back what it raised instead of raising it."""
         with self._lock:
             if self._fn is None and self._error is None:
-                fn, exc = contain(lambda: load_entry(self.bundle))
-                if isinstance(exc, BundleRejected):
-                    self._error = f"{exc.reason.value}: {exc.detail}"
+                fn, exc = contain(self._load_entry)
+                if isinstance(exc, ArtifactLoadError):
+                    self._error = str(exc)
                 elif exc is not None:
                     self._error = f"{type(exc).__name__}: {exc}"
                 else:
@@ -55,6 +55,16 @@ class Artifact:
             if self._fn is None:
                 raise ArtifactLoadError(self._error)
             return self._fn
+
+    def _load_entry(self) -> Callable[..., Any]:
+        # `contain` lets our own typed errors through, and BundleRejected is one: raised as
+        # is, a bundle tampered with after verification would fail the whole graph's
+        # compile instead of leaving this one region native. As an ArtifactLoadError it is
+        # contained like any failure of the artifact's code (and raised under `strict`).
+        try:
+            return load_entry(self.bundle)
+        except BundleRejected as exc:
+            raise ArtifactLoadError(f"{exc.reason.value}: {exc.detail}") from exc
 
 
 def discover(root: Path) -> list[Path]:
@@ -90,8 +100,10 @@ class Registry:
                     continue
                 found.setdefault(bundle.manifest.id, []).append(bundle)
         verified: dict[str, Artifact] = {}
+        duplicated: set[str] = set()
         for artifact_id, bundles in sorted(found.items()):
             if len(bundles) > 1:
+                duplicated.add(artifact_id)
                 folders = " and ".join(str(b.folder) for b in bundles)
                 reg.errors.append({
                     "bundle": folders,
@@ -106,9 +118,11 @@ class Registry:
             return reg
         missing = sorted(set(enable) - set(verified))
         if missing:
+            dup = sorted(duplicated.intersection(missing))
             raise RegistryError(
                 f"enable names {', '.join(repr(m) for m in missing)}, which no verified bundle provides; "
                 f"available: {', '.join(reg.verified_ids) or 'none'}"
+                + (f" ({', '.join(dup)}: provided by more than one folder, see errors)" if dup else "")
             )
         reg.artifacts = {k: v for k, v in verified.items() if k in enable}
         reg.excluded = {k: v for k, v in verified.items() if k not in enable}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import Contain
@@ -75,7 +77,12 @@ class RegionExporter:
         try:
             for kept in self._kept:
                 for index, args in enumerate(kept.examples.values()):
-                    kept.record.export.extend(self._export_graph(kept, index, args, contain))
+                    # regions are contained one by one inside; this catches what fails around them
+                    # (tagging the Dynamo graph), so one graph never stops the others or raises
+                    out, exc = contain(lambda k=kept, i=index, a=args: self._export_graph(k, i, a, contain))
+                    if exc is not None:
+                        out = [{"shape_key": index, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}]
+                    kept.record.export.extend(out)
                     events.decision("export", {"graph": kept.record.name, "shape_key": index})
         finally:
             for kept in self._kept:  # every reference goes, whatever happened
@@ -124,7 +131,9 @@ class RegionExporter:
         for k, ph in enumerate(list(graph.find_nodes(op="placeholder"))):
             if k in state:
                 with graph.inserting_before(ph):
-                    attr = graph.get_attr(state[k])
+                    # create_node, not get_attr: the attribute lives on `root`, which owns the
+                    # graph only below; get_attr would warn about every parameter
+                    attr = graph.create_node("get_attr", state[k])
                 ph.replace_all_uses_with(attr)
                 graph.erase_node(ph)
         module = fx.GraphModule(root, graph)
@@ -160,12 +169,8 @@ def _register(root: torch.nn.Module, path: str, value: torch.Tensor) -> None:
 
 
 def _ops(gm: fx.GraphModule) -> dict[str, int]:
-    ops: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            name = str(getattr(node.target, "_schema", None) and node.target._schema.name or node.target)
-            ops[name] = ops.get(name, 0) + 1
-    return dict(sorted(ops.items()))
+    """The exported graph's op histogram, spelled like a region's (`aten::linear.default`)."""
+    return dict(sorted(Counter(op_key(n.target) for n in gm.graph.nodes if n.op == "call_function").items()))
 
 
 def _values(gm: fx.GraphModule, args: Sequence[Any], autocast: AutocastState) -> dict[fx.Node, Any]:

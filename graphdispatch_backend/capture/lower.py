@@ -23,17 +23,18 @@ from graphdispatch_backend.capture.names import clean_path, root_name
 
 Compiler = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
-STATE_KINDS = ("parameter", "buffer", "attribute")
+STATE_KINDS = ("parameter", "buffer")
 
 
 @dataclasses.dataclass(frozen=True)
 class InputOrigin:
     """Where one flat input of the lowered graph comes from.
 
-    kind: parameter | buffer | attribute (module state), input (a call argument) or
+    kind: parameter | buffer (module state, named by path as manifests name them), input
+    (a call argument, or a plain tensor attribute such as a cached table: `self.freqs`), or
     symbol (a SymInt/SymFloat Dynamo passes for a dynamic size).
     name: the clean dotted path for module state (`blocks.0.ff.net.0.weight`), the
-    argument name for inputs (`x`, `inputs.0`).
+    access path for inputs (`x`, `inputs.0`, `self.freqs`).
     """
 
     kind: str
@@ -67,7 +68,7 @@ def input_origins(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tu
 def _state_origin(name: str, to_source: dict, fqn: dict, kind: str) -> InputOrigin:
     if name in to_source:
         path, found = clean_path(to_source[name].name)
-        return InputOrigin(found if found != "attribute" else kind, path)
+        return InputOrigin(found if found in STATE_KINDS else kind, path)
     return InputOrigin(kind, fqn.get(name, name))
 
 

@@ -3,6 +3,10 @@
 Built from the graph records at report time, so a regression (the origin runtime's 0.83x
 run with four artifacts) points at the artifact that caused it: its parity verdicts, its
 demotions with reasons, and its measured time against native (speed gate or shadow).
+
+`status` sums it up: serving (every matched region served by it), pending (matched, never
+called yet), partly_demoted, demoted, rejected (its pattern matched regions but a check
+refused them; see `rejections`), unmatched (its pattern matched no region), not_enabled.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ def _blank(enabled: bool) -> dict[str, Any]:
         "enabled": enabled,
         "regions_matched": [],
         "calls": 0,
+        "replays": 0,
         "native_calls": 0,
         "parity": Counter(),
         "demotions": [],
@@ -41,6 +46,7 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
             entry = out.setdefault(sub["artifact"], _blank(True))
             entry["regions_matched"].append(f"{g['name']}:{sub['region']}")
             entry["calls"] += sub["calls"]
+            entry["replays"] += sub.get("replays", 0)
             entry["native_calls"] += sub["native_calls"]
             entry["parity"][sub["parity"]] += 1
             if sub["demoted"]:
@@ -57,4 +63,22 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
         entry["rejections"] = dict(entry["rejections"])
         s = entry["shadow"]
         s["speedup"] = (s["native_s"] / s["artifact_s"]) if s["artifact_s"] else None
+        s["artifact_ms_per_call"] = 1e3 * s["artifact_s"] / s["calls"] if s["calls"] else None
+        s["native_ms_per_call"] = 1e3 * s["native_s"] / s["calls"] if s["calls"] else None
+        entry["status"] = _status(entry)
     return out
+
+
+def _status(entry: dict[str, Any]) -> str:
+    """One word a reader can act on: is this artifact doing anything, and if not, why."""
+    if not entry["enabled"]:
+        return "not_enabled"  # excluded by the `enable` allowlist
+    matched = len(entry["regions_matched"])
+    if not matched:
+        return "rejected" if set(entry["rejections"]) - {"module"} else "unmatched"
+    demoted = len(entry["demotions"])
+    if demoted == matched:
+        return "demoted"
+    if demoted:
+        return "partly_demoted"
+    return "serving" if entry["calls"] or entry["replays"] else "pending"

@@ -1,9 +1,16 @@
 """Decisions as log records and as structured trace events.
 
-Declines and demotions are WARNING once per reason per session (the origin runtime's fast
-path silently declined 1151 calls at INFO); everything else is INFO/DEBUG. With
-`TORCH_TRACE=dir` set, each decision is also a `trace_structured` artifact named
-`graphdispatch_<kind>`, next to Dynamo's own events, for tlparse.
+Logging goes through `logging.getLogger("graphdispatch_backend")`. Declines and demotions
+are WARNING once per reason per session (`warn_once`; a repeat is DEBUG): the origin
+runtime's fast path silently declined 1151 calls at INFO. Decisions a user may want to
+follow (a graph compiled, a region substituted, a parity verdict, an export) are INFO;
+the structured record of a decline or demotion, which `warn_once` already reported, is
+DEBUG.
+
+With `TORCH_TRACE=dir` set, each decision is also a `trace_structured` artifact named
+`graphdispatch_<kind>` with a JSON payload, next to Dynamo's own events, for tlparse.
+Events raised while Dynamo compiles carry its frame and compile ids; runtime events
+(parity, declines, demotions) carry the stack of the call instead, as torch does.
 """
 
 from __future__ import annotations
@@ -15,7 +22,14 @@ from typing import Any
 
 from torch._logging import trace_structured
 
+from graphdispatch_backend.diagnostics.report import json_default
+
 log = logging.getLogger("graphdispatch_backend")
+
+# Kinds logged at INFO; every other kind is DEBUG (declines and demotions reach WARNING
+# through warn_once, as does a compile fallback, so their structured record would only repeat it).
+INFO_KINDS = frozenset({"compile", "substitution", "parity", "export"})
+TRACE_PREFIX = "graphdispatch_"
 
 
 class Events:
@@ -24,6 +38,7 @@ class Events:
         self._lock = threading.Lock()
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
+        """WARNING the first time `key` (a reason) is seen in this session, DEBUG after."""
         with self._lock:
             first = key not in self._warned
             self._warned.add(key)
@@ -33,10 +48,12 @@ class Events:
             log.debug(message, *args)
 
     def decision(self, kind: str, payload: dict[str, Any]) -> None:
-        """One structured decision: compile, match, substitution, decline, demotion, export."""
-        log.debug("graphdispatch %s: %s", kind, payload)
+        """One structured decision: compile, substitution, parity, decline, demotion, fallback, export."""
+        level = logging.INFO if kind in INFO_KINDS else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "graphdispatch %s: %s", kind, json.dumps(payload, default=json_default, sort_keys=True))
         trace_structured(
             "artifact",
-            metadata_fn=lambda: {"name": f"graphdispatch_{kind}", "encoding": "json"},
-            payload_fn=lambda: json.dumps(payload, default=str, sort_keys=True),
+            metadata_fn=lambda: {"name": f"{TRACE_PREFIX}{kind}", "encoding": "json"},
+            payload_fn=lambda: json.dumps(payload, default=json_default, sort_keys=True),
         )

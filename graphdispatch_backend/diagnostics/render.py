@@ -1,109 +1,297 @@
 """`python -m graphdispatch_backend report DIR`: a report directory as readable tables.
 
-Graphs with their CUDA-graph state and decline reasons, captured pieces, substituted and
-rejected regions, artifacts with verdicts and timings, and timing phases. A missing or
-corrupt report is a clear message and a non-zero exit.
+In reading order: what ran (options, environment), whether every call is accounted for,
+the artifact bundles, graphs with their CUDA-graph state and decline reasons, captured
+pieces, artifacts with their status, parity verdicts, demotions and timings against
+native, the regions that matched or were rejected, timing phases and notes. Tables hold
+one line per row; long reasons are listed in full under them.
+
+A missing directory, a missing `dispatch.json`, corrupt JSON or another schema is a
+message on stderr and exit status 2; an unreadable `timing.json` is said, not fatal.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.table import table
 
+SCHEMA_VERSION = 1  # the dispatch.json schema this renderer reads (diagnostics/report.py)
+TIMING_SCHEMA_VERSION = 1
+CELL = 48  # widest table cell; the full text is listed under the table
+_OPTION_KEYS = ("cuda_graphs", "timing", "speed_gate", "strict", "warmup", "verify_inputs", "max_captures")
+
 
 class ReportError(Exception):
-    pass
+    """The directory holds no report this renderer can read; the message says why."""
 
 
-def load(directory: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    path = Path(directory) / "dispatch.json"
+def load(directory: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
+    """(report, timing or None, why timing is missing or None)."""
+    folder = Path(directory)
+    if not folder.exists():
+        raise ReportError(f"report directory {folder} does not exist")
+    if not folder.is_dir():
+        raise ReportError(f"{folder} is not a directory (give the report_dir, which holds dispatch.json)")
+    path = folder / "dispatch.json"
     if not path.is_file():
-        raise ReportError(f"no report at {path} (run with options={{'report_dir': ...}} first)")
+        raise ReportError(f"no dispatch.json in {folder}: run with options={{'report_dir': ...}} and call "
+                          "graphdispatch_backend.flush() or let the process exit")
+    report = _read_json(path)
+    if not isinstance(report, dict) or "schema_version" not in report:
+        raise ReportError(f"{path} is not a graphdispatch report (no schema_version)")
+    if report["schema_version"] != SCHEMA_VERSION:
+        raise ReportError(f"{path} has schema_version {report['schema_version']!r}; this graphdispatch reads "
+                          f"schema_version {SCHEMA_VERSION}")
+    if not isinstance(report.get("graphs"), list):
+        raise ReportError(f"{path} is not a graphdispatch report (graphs[] is missing)")
+    timing_path = folder / "timing.json"
+    if not timing_path.is_file():
+        return report, None, "no timing.json"
     try:
-        report = json.loads(path.read_text("utf-8"))
+        timing = _read_json(timing_path)
+    except ReportError as exc:
+        return report, None, str(exc)
+    if not isinstance(timing, dict) or timing.get("timing_schema_version") != TIMING_SCHEMA_VERSION:
+        return report, None, f"{timing_path} is not timing_schema_version {TIMING_SCHEMA_VERSION}"
+    return report, timing, None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReportError(f"{path} is not a valid report: {exc}") from None
-    if not isinstance(report, dict) or report.get("schema_version") != 1 or not isinstance(report.get("graphs"), list):
-        raise ReportError(f"{path} is not a graphdispatch report (schema_version 1 with graphs[])")
-    timing_path = path.with_name("timing.json")
-    timing = None
-    if timing_path.is_file():
-        try:
-            timing = json.loads(timing_path.read_text("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            timing = None
-    return report, timing
+        raise ReportError(f"{path} is not valid JSON ({exc}); was it copied while being written?") from None
 
 
-def _reasons(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "-"
+# -- small formatters --------------------------------------------------------------------
+def _counts(counts: dict[str, int] | None, skip: tuple[str, ...] = ()) -> str:
+    items = [(k, v) for k, v in sorted((counts or {}).items()) if k not in skip]
+    return ", ".join(f"{k}={v}" for k, v in items) or "-"
 
 
-def render(report: dict[str, Any], timing: dict[str, Any] | None = None) -> str:
-    out: list[str] = []
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.3f}"
+
+
+def _speed(entry: dict[str, Any]) -> str:
+    """Time against native, as native/artifact (above 1.00x the artifact is faster)."""
+    parts = []
+    for s in entry.get("speed") or []:
+        ratio = f"{s['speedup']:.2f}x" if s.get("speedup") else "?"
+        parts.append(f"gate {ratio} ({s['artifact_ms']:.3f} vs {s['native_ms']:.3f} ms)")
+    if len(parts) > 1:
+        ratios = [s["speedup"] for s in entry["speed"] if s.get("speedup")]
+        parts = [f"gate {min(ratios):.2f}-{max(ratios):.2f}x over {len(entry['speed'])} regions"] if ratios else parts
+    shadow = entry.get("shadow") or {}
+    if shadow.get("calls"):
+        per_call = ""
+        if shadow.get("artifact_ms_per_call") is not None:
+            per_call = f", {shadow['artifact_ms_per_call']:.3f} vs {shadow['native_ms_per_call']:.3f} ms/call"
+        ratio = f"{shadow['speedup']:.2f}x" if shadow.get("speedup") else "?"
+        parts.append(f"shadow {ratio} ({shadow['calls']} calls{per_call})")
+    return "; ".join(parts) or "-"
+
+
+# -- sections ------------------------------------------------------------------------------
+def _header(report: dict[str, Any], source: str) -> list[str]:
+    env, opts = report.get("environment", {}), report.get("options", {})
+    out = [f"graphdispatch report ({source})"]
+    if env:
+        out.append(f"torch {env.get('torch', '?')}, python {env.get('python', '?')}, "
+                   f"CUDA {'available' if env.get('cuda_available') else 'not available'}")
+    shown = [f"{k}={opts[k]!r}" for k in _OPTION_KEYS if k in opts]
+    if shown:
+        out.append("options: " + ", ".join(shown))
+    return out
+
+
+def _summary(report: dict[str, Any]) -> list[str]:
+    graphs = report["graphs"]
+    calls = sum(g["calls"] for g in graphs)
+    replays = sum(g["cuda_graph"]["replays"] for g in graphs)
+    eager = sum(g["cuda_graph"]["eager_calls"] for g in graphs)
+    by_reason: dict[str, int] = {}
+    for g in graphs:
+        for k, v in g["cuda_graph"]["eager_by_reason"].items():
+            by_reason[k] = by_reason.get(k, 0) + v
+    subs = [s for g in graphs for s in g["substitutions"]]
+    demoted = sum(1 for s in subs if s["demoted"])
+    broken = [g["name"] for g in graphs if not _balanced(g)]
+    fell_back = sum(1 for g in graphs if g["kind"] == "fallback")
+    out = ["", "Summary",
+           f"  {_plural(len(graphs), 'graph')}, {_plural(calls, 'call')}: {replays} replayed from a captured graph, "
+           f"{eager} eager" + (f" ({_counts(by_reason)})" if eager else ""),
+           f"  {_plural(len(subs), 'substitution')}, {demoted} demoted to native; "
+           + (f"{_plural(fell_back, 'graph')} fell back on a compile error" if fell_back
+              else "no graph fell back on a compile error")]
+    if broken:
+        out.append(f"  ACCOUNTING MISMATCH (calls != replays + eager) in: {', '.join(broken)}")
+    else:
+        out.append("  every call accounted for: calls == replays + eager on each graph")
+    return out
+
+
+def _balanced(g: dict[str, Any]) -> bool:
+    cg = g["cuda_graph"]
+    return g["calls"] == cg["replays"] + cg["eager_calls"] and sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
+
+
+def _registry(report: dict[str, Any]) -> list[str]:
     reg = report.get("registry", {})
-    totals = report.get("totals", {})
-    out.append(f"graphdispatch report: {totals.get('graphs', 0)} graphs, {totals.get('calls', 0)} calls, "
-               f"{totals.get('replays', 0)} replays, {totals.get('eager_calls', 0)} eager")
-    out.append(f"artifacts: loaded {reg.get('loaded', [])}, enable {reg.get('enabled_filter')}, "
-               f"excluded {reg.get('excluded_ids', [])}")
+    out = ["", "Artifact bundles"]
+    if not reg.get("roots") and not reg.get("loaded"):
+        return out + ["  none (options['artifacts'] not set)"]
+    out.append(f"  roots: {', '.join(reg.get('roots', [])) or '-'}")
+    enable = reg.get("enabled_filter")
+    out.append(f"  loaded: {', '.join(reg.get('loaded', [])) or 'none'}; "
+               f"enable: {', '.join(enable) if enable is not None else 'all verified'}; "
+               f"excluded by enable: {', '.join(reg.get('excluded_ids', [])) or 'none'}")
     for err in reg.get("errors", []):
-        out.append(f"  rejected bundle {err.get('bundle')}: {err.get('reason')}: {err.get('message')}")
-    rows = []
+        out.append(f"  REJECTED bundle {err.get('bundle')}: {err.get('reason')}: {err.get('message')}")
+    return out
+
+
+def _graphs(report: dict[str, Any]) -> list[str]:
+    rows, details = [], []
     for g in report["graphs"]:
         cg = g["cuda_graph"]
-        balanced = "ok" if g["calls"] == cg["replays"] + cg["eager_calls"] else "MISMATCH"
-        rows.append([g["name"], g["kind"], g["nodes"], g["calls"], cg["replays"], cg["eager_calls"], balanced,
-                     cg["mode"], cg["state"], _reasons(cg["eager_by_reason"]), _reasons(cg["declines"])])
-    out += ["", "Graphs", table(["graph", "kind", "nodes", "calls", "replays", "eager", "calls=r+e", "cuda graph",
-                                  "state", "eager calls by reason", "declines"], rows)]
-    details = [[g["name"], k, v] for g in report["graphs"] for k, v in g["cuda_graph"]["decline_details"].items()]
+        rows.append([g["name"], g["kind"], g["nodes"], len(g["substitutions"]), g["calls"], cg["replays"],
+                     cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", f"{cg['mode']}: {cg['state']}",
+                     cg["captures"], _counts(cg["eager_by_reason"]), _counts(cg["declines"])])
+        for reason, detail in sorted(cg["decline_details"].items()):
+            details.append(f"  {g['name']}: {reason} (x{cg['declines'].get(reason, 1)}): {detail}")
+        if g.get("contract_mismatches"):
+            details.append(f"  {g['name']}: contract_mismatch (x{g['contract_mismatches']} calls ran the native "
+                           f"graph): {g.get('contract_detail')}")
+    out = ["", "Graphs (cuda graph = engine: state; engine host is the CPU emulation, off means no capture)",
+           table(["graph", "kind", "nodes", "subst", "calls", "replays", "eager", "calls=r+e", "cuda graph",
+                  "captures", "eager calls by reason", "declines"], rows, max_width=CELL)]
     if details:
-        out += ["", "Decline reasons", table(["graph", "reason", "detail"], details)]
-    pieces = [[g["name"], p["index"], "captured" if p["capturable"] else "eager", p["nodes"],
-               _reasons(p.get("split_reasons", {})), p.get("cuda_graph", {}).get("state", "-")]
-              for g in report["graphs"] for p in g.get("pieces", []) if len(g.get("pieces", [])) > 1]
-    if pieces:
-        out += ["", "Pieces (piecewise capture)", table(["graph", "piece", "kind", "nodes", "split by", "state"], pieces)]
+        out += ["", "Why calls ran eager (declines and contract mismatches)"] + details
+    return out
+
+
+def _pieces(report: dict[str, Any]) -> list[str]:
     rows = []
     for g in report["graphs"]:
+        pieces = g.get("pieces", [])
+        if len(pieces) <= 1:
+            continue
+        for p in pieces:
+            cg = p.get("cuda_graph") or {}
+            rows.append([g["name"], p["index"], "captured" if p["capturable"] else "eager", p["nodes"],
+                         _counts(p.get("split_reasons")), cg.get("state", "-"),
+                         cg.get("replays", "-"), _counts(cg.get("eager_by_reason"))])
+    if not rows:
+        return []
+    return ["", "Pieces (piecewise capture: nodes a CUDA graph cannot hold run eager between them)",
+            table(["graph", "piece", "kind", "nodes", "split by", "state", "replays", "eager by reason"], rows,
+                  max_width=CELL)]
+
+
+def _artifacts(report: dict[str, Any]) -> list[str]:
+    artifacts = report.get("artifacts", {})
+    if not artifacts:
+        return ["", "Artifacts", "  none"]
+    rows, demotions = [], []
+    for aid, a in sorted(artifacts.items()):
+        reasons: dict[str, int] = {}
+        for d in a["demotions"]:
+            reasons[d["reason"]] = reasons.get(d["reason"], 0) + 1
+            demotions.append(f"  {aid} on {d['graph']} {d['region']}: {d['reason']}: {d['detail']}")
+        rows.append([aid, a.get("status", "-"), len(a["regions_matched"]), a["calls"], a.get("replays", 0),
+                     a["native_calls"],
+                     _counts(a["parity"]), _counts(reasons), _counts(a["rejections"], skip=("module",)), _speed(a)])
+    out = ["", "Artifacts (calls / replays / native: region calls answered by the artifact eagerly / from a "
+               "captured graph / by the native region)",
+           table(["artifact", "status", "regions", "calls", "replays", "native", "parity", "demotions", "rejections",
+                  "time vs native (>1.00x: artifact faster)"], rows)]
+    if not any(a["speed"] or (a.get("shadow") or {}).get("calls") for a in artifacts.values()):
+        out.append("  no timings: set speed_gate=True or timing='shadow' to time each artifact against native")
+    if demotions:
+        out += ["", "Demotions (the artifact serves no more calls for that region this session)"] + demotions
+    return out
+
+
+def _regions(report: dict[str, Any]) -> list[str]:
+    rows, rejections, total = [], [], 0
+    for g in report["graphs"]:
+        subs = {s["region"]: s for s in g["substitutions"]}
+        total += len(g["regions"])
         for r in g["regions"]:
-            if r.get("artifact") or r.get("rejections"):
-                why = "; ".join(f"{j['artifact']}: {j['reason']} ({j['detail']})" for j in r.get("rejections", []))
-                rows.append([g["name"], r["name"], r["class"], r["fingerprint"][:12], r.get("artifact") or "-", why or "-"])
-    out += ["", "Regions with matches or rejections (all regions are in dispatch.json)",
-            table(["graph", "region", "class", "fingerprint", "artifact", "rejections"], rows) if rows else "  none"]
-    rows = []
-    for aid, a in sorted(report.get("artifacts", {}).items()):
-        demotions = "; ".join(f"{d['region']}: {d['reason']} ({d['detail']})" for d in a["demotions"]) or "-"
-        speed = "; ".join(f"{s['region']}: {s['artifact_ms']:.3f} vs {s['native_ms']:.3f} ms" for s in a["speed"])
-        shadow = a["shadow"]
-        if shadow.get("calls"):
-            speed = (speed + "; " if speed else "") + f"shadow x{shadow['speedup']:.2f} over {shadow['calls']} calls"
-        rows.append([aid, "yes" if a["enabled"] else "no", len(a["regions_matched"]), a["calls"], a["native_calls"],
-                     _reasons(a["parity"]), demotions, speed or "-", _reasons(a["rejections"])])
-    out += ["", "Artifacts", table(["artifact", "enabled", "regions", "calls", "native calls", "parity", "demotions",
-                                     "timing", "rejections"], rows) if rows else "  none"]
-    if timing and timing.get("phases"):
-        rows = [[k, v["calls"], f"{v['mean_ms']:.4f}", f"{v['total_seconds']:.4f}"] for k, v in timing["phases"].items()]
-        out += ["", f"Timing ({timing.get('mode')})", table(["phase", "calls", "mean ms", "total s"], rows)]
-    if timing and timing.get("notes"):
-        rows = [[v, k] for k, v in sorted(timing["notes"].items(), key=lambda kv: -kv[1])[:20]]
-        out += ["", "Notes", table(["count", "note"], rows)]
+            rejected = r.get("rejections") or []
+            sub = subs.get(r["name"])
+            if not sub and not rejected:
+                continue
+            if sub is None:
+                verdict, served, native = "-", "-", "-"
+            else:
+                verdict = f"demoted ({sub['reason']})" if sub["demoted"] else f"parity {sub['parity']}"
+                served, native = sub["calls"] + sub.get("replays", 0), sub["native_calls"]
+            rows.append([g["name"], r["name"], r["class"], r["fingerprint"][:12], r.get("artifact") or "-", verdict,
+                         served, native, ", ".join(f"{j['artifact']}:{j['reason']}" for j in rejected) or "-"])
+            rejections += [f"  {g['name']} {r['name']} x {j['artifact']}: {j['reason']}: {j['detail']}"
+                           for j in rejected]
+    title = f"Regions with an artifact or a rejection ({len(rows)} of {total}; every region is in dispatch.json)"
+    if not rows:
+        return ["", title, "  none"]
+    out = ["", title, table(["graph", "region", "class", "fingerprint", "artifact", "verdict", "served", "native",
+                             "rejected"], rows, max_width=CELL)]
+    if rejections:
+        out += ["", "Rejections (why an artifact does not substitute a region)"] + rejections
+    return out
+
+
+def _timing(timing: dict[str, Any] | None, missing: str | None) -> list[str]:
+    if timing is None:
+        return ["", f"Timing: {missing}"] if missing else []
+    out = []
+    if timing.get("phases"):
+        clock = "synchronized around each phase" if timing.get("synchronized") else "host clock"
+        phases = sorted(timing["phases"].items(), key=lambda kv: -kv[1]["total_seconds"])
+        rows = [[k, v["calls"], _ms(v["total_seconds"]), f"{v['mean_ms']:.4f}"] for k, v in phases]
+        out += ["", f"Timing phases (timing={timing.get('mode')!r}, {clock})",
+                table(["phase", "calls", "total ms", "mean ms"], rows)]
+    else:
+        out += ["", f"Timing phases: none recorded (timing={timing.get('mode', 'off')!r}; "
+                    "set timing='host', 'sync' or 'shadow')"]
+    notes = timing.get("notes") or {}
+    dropped = timing.get("notes_dropped", 0)
+    if notes or dropped:
+        rows = [[v, k] for k, v in sorted(notes.items(), key=lambda kv: (-kv[1], kv[0]))[:20]]
+        title = f"Notes ({_plural(len(notes), 'distinct note')}" + (f", {dropped} more dropped" if dropped else "")
+        out += ["", title + (", top 20)" if len(notes) > 20 else ")"), table(["count", "note"], rows)]
+    return out
+
+
+def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, source: str = "dispatch.json",
+           timing_missing: str | None = None) -> str:
+    out = _header(report, source) + _summary(report) + _registry(report) + _graphs(report) + _pieces(report)
+    out += _artifacts(report) + _regions(report) + _timing(timing, timing_missing)
     return "\n".join(out)
 
 
 def report_command(directory: str) -> int:
+    path = Path(directory) / "dispatch.json"
     try:
-        report, timing = load(directory)
-        print(render(report, timing))
+        report, timing, missing = load(directory)
+        text = render(report, timing, source=str(path), timing_missing=missing)
     except ReportError as exc:
-        print(f"error: {exc}")
+        print(f"graphdispatch report: error: {exc}", file=sys.stderr)
         return 2
-    except (KeyError, TypeError) as exc:
-        print(f"error: {Path(directory) / 'dispatch.json'} is missing a field the renderer needs: {exc}")
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        print(f"graphdispatch report: error: {path} is missing or mistypes a field the renderer needs "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
+    print(text)
     return 0

@@ -9,6 +9,7 @@ and is written atomically (temp file + replace).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import threading
@@ -16,14 +17,37 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+
 SCHEMA_VERSION = 1
 
 
+def json_default(value: Any) -> Any:
+    """What json.dumps writes for a value it does not know. A tensor that reached a record
+    by mistake becomes its metadata, never its values: reports are shared with people who
+    must not see weights or activations (and `str(tensor)` would print them)."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)} {str(value.dtype).replace('torch.', '')} {value.device}"
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(str, value))
+    return str(value)
+
+
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write `payload` as JSON so a reader sees the old file or the new one, never a part:
+    serialize first, write a temp file in the same folder, then os.replace it over `path`.
+    A failed write leaves no temp file behind."""
+    text = json.dumps(payload, indent=2, sort_keys=False, default=json_default) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n", "utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, "utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclasses.dataclass
@@ -57,18 +81,19 @@ class CudaGraphStats:
             self.decline_details.setdefault(reason, detail)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "captures": self.captures,
-            "recaptures": self.recaptures,
-            "replays": self.replays,
-            "eager_calls": self.eager_calls,
-            "eager_by_reason": dict(self.eager_by_reason),
-            "declines": dict(self.declines),
-            "decline_details": dict(self.decline_details),
-            "shape_keys": self.shape_keys,
-            "static_bytes": self.static_bytes,
-        }
+        with self.lock:  # the runner updates these from the calling threads
+            return {
+                "state": self.state,
+                "captures": self.captures,
+                "recaptures": self.recaptures,
+                "replays": self.replays,
+                "eager_calls": self.eager_calls,
+                "eager_by_reason": dict(self.eager_by_reason),
+                "declines": dict(self.declines),
+                "decline_details": dict(self.decline_details),
+                "shape_keys": self.shape_keys,
+                "static_bytes": self.static_bytes,
+            }
 
 
 @dataclasses.dataclass
@@ -81,7 +106,8 @@ class SubstitutionRecord:
     parity: str = "pending"  # pending | passed | failed
     parity_mode: str = "bitwise"
     gates: int = 0  # shape keys gated
-    calls: int = 0  # calls the artifact served
+    calls: int = 0  # eager calls the artifact served (its Python ran)
+    replays: int = 0  # calls served from a captured graph that holds the artifact's kernels
     native_calls: int = 0  # calls the native region served (gate failures, demotion)
     demoted: bool = False
     reason: str | None = None
@@ -143,18 +169,26 @@ class GraphRecord:
                 self.eager_calls += 1
                 self.eager_by_reason[reason or "eager"] += 1
 
-    def cuda_graph(self) -> dict[str, Any]:
+    def _counts(self) -> tuple[int, int, int, dict[str, int]]:
+        """calls, replays, eager_calls and eager_by_reason read together, under the lock
+        `called` takes: a report written while another thread calls the graph still adds up."""
+        with self.lock:
+            return self.calls, self.replays, self.eager_calls, dict(self.eager_by_reason)
+
+    def cuda_graph(self, counts: tuple[int, int, int, dict[str, int]] | None = None) -> dict[str, Any]:
+        _, replays, eager_calls, eager_by_reason = counts if counts is not None else self._counts()
         declines: Counter[str] = Counter()
         details: dict[str, str] = {}
-        for stats in self.piece_stats:
-            declines.update(stats.declines)
-            for k, v in stats.decline_details.items():
+        pieces = [s.to_dict() for s in list(self.piece_stats)]
+        for stats in pieces:
+            declines.update(stats["declines"])
+            for k, v in stats["decline_details"].items():
                 details.setdefault(k, v)
         if self.cuda_graph_reason:  # the whole graph was declined once, at compile time
             declines[self.cuda_graph_reason] += 1
             details.setdefault(self.cuda_graph_reason, self.cuda_graph_detail or self.cuda_graph_reason)
-        states = {s.state for s in self.piece_stats}
-        if not self.piece_stats:
+        states = {s["state"] for s in pieces}
+        if not pieces:
             state = "eager"
         elif len(states) == 1:
             state = states.pop()
@@ -164,14 +198,14 @@ class GraphRecord:
             "mode": self.cuda_graph_mode,
             "state": state,
             "reason": self.cuda_graph_reason,
-            "captures": sum(s.captures for s in self.piece_stats),
-            "recaptures": sum(s.recaptures for s in self.piece_stats),
-            "replays": self.replays,
-            "eager_calls": self.eager_calls,
-            "eager_by_reason": dict(self.eager_by_reason),
+            "captures": sum(s["captures"] for s in pieces),
+            "recaptures": sum(s["recaptures"] for s in pieces),
+            "replays": replays,
+            "eager_calls": eager_calls,
+            "eager_by_reason": eager_by_reason,
             "declines": dict(declines),
             "decline_details": details,
-            "static_bytes": sum(s.static_bytes for s in self.piece_stats),
+            "static_bytes": sum(s["static_bytes"] for s in pieces),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,18 +213,19 @@ class GraphRecord:
             {**info, "cuda_graph": stats.to_dict()} if stats is not None else info
             for info, stats in zip(self.pieces, self._stats_per_piece())
         ]
+        counts = self._counts()
         return {
             "name": self.name,
             "compile_id": self.compile_id,
             "kind": self.kind,
             "nodes": self.nodes,
             "inputs": self.inputs,
-            "calls": self.calls,
+            "calls": counts[0],
             "stripped_assertions": self.stripped_assertions,
             "contract_mismatches": self.contract_mismatches,
             "contract_detail": self.contract_detail,
             "error": self.error,
-            "cuda_graph": self.cuda_graph(),
+            "cuda_graph": self.cuda_graph(counts),
             "pieces": pieces,
             "split_reasons": dict(self.split_reasons),
             "substitutions": [s.to_dict() for s in self.substitutions],

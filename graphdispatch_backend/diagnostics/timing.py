@@ -5,6 +5,12 @@ phase), "sync" (also synchronize the device around each phase, so device time la
 the phase that caused it), "shadow" (sync, and the native forward also runs on every call
 and is timed: it doubles the cost and can change a stateful forward, so never use it for
 a parity run). Notes are always on: at most 128 distinct, overflow counted.
+
+Phases recorded today: `validate` (the placeholder contract) and `execute` (the graph,
+eager or through its pieces) per graph call; `copy_in`, `replay` and `unflatten` (clone
+out) per served replay; `artifact_gate` per parity gate; `shadow.native_forward` per call
+in shadow mode. A Timing belongs to one session: a new Options value or
+`graphdispatch_backend.reset()` starts from zero.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def run(report_dir: str = "gd_out", steps: int = 8, cuda_graphs: Any = None) -> 
     equal = all(torch.equal(a, b) for a, b in zip(ours, reference))
     _summary(report, elapsed)
     print(f"\ncompiled output bitwise equal to eager on all {steps} steps: {'YES' if equal else 'NO'}")
-    print(f"report: {Path(report_dir) / 'dispatch.json'}  (render: python -m graphdispatch_backend report {report_dir})")
+    print(f"report: {Path(report_dir) / 'dispatch.json'}"
+          f"  (render: python -m graphdispatch_backend report {report_dir})")
     return 0 if equal else 1
 
 

@@ -32,5 +32,6 @@ def draws_random(node: fx.Node) -> bool:
     if "dropout_p" in names:
         return _argument(node, "dropout_p") not in (0, 0.0, None)
     if {"p", "train"} <= names:
-        return bool(_argument(node, "train")) and _argument(node, "p") not in (0, 0.0)
+        train = _argument(node, "train")  # native_dropout's `bool? train`: None means training
+        return (train is None or bool(train)) and _argument(node, "p") not in (0, 0.0)
     return True

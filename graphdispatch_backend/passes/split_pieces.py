@@ -66,12 +66,19 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
 
 
 def _is_work(node: fx.Node) -> bool:
-    """Pieces made only of views and getitems are not worth a graph."""
+    """Pieces made only of views, getitems and symbolic-int arithmetic (`sym_size`,
+    `operator.ge` on sizes) launch no kernel: they are not worth a graph."""
     if node.target is operator.getitem:
         return False
-    return not getattr(getattr(node.target, "_schema", None), "is_view", False) and not getattr(
-        node.target, "is_view", False
-    )
+    if getattr(getattr(node.target, "_schema", None), "is_view", False) or getattr(node.target, "is_view", False):
+        return False
+    return _has_tensor(node.meta.get("val"))
+
+
+def _has_tensor(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(_has_tensor(v) for v in value)
 
 
 def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -99,13 +106,14 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
             runs[-1][1].append(node)
         else:
             runs.append((capturable, [node]))
-    for r in reasons.values():
-        ctx.split_reasons[r] = ctx.split_reasons.get(r, 0) + 1
+    for node, r in reasons.items():
+        if node.target is not operator.getitem:  # a multi-output op counts once, not per output
+            ctx.split_reasons[r] = ctx.split_reasons.get(r, 0) + 1
     pieces: list[PieceInfo] = []
     for capturable, nodes in runs:
         info = PieceInfo(len(pieces), capturable, len(nodes), ops=_ops(nodes))
         if not capturable:
-            info.reasons = dict(Counter(reasons[n].value for n in nodes))
+            info.reasons = dict(Counter(reasons[n].value for n in nodes if n.target is not operator.getitem))
             pieces.append(info)
             continue
         if not any(_is_work(n) for n in nodes):

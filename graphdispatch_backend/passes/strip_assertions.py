@@ -22,9 +22,7 @@ import torch.fx as fx
 
 from graphdispatch_backend.passes.context import PassContext
 
-ASSERTION_SCHEMAS = frozenset(
-    {"aten::_assert_tensor_metadata", "aten::_functional_assert_tensor_metadata"}
-)
+ASSERTION_SCHEMAS = frozenset({"aten::_assert_tensor_metadata"})
 
 
 def is_metadata_assertion(node: fx.Node) -> bool:

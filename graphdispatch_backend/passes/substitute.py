@@ -4,7 +4,10 @@ For every region (largest first, so an enclosing module wins over its children) 
 injected matcher picks an artifact or records typed rejections. A selected region is cut
 out into a native GraphModule (kept for the parity gate and demotion) and replaced by one
 call node whose target `ctx.make_call` builds; regions overlapping a substituted one are
-rejected as `overlap`.
+rejected as `overlap`. Convexity is checked again on the graph as it is now, whatever the
+matcher said: once an earlier region is one call node, a path that left a later region
+through one of its nodes and came back through another is a cycle, and cutting that
+region would need a node to run before its input (`not_convex`).
 
 Before::
 
@@ -27,6 +30,7 @@ import torch.fx as fx
 from graphdispatch_backend.errors import Rejection
 from graphdispatch_backend.passes.context import PassContext, SubstitutionInfo
 from graphdispatch_backend.passes.subgraph import extract, replace_with_call
+from graphdispatch_backend.passes.tag_regions import is_convex
 
 
 def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -44,6 +48,13 @@ def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if taken.intersection(region.nodes):
             outcome.reject(artifact.id, Rejection.OVERLAP, "an enclosing or larger region was substituted")
+            outcome.selected = None
+            continue
+        now = list(gm.graph.nodes)
+        if not is_convex(region.nodes, now, {n: i for i, n in enumerate(now)}):
+            detail = ("a path leaves the region and re-enters it" if not region.convex else
+                      "a path leaves the region and re-enters it through a region substituted before it")
+            outcome.reject(artifact.id, Rejection.NOT_CONVEX, detail)
             outcome.selected = None
             continue
         region.inputs = [replaced.get(n, n) for n in region.inputs]

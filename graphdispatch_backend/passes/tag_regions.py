@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from graphdispatch_backend.artifacts.fingerprint import fingerprint, op_key
+from graphdispatch_backend.artifacts.fingerprint import fingerprint, node_key
 from graphdispatch_backend.capture.names import clean_module_name, instance_of, region_name
 from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.ops import draws_random
@@ -81,7 +81,7 @@ def _describe(
             k += 1
     region.input_specs = [TensorSpec.of(n.meta.get("val")) for n in region.inputs]
     region.output_specs = [TensorSpec.of(n.meta.get("val")) for n in region.outputs]
-    region.ops = dict(Counter(op_key(n.target) for n in region.nodes))
+    region.ops = dict(Counter(node_key(n) for n in region.nodes))
     region.fingerprint = fingerprint(
         region.nodes, region.inputs, region.outputs, region.input_specs, region.output_specs
     )

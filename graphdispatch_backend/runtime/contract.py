@@ -4,7 +4,8 @@
   and static sizes; scalar types). A mismatch runs the original graph eagerly, counted.
 - LayoutIdentity: that the tensors at some positions are exactly the ones recorded
   (data_ptr, shape, stride, dtype, device); what a captured graph relies on for pinned
-  inputs and parameters. data_ptr alone misses a restrided view of the same block.
+  inputs and parameters. data_ptr alone misses a restrided view of the same block. Each
+  property is checked once per call: addresses the caller keys on are left out.
 
 Both check in C++ where torch offers it (Dynamo's TensorGuards); the Python fallback
 only runs to explain a failure.
@@ -92,22 +93,33 @@ class PlaceholderContract:
                 if want is not None and want != got:
                     return f"input {i}: size {tuple(arg.shape)}, expected {want} at dim {d}"
         if self._guards is not None and not self._guards.check(*self._tensors(args)):
+            # check_verbose dereferences the names: without them it segfaults (torch 2.13)
+            names = [f"input {i}" for i in self._tensor_pos]
             return "tensor properties differ from the first call (strides aside): " + str(
-                self._guards.check_verbose(*self._tensors(args))
+                self._guards.check_verbose(*self._tensors(args), tensor_check_names=names)
             )
         return None
 
 
 class LayoutIdentity:
     """The exact tensors at `positions`, as recorded; `mismatch(args)` names the first
-    position whose tensor is not the recorded one, or returns None."""
+    position whose tensor is not the recorded one, or returns None.
 
-    def __init__(self, positions: Sequence[int], args: Sequence[Any]) -> None:
+    `addressed` (default: all positions) are the positions whose addresses are compared;
+    a caller that already keys on some tensors' addresses (the runner keys parameters by
+    address) leaves them out, and only their layout is checked here."""
+
+    def __init__(self, positions: Sequence[int], args: Sequence[Any], addressed: Sequence[int] | None = None) -> None:
         self.positions = tuple(positions)
+        if addressed is None or set(self.positions) <= set(addressed):
+            self.addressed = self.positions
+        else:
+            self.addressed = tuple(p for p in self.positions if p in addressed)
         tensors = [args[p] for p in self.positions]
         self.identities = tuple(layout_identity(t) for t in tensors)
-        self._ptrs = [ident[0] for ident in self.identities]
+        self._ptrs = [_data_ptr(args[p]) for p in self.addressed]
         self._pick = operator.itemgetter(*self.positions) if len(self.positions) > 1 else None
+        self._pick_addressed = operator.itemgetter(*self.addressed) if len(self.addressed) > 1 else None
         self._guards = (
             TensorGuards(
                 *tensors,
@@ -123,17 +135,28 @@ class LayoutIdentity:
             return self._pick(args)
         return [args[p] for p in self.positions]
 
+    def _addressed_tensors(self, args: Sequence[Any]) -> Sequence[Any]:
+        if self._pick_addressed is not None:
+            return self._pick_addressed(args)
+        return [args[p] for p in self.addressed]
+
     def addresses_match(self, tensors: Sequence[Any]) -> bool:
+        """`tensors`: the ones at the addressed positions, in order."""
         return list(map(_data_ptr, tensors)) == self._ptrs
 
     def layouts_match(self, tensors: Sequence[Any]) -> bool:
+        """`tensors`: the ones at all positions, in order."""
         return self._guards is None or self._guards.check(*tensors)
 
     def mismatch(self, args: Sequence[Any]) -> int | None:
         if not self.positions:
             return None
         tensors = self._tensors(args)
-        if self.addresses_match(tensors) and self.layouts_match(tensors):
+        if self.addressed is self.positions:
+            addressed = tensors
+        else:
+            addressed = self._addressed_tensors(args) if self.addressed else ()
+        if (not addressed or self.addresses_match(addressed)) and self.layouts_match(tensors):
             return None
         for p, ident in zip(self.positions, self.identities):
             if layout_identity(args[p]) != ident:

@@ -5,7 +5,8 @@ CapturedGraph whose `replay()` re-runs it, writing into the same static `outputs
 
 - CudaGraphEngine wraps torch.cuda.CUDAGraph: a side-stream warmup, then capture on that
   stream in a private memory pool per capture (a shared pool handle tripped the
-  allocator's `use_count > 0` assert); any abort resets the graph, freeing its pool.
+  allocator's `use_count > 0` assert); any abort frees what the aborted capture allocated
+  and resets the graph, releasing its pool.
 - HostReplayEngine is its exact CPU model for tests and for `cuda_graphs="emulate"`:
   capture pins the storage of every argument (as a graph pins addresses), poisons the
   static outputs (a graph's capture computes nothing), and replay re-runs the computation
@@ -15,6 +16,8 @@ CapturedGraph whose `replay()` re-runs it, writing into the same static `outputs
 
 from __future__ import annotations
 
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -46,6 +49,16 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).max)
 
 
+_host = threading.local()
+
+
+def in_host_replay() -> bool:
+    """True while HostReplayEngine re-runs a captured computation (capture or replay): the
+    Python inside is the model of kernels a CUDA graph would run without calling Python,
+    so artifact gates do not count it as calls (the runner counts replays)."""
+    return getattr(_host, "depth", 0) > 0
+
+
 class _HostGraph:
     def __init__(self, fn: Fn, args: tuple[Any, ...], outputs: tuple[Any, ...]) -> None:
         self._fn: Fn | None = fn
@@ -55,8 +68,12 @@ class _HostGraph:
     def replay(self) -> None:
         if self._fn is None:
             raise RuntimeError("replay of a graph that was reset")
-        with torch.no_grad():
-            fresh = self._fn(*self._args)
+        _host.depth = getattr(_host, "depth", 0) + 1
+        try:
+            with torch.no_grad():
+                fresh = self._fn(*self._args)
+        finally:
+            _host.depth -= 1
         for static, value in zip(self.outputs, fresh):
             if isinstance(static, torch.Tensor):
                 static.copy_(value)
@@ -74,8 +91,12 @@ class HostReplayEngine:
         # detach() aliases the storage live now; a later `param.data = new` or a new
         # tensor in the caller leaves this alias on the old storage, like an address.
         pinned = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        with torch.no_grad():
-            outputs = tuple(fn(*pinned))
+        _host.depth = getattr(_host, "depth", 0) + 1
+        try:
+            with torch.no_grad():
+                outputs = tuple(fn(*pinned))
+        finally:
+            _host.depth -= 1
         held = {a.untyped_storage().data_ptr() for a in pinned if isinstance(a, torch.Tensor)}
         for out in outputs:
             if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in held:
@@ -112,20 +133,40 @@ class CudaGraphEngine:
         # One side-stream run lets lazy initialisation (cuBLAS handles, workspaces) happen
         # outside the capture; the runner's eager warmups already ran on the main stream.
         self.warmup_iters = warmup_iters
+        # One side stream per device for every capture and replay, as torch.cuda.graph's
+        # own default: PyTorch keeps a cuBLAS workspace per (handle, stream) for the life of
+        # the process, so a new stream per capture would pin one workspace per capture.
+        self._streams: dict[int, Any] = {}
+
+    def _stream(self) -> Any:
+        device = torch.cuda.current_device()
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream()
+        return stream
 
     def capture(self, fn: Fn, args: Sequence[Any]) -> _CudaGraph:
-        stream = torch.cuda.Stream()
+        stream = self._stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
                 fn(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
-                outputs = tuple(fn(*args))
-        except BaseException:
-            graph.reset()  # frees the private pool of the aborted capture
-            torch.cuda.synchronize()
-            raise
+        # The outer stream context restores the caller's stream even when capture_end
+        # raises inside torch.cuda.graph's __exit__ (which then skips its own restore).
+        with torch.cuda.stream(stream):
+            try:
+                # thread_local: eager calls other threads make meanwhile (the runner lets
+                # them run) neither fail nor invalidate this capture.
+                with torch.no_grad(), torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream,
+                                                       capture_error_mode="thread_local"):
+                    outputs = tuple(fn(*args))
+            except BaseException as exc:
+                # The frames of the aborted fn still hold tensors from the private pool;
+                # free them, then the graph (and so its pool).
+                traceback.clear_frames(exc.__traceback__)
+                graph.reset()
+                torch.cuda.synchronize()
+                raise
         return _CudaGraph(graph, outputs, stream)

@@ -23,6 +23,7 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion, GraphDispatchError
+from graphdispatch_backend.runtime.engine import in_host_replay
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 
 SPEED_REPEATS = 7
@@ -90,9 +91,15 @@ class ArtifactGate:
         if _meta(outs) != expected:
             self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
             return self._run_native(inputs)
-        with self._record.lock:
-            self._record.calls += 1
+        if not in_host_replay():  # a replay is counted once, by the runner (replayed())
+            with self._record.lock:
+                self._record.calls += 1
         return outs
+
+    def replayed(self) -> None:
+        """The runner served one call of this region from a captured graph."""
+        with self._record.lock:
+            self._record.replays += 1
 
     def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
         with self._record.lock:
@@ -132,10 +139,12 @@ class ArtifactGate:
         if mismatch is not None:
             self._demote(Demotion.PARITY, str(mismatch), mismatch)
             return native
+        # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
+        with self._record.lock:
+            self._record.parity = "passed"
         if self._speed_gate and not self._faster(inputs):
             return native
         with self._record.lock:
-            self._record.parity = "passed"
             self._record.calls += 1
             self._record.native_calls -= 1  # the native run here was the reference, not a fallback
         self._passed[key] = _meta(outs)
@@ -145,7 +154,12 @@ class ArtifactGate:
 
     def _faster(self, inputs: Sequence[Any]) -> bool:
         native_ms = _median_ms(lambda: self._native(*inputs), inputs)
-        artifact_ms = _median_ms(lambda: self._artifact(*inputs), inputs)
+        # The artifact runs SPEED_REPEATS + 1 more times here: raising in any of them demotes
+        # like raising at any other call, instead of escaping into the user's forward.
+        artifact_ms, exc = self._contain(lambda: _median_ms(lambda: self._artifact(*inputs), inputs))
+        if exc is not None:
+            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc} (while timing it for speed_gate)")
+            return False
         self._record.speed = {"artifact_ms": artifact_ms, "native_ms": native_ms,
                               "speedup": native_ms / artifact_ms if artifact_ms else None}
         if artifact_ms < native_ms:
@@ -182,7 +196,8 @@ class ArtifactGate:
                 record.parity = "failed"
             if mismatch is not None:
                 record.max_abs_diff = mismatch.max_abs_diff
-                record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index else None
+                # `is not None`: a 0-d output's first mismatch index is [] (falsy), not unknown
+                record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index is not None else None
         self.demoted = True
         message = f"artifact {record.artifact} demoted to native for region {record.region} ({reason.value}): {detail}"
         self._timing.note(message)

@@ -65,10 +65,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> tuple[float
     first = _where(differ, a.shape)
     if a.dtype == torch.bool:
         return None, first
-    da = (a.detach().abs() if a.is_complex() else a.detach()).to(torch.float64)
-    db = (b.detach().abs() if b.is_complex() else b.detach()).to(torch.float64)
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    da, db = a.detach().to(wide), b.detach().to(wide)
     finite = torch.isfinite(da) & torch.isfinite(db)
-    gap = (da - db).abs()[finite]
+    gap = (da - db).abs()[finite]  # complex: the modulus of the difference, not of |a| - |b|
     return (float(gap.max()) if gap.numel() else None), first
 
 
@@ -118,13 +118,14 @@ def _values(i: int, e: torch.Tensor, a: torch.Tensor, mode: str, rtol: float, at
         return Mismatch(i, "values", "bits differ", gap, first)
     ee, aa = e.detach(), a.detach()
     for name, fn in (("nan", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        if e.is_complex():
-            me, ma = fn(torch.view_as_real(ee)).any(-1), fn(torch.view_as_real(aa)).any(-1)
-        else:
-            me, ma = fn(ee), fn(aa)
+        # Complex: per component, so NaN in the real part never stands in for NaN in the imaginary one.
+        me = fn(torch.view_as_real(ee)) if e.is_complex() else fn(ee)
+        ma = fn(torch.view_as_real(aa)) if e.is_complex() else fn(aa)
         if not torch.equal(me, ma):
-            return Mismatch(i, "nan_inf", f"{name} positions differ", None, _where(me != ma, e.shape))
-    finite = torch.isfinite(ee) & torch.isfinite(aa) if not e.is_complex() else torch.ones_like(ee, dtype=torch.bool)
+            differ = (me != ma).any(-1) if e.is_complex() else me != ma
+            return Mismatch(i, "nan_inf", f"{name} positions differ", None, _where(differ, e.shape))
+    # NaN/inf sit in the same places in both (checked above); only finite elements are compared.
+    finite = torch.isfinite(ee) & torch.isfinite(aa)
     close = torch.isclose(aa.to(torch.complex128 if e.is_complex() else torch.float64),
                           ee.to(torch.complex128 if e.is_complex() else torch.float64), rtol=rtol, atol=atol)
     bad = finite & ~close

@@ -14,7 +14,7 @@ from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.contract import PlaceholderContract
-from graphdispatch_backend.runtime.runner import begin_call, end_call
+from graphdispatch_backend.runtime.scope import begin_call, end_call
 
 
 class CompiledGraph:

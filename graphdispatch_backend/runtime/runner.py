@@ -1,8 +1,14 @@
 """GraphRunner: warmup -> capture -> verify -> replay for one capturable piece.
 
 One entry per shape key (tensor shapes and strides of the non-parameter inputs, plus the
-type and value of every scalar input: a changed bool or int is captured anew under its own
-key, never replayed stale). Per entry:
+type and value of every scalar input, a float by its bits: a changed bool, int or float,
+-0.0 included, is captured anew under its own key, never replayed stale) and parameter set
+(the addresses of the parameters and buffers). One compiled graph often serves many
+modules: with Dynamo's default `inline_inbuilt_nn_modules`, a block stack with a graph
+break per block, or `block.compile()` on each block, runs every block through one graph
+with that block's parameters as inputs; each block then gets its own capture, and all of
+them share one static buffer set. `max_captures` bounds the shape keys; at most
+MAX_PARAMETER_SETS parameter sets are captured per shape key. Per entry:
 
 1. warming: `warmup` eager calls, each recording every tensor input's layout identity.
 2. capture: scalars are constants (in the key); tensors whose identity never changed are
@@ -19,8 +25,8 @@ prompt's embeddings) is re-captured as moving, at most twice per entry.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
+import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,69 +36,32 @@ import torch
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
 from graphdispatch_backend.runtime.contract import LayoutIdentity, layout_identity
-from graphdispatch_backend.runtime.engine import CapturedGraph
+from graphdispatch_backend.runtime.entry import (
+    CHURN_LIMIT,
+    CONSTANT_OUTPUTS,
+    TENSOR,
+    Entry,
+    Slot,
+    State,
+    _Storages,
+    copy_like,
+    scalar_key,
+)
 from graphdispatch_backend.runtime.parity import bitwise_equal, compare
-from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.runtime.scope import RuntimeScope, mark_eager
+
+__all__ = ["MAX_PARAMETER_SETS", "MAX_RECAPTURES", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
 MAX_RECAPTURES = 2
 NOT_DISTINCT_LIMIT = 8
-_CONSTANT_OUTPUTS = (type(None), bool, int, float)
-_tls = threading.local()
+# Parameter sets (blocks sharing one compiled graph, or parameters that moved) captured per
+# shape key; more run eager as parameter_moved. Bounds the graphs a runner can hold.
+MAX_PARAMETER_SETS = 256
+_data_ptr = torch.Tensor.data_ptr
 
 
-def begin_call() -> None:
-    _tls.reason = None
-
-
-def mark_eager(reason: str) -> None:
-    """Record (once per graph call) why some piece ran eager."""
-    if getattr(_tls, "reason", None) is None:
-        _tls.reason = reason
-
-
-def end_call() -> str | None:
-    reason, _tls.reason = getattr(_tls, "reason", None), None
-    return reason
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy with the same strides as the static output (a chunk of a wider tensor keeps
-    its row stride), so replayed outputs match eager's layout, not only its values."""
-    if t.is_contiguous() or torch._debug_has_internal_overlap(t) != 0:
-        return t.clone()
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return out.copy_(t)
-
-
-class State(str, enum.Enum):
-    EAGER = "eager"
-    WARMING = "warming"
-    CAPTURED = "captured"
-    VERIFIED = "verified"
-
-
-@dataclasses.dataclass
-class _Entry:
-    key: tuple[Any, ...]
-    state: State = State.WARMING
-    observations: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
-    forced_moving: set[int] = dataclasses.field(default_factory=set)
-    graph: CapturedGraph | None = None
-    static_args: list[Any] = dataclasses.field(default_factory=list)
-    moving: tuple[tuple[int, torch.Tensor], ...] = ()
-    identity: LayoutIdentity | None = None
-    template: tuple[Any, ...] = ()  # None for a tensor output, the value for a constant one
-    gate_state: tuple[bool, ...] = ()
-    verified: int = 0
-    last_inputs: list[torch.Tensor] | None = None
-    waits: int = 0
-    recaptures: int = 0
-    reason: Decline | None = None
-
-    def release(self) -> None:
-        if self.graph is not None:
-            self.graph.reset()
-        self.graph, self.static_args, self.moving, self.identity, self.last_inputs = None, [], (), None, None
+def _reraise(exc: BaseException) -> None:
+    raise exc
 
 
 class GraphRunner:
@@ -118,24 +87,34 @@ class GraphRunner:
         self._verify_inputs = verify_inputs
         self._state = state_names  # position -> parameter/buffer name
         self._gates = tuple(gates)
-        self._entries: dict[tuple[Any, ...], _Entry] = {}
-        self._lock = threading.Lock()
+        self._slots: dict[tuple[Any, ...], Slot] = {}  # shape key -> its entries
+        self._entries: dict[tuple[Any, ...], Entry] = {}  # (shape key, parameter addresses) -> entry
+        self._limits_hit: set[Decline] = set()
+        self._lock = threading.Lock()  # held while an entry warms, captures or verifies
+        self._book = threading.Lock()  # held only to add an entry
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
+        self._param_positions: tuple[int, ...] = ()
+        self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
 
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:
         key = self._key(args)
-        entry = self._entries.get(key)
+        slot = self._slots.get(key)
+        if slot is None:
+            entry = None
+        elif slot.declined is not None:
+            return self._eager(args, Decline.PARAMETER_MOVED)
+        elif self._param_positions:
+            entry = slot.find(self._state_key(args))
+        else:  # one entry per shape key
+            entry = slot.last[1]
         if entry is not None and entry.state is State.VERIFIED:
             return self._replay(entry, args)
         if entry is None:
-            if len(self._entries) >= self._max_captures:
-                if not self._stats.declines.get(Decline.MAX_CAPTURES.value):
-                    self._report(Decline.MAX_CAPTURES, f"more than {self._max_captures} shape keys")
-                return self._eager(args, Decline.MAX_CAPTURES)
-            entry = self._entries.setdefault(key, _Entry(key))
-            self._stats.shape_keys = len(self._entries)
+            entry, refusal = self._new_entry(key, args)
+            if entry is None:
+                return self._eager(args, refusal)
         if entry.state is State.EAGER:
             return self._eager(args, entry.reason or Decline.BUSY)
         if not self._lock.acquire(blocking=False):
@@ -147,12 +126,82 @@ class GraphRunner:
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         positions = self._key_positions
-        if positions is None:  # parameters are checked by identity, not keyed
-            positions = self._key_positions = tuple(i for i in range(len(args)) if i not in self._state)
+        if positions is None:
+            positions = self._positions(args)
         return tuple(
-            (a.shape, a.stride()) if isinstance(a, torch.Tensor) else (type(a), a)
+            (a.shape, a.stride()) if isinstance(a, torch.Tensor) else scalar_key(a)
             for a in map(args.__getitem__, positions)
         )
+
+    def _state_key(self, args: Sequence[Any]) -> Sequence[int]:
+        """Parameters and buffers are told apart by address (the identity check then
+        compares only their layout): each block that shares this graph gets its own entry."""
+        return list(map(_data_ptr, self._pick_params(args)))
+
+    def _positions(self, args: Sequence[Any]) -> tuple[int, ...]:
+        self._state = {p: n for p, n in self._state.items() if p < len(args) and isinstance(args[p], torch.Tensor)}
+        params = self._param_positions = tuple(sorted(self._state))
+        self._pick_params = operator.itemgetter(*params) if len(params) > 1 else lambda a: [a[i] for i in params]
+        positions = self._key_positions = tuple(i for i in range(len(args)) if i not in self._state)
+        return positions
+
+    def _new_entry(self, key: tuple[Any, ...], args: Sequence[Any]) -> tuple[Entry | None, Decline]:
+        params = self._pick_params(args) if self._param_positions else ()
+        ptrs = self._state_key(args)
+        with self._book:
+            slot = self._slots.get(key)
+            if slot is None:
+                if len(self._slots) >= self._max_captures:
+                    self._limit(Decline.MAX_CAPTURES, f"more than {self._max_captures} shape keys")
+                    return None, Decline.MAX_CAPTURES
+                slot = self._slots[key] = Slot()
+                self._stats.shape_keys = len(self._slots)
+            elif slot.declined is not None:
+                return None, Decline.PARAMETER_MOVED
+            entry = slot.entries.get(tuple(ptrs))
+            if entry is not None:  # another thread added it meanwhile
+                return entry, Decline.BUSY
+            if params and slot.entries and not self._prune(slot):
+                return None, Decline.PARAMETER_MOVED
+            if len(slot.entries) >= MAX_PARAMETER_SETS:
+                self._limit(Decline.PARAMETER_MOVED,
+                            f"parameters seen at more than {MAX_PARAMETER_SETS} addresses for one shape key")
+                return None, Decline.PARAMETER_MOVED
+            entry = Entry((key, tuple(ptrs)), _Storages(params) if params else None)
+            slot.entries[tuple(ptrs)] = self._entries[(key, tuple(ptrs))] = entry
+            slot.last = (ptrs, entry)
+        self._set_state()
+        return entry, Decline.BUSY
+
+    def _prune(self, slot: Slot) -> bool:
+        """A new parameter set for a known shape key: forget sets that can never come back.
+        False (and the shape key declines) when parameters are found at a new address
+        call after call: capturing each would only ever warm up, never replay."""
+        dropped = slot.prune()
+        if dropped:
+            with self._scope.replay_lock:
+                for entry in dropped:
+                    entry.release()
+                    self._entries.pop(entry.key, None)
+        if slot.dead < CHURN_LIMIT:
+            return True
+        names = ", ".join(list(self._state.values())[:3])
+        slot.declined = (f"parameters ({names}, ...) were at a new address on each call: {slot.dead} parameter "
+                         "sets were freed or moved before they were seen again (FSDP reshard, offload, or "
+                         "`.data` reassignment); captures would go stale")
+        for entry in list(slot.entries.values()):
+            with self._scope.replay_lock:
+                entry.release()
+            self._entries.pop(entry.key, None)
+        slot.entries.clear()
+        slot.last = ((), None)
+        self._report(Decline.PARAMETER_MOVED, slot.declined)
+        return False
+
+    def _limit(self, reason: Decline, detail: str) -> None:
+        if reason not in self._limits_hit:  # counted once per runner; each call is counted as eager
+            self._limits_hit.add(reason)
+            self._report(reason, detail)
 
     def _eager(self, args: Sequence[Any], reason: Decline) -> Sequence[Any]:
         mark_eager(reason.value)
@@ -160,7 +209,7 @@ class GraphRunner:
         return self._fn(*args)
 
     # -- warming and capture ----------------------------------------------------------
-    def _advance(self, entry: _Entry, args: Sequence[Any]) -> Sequence[Any]:
+    def _advance(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
         if entry.state is State.CAPTURED:
             return self._verify(entry, args, first=False)
         if entry.state is not State.WARMING:  # another thread moved it on meanwhile
@@ -178,7 +227,7 @@ class GraphRunner:
     def _observe(self, args: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args)
 
-    def _capture(self, entry: _Entry, args: Sequence[Any]) -> None:
+    def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
         first = entry.observations[0]
         stable = {
             i for i, ident in enumerate(first)
@@ -194,24 +243,26 @@ class GraphRunner:
         buffers = []
         for pos in moving:
             buf = self._scope.buffers.get(pos, args[pos])
-            buf.copy_(args[pos])
             static_args[pos] = buf
             buffers.append((pos, buf))
-        with self._scope.replay_lock:
+        with self._scope.replay_lock:  # the buffers are shared: no other runner may be mid-replay
+            for pos, buf in buffers:
+                buf.copy_(args[pos])
             graph, exc = self._scope.contain(lambda: self._scope.engine.capture(self._fn, static_args))
         if exc is not None:
             raise CudaGraphUnavailable(Decline.CAPTURE_FAILED, f"{type(exc).__name__}: {exc}")
         template = []
         for i, out in enumerate(graph.outputs):
             if isinstance(out, torch.Tensor):
-                template.append(None)
-            elif isinstance(out, _CONSTANT_OUTPUTS):
+                template.append(TENSOR)
+            elif isinstance(out, CONSTANT_OUTPUTS):
                 template.append(out)
             else:
                 graph.reset()
                 raise CudaGraphUnavailable(Decline.NON_TENSOR_OUTPUT, f"output {i} is a {type(out).__name__}")
         entry.graph, entry.static_args, entry.moving = graph, static_args, tuple(buffers)
-        entry.identity = LayoutIdentity(pinned, args)
+        # parameters are in the key (addresses): the identity checks their layout only
+        entry.identity = LayoutIdentity(pinned, args, addressed=[p for p in pinned if p not in self._state])
         entry.template = tuple(template)
         entry.gate_state = tuple(g.demoted for g in self._gates)
         entry.state, entry.verified, entry.waits = State.CAPTURED, 0, 0
@@ -221,7 +272,7 @@ class GraphRunner:
         self._set_state()
 
     # -- verification ---------------------------------------------------------------
-    def _verify(self, entry: _Entry, args: Sequence[Any], first: bool) -> Sequence[Any]:
+    def _verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any]:
         if not first:
             problem = self._check(entry, args)
             if problem is not None:
@@ -233,6 +284,7 @@ class GraphRunner:
                 if entry.waits > NOT_DISTINCT_LIMIT:
                     self._decline(entry, Decline.VERIFY_NOT_DISTINCT,
                                   f"{entry.waits} calls in a row repeated the verified inputs' values")
+                    return self._eager(args, Decline.VERIFY_NOT_DISTINCT)
                 return self._eager(args, Decline.VERIFYING)
         with self._scope.replay_lock:
             replayed, exc = self._scope.contain(lambda: self._serve(entry, args))
@@ -244,7 +296,7 @@ class GraphRunner:
         if mismatch is not None:
             self._decline(entry, Decline.VERIFY_MISMATCH, str(mismatch))
             return expected
-        entry.verified += 1
+        entry.verified, entry.waits = entry.verified + 1, 0
         if entry.verified >= self._verify_inputs:
             entry.state, entry.last_inputs = State.VERIFIED, None
             self._set_state()
@@ -256,19 +308,39 @@ class GraphRunner:
         return compare(list(expected), list(replayed), "bitwise")
 
     # -- replay ---------------------------------------------------------------------
-    def _replay(self, entry: _Entry, args: Sequence[Any]) -> Sequence[Any]:
+    def _replay(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
         with self._scope.replay_lock:
             problem = self._check(entry, args)
             if problem is None and entry.state is State.VERIFIED:
-                out = self._serve(entry, args)
+                try:  # free unless it raises; what a replay raises (CUDA errors included) is a RuntimeError
+                    out = self._serve(entry, args)
+                except RuntimeError as exc:
+                    return self._replay_failed(entry, args, exc)
                 self._stats.replayed()
+                for gate, demoted in zip(self._gates, entry.gate_state):
+                    if not demoted:  # captured with the artifact's kernels in it
+                        gate.replayed()
                 return out
-        with self._lock:
-            if problem is None:  # raced with a state change: answer eagerly this once
-                return self._eager(args, entry.reason or Decline.BUSY)
+        # Never block here: another thread may hold the lock for a whole capture.
+        if not self._lock.acquire(blocking=False):
+            return self._eager(args, problem[0] if problem else Decline.BUSY)
+        try:
+            if problem is None or entry.state is not State.VERIFIED:
+                # raced with a state change (another thread declined the entry, or already
+                # handled the same mismatch): answer eagerly this once
+                return self._eager(args, problem[0] if problem else entry.reason or Decline.BUSY)
             return self._mismatch(entry, args, *problem)
+        finally:
+            self._lock.release()
 
-    def _check(self, entry: _Entry, args: Sequence[Any]) -> tuple[Decline, str, int] | None:
+    def _replay_failed(self, entry: Entry, args: Sequence[Any], exc: Exception) -> Sequence[Any]:
+        """A verified graph raised on replay: the session's contain() decides (under strict
+        it raises), the entry declines and this call is answered eagerly."""
+        _, exc = self._scope.contain(functools.partial(_reraise, exc))
+        self._decline(entry, Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
+        return self._eager(args, Decline.REPLAY_FAILED)
+
+    def _check(self, entry: Entry, args: Sequence[Any]) -> tuple[Decline, str, int] | None:
         if self._gates and tuple(g.demoted for g in self._gates) != entry.gate_state:
             return Decline.ARTIFACT_DEMOTED, "an artifact in this piece was demoted after capture", -1
         pos = entry.identity.mismatch(args) if entry.identity is not None else None
@@ -278,7 +350,7 @@ class GraphRunner:
             return Decline.PARAMETER_MOVED, f"{self._state[pos]} moved under the captured graph", pos
         return Decline.PINNED_INPUT_MOVED, f"input {pos} is not the tensor the graph was captured with", pos
 
-    def _serve(self, entry: _Entry, args: Sequence[Any]) -> list[Any]:
+    def _serve(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
         timing = self._timing
         start = timing.now() if timing else 0.0
         self._copy_in(entry, args)
@@ -293,26 +365,27 @@ class GraphRunner:
             timing.add("unflatten", timing.now() - end)
         return out
 
-    def _copy_in(self, entry: _Entry, args: Sequence[Any]) -> None:
+    def _copy_in(self, entry: Entry, args: Sequence[Any]) -> None:
         for pos, buf in entry.moving:
             buf.copy_(args[pos])
 
-    def _clone_outputs(self, entry: _Entry) -> list[Any]:
+    def _clone_outputs(self, entry: Entry) -> list[Any]:
         assert entry.graph is not None
-        return [_copy(o) if t is None else t for o, t in zip(entry.graph.outputs, entry.template)]
+        return [copy_like(o) if t is TENSOR else t for o, t in zip(entry.graph.outputs, entry.template)]
 
     # -- refusals -------------------------------------------------------------------
-    def _mismatch(self, entry: _Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
+    def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
         if reason in (Decline.PINNED_INPUT_MOVED, Decline.ARTIFACT_DEMOTED):
             entry.recaptures += 1
             if entry.recaptures > MAX_RECAPTURES:
                 self._decline(entry, Decline.PINNED_INPUT_CHURN if pos >= 0 else reason,
                               f"{detail}; re-captured {MAX_RECAPTURES} times already")
             else:
-                entry.release()
-                if pos >= 0:
-                    entry.forced_moving.add(pos)
-                entry.state, entry.observations = State.WARMING, []
+                with self._scope.replay_lock:  # no thread may be replaying what is released
+                    entry.release()
+                    if pos >= 0:
+                        entry.forced_moving.add(pos)
+                    entry.state, entry.observations = State.WARMING, []
                 with self._stats.lock:
                     self._stats.recaptures += 1
                 self._scope.timing.note(f"recapture {self.name}: {reason.value}: {detail}")
@@ -321,9 +394,10 @@ class GraphRunner:
             self._decline(entry, reason, detail)
         return self._eager(args, reason)
 
-    def _decline(self, entry: _Entry, reason: Decline, detail: str) -> None:
-        entry.release()
-        entry.state, entry.reason = State.EAGER, reason
+    def _decline(self, entry: Entry, reason: Decline, detail: str) -> None:
+        with self._scope.replay_lock:  # no thread may be replaying what is released
+            entry.release()
+            entry.state, entry.reason = State.EAGER, reason
         self._report(reason, detail)
         self._set_state()
 

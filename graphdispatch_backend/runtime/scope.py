@@ -5,6 +5,7 @@
 - One replay lock: copy-in, replay and clone-out of a shared buffer set must not
   interleave between threads.
 - The replay engine, timing, events and the `contain` boundary from backend.py.
+- Per-call accounting (thread-local): which piece of a graph call ran eager, and why.
 """
 
 from __future__ import annotations
@@ -18,6 +19,24 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.engine import ReplayEngine
+
+_calls = threading.local()
+
+
+def begin_call() -> None:
+    """Per-call accounting: a graph call starts with no eager piece recorded."""
+    _calls.reason = None
+
+
+def mark_eager(reason: str) -> None:
+    """Record (once per graph call, first reason wins) why some piece ran eager."""
+    if getattr(_calls, "reason", None) is None:
+        _calls.reason = reason
+
+
+def end_call() -> str | None:
+    reason, _calls.reason = getattr(_calls, "reason", None), None
+    return reason
 
 
 class StaticBuffers:

@@ -1,0 +1,153 @@
+"""Per-call host overhead on a launch-bound model, side by side with Dynamo's own backends.
+
+Model: 48 small residual blocks (LayerNorm -> Linear -> GELU, dim 16, input [1, 8, 16]),
+CPU, one thread, under `torch.no_grad()`: each ATen op takes a few microseconds, so the
+time per call is almost all host work (dispatch, Python), the regime where a backend's
+own per-call cost shows.
+
+Variants (all compiled from the same module, all warmed up before timing):
+- `plain`: the eager nn.Module.
+- `eager`: torch.compile backend="eager" (Dynamo's graph, run as traced).
+- `aot_eager`: backend="aot_eager" (the ATen graph through aot_autograd, run by FX's
+  generated Python). graphdispatch lowers through the same aot path, so this is the
+  baseline its overhead is judged against.
+- `graphdispatch`: backend="graphdispatch", no artifacts; on CPU `cuda_graphs="auto"`
+  declines the graph (not_cuda), so a call is: placeholder contract + the graph + counters.
+- `graphdispatch/emulate`: cuda_graphs="emulate": after warmup and verification every
+  call replays through HostReplayEngine (identity checks, copy-in, a re-run of the
+  graph, output clones): what the runtime would add around a CUDA graph replay, with
+  the graph's own work included (it is re-executed on CPU).
+- `graphdispatch/timing=host`: as `graphdispatch` with `timing="host"` (per-phase host
+  clocks); compared with `graphdispatch` it shows what timing costs when on, and that
+  off is free.
+
+Method: A/B interleaved; every repeat runs each variant `inner` times in a fresh random
+order; the figure is the median microseconds per call, and the ratio to aot_eager is the
+median of the per-repeat paired ratios (robust to a busy machine's drift).
+Target: graphdispatch <= 1.05x aot_eager. `min / min` (ratio of the fastest windows) is
+shown as a cross-check: contention only ever adds time, so on a busy machine the minimums
+are the cleanest view of the intrinsic cost; on a quiet one both columns agree.
+
+Second table (`timing off vs host, runtime alone`): the same CompiledGraph + GraphRunner
+objects scaling.py builds (graph execution excluded), timing "off" against "host":
+with timing off the hot path pays one boolean check, so the difference is the cost of
+the host clocks themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import scaling
+from common import Target, block_stack, emit, fmt_us, interleaved, paired_ratio, parse_args, raise_dynamo_limits
+
+import graphdispatch_backend
+
+DEPTH, DIM, SHAPE = 48, 16, (1, 8, 16)
+TARGET_RATIO = 1.05
+
+
+def variants(model: torch.nn.Module) -> dict[str, Callable[[Any], Any]]:
+    return {
+        "plain": model,
+        "eager": torch.compile(model, backend="eager"),
+        "aot_eager": torch.compile(model, backend="aot_eager"),
+        "graphdispatch": torch.compile(model, backend="graphdispatch"),
+        "graphdispatch/emulate": torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"}),
+        "graphdispatch/timing=host": torch.compile(model, backend="graphdispatch", options={"timing": "host"}),
+    }
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "")
+    torch.set_num_threads(1)
+    raise_dynamo_limits()
+    # short windows, many repeats: paired neighbours see the same machine state
+    repeats, inner = (150, 5) if args.quick else (400, 10)
+    model = block_stack(DEPTH, DIM)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+    fns = variants(model)
+    graphdispatch_backend.reset()
+    with torch.no_grad():
+        reference = model(x)
+        equal = {}
+        for name, fn in fns.items():
+            for _ in range(10):  # compile, warm up, capture and verify (emulate) before timing
+                out = fn(x)
+            equal[name] = bool(torch.equal(out, reference))
+        report = graphdispatch_backend.latest_report() or {}
+        calls = {name: (lambda f: lambda: f(x))(fn) for name, fn in fns.items()}
+        res = interleaved(calls, repeats=repeats, inner=inner, baseline="aot_eager")
+        micro = micro_timing(args.quick)
+    emulate = _emulate_state()
+    base_min = res["aot_eager"]["min_us"]
+    rows = [[name, fmt_us(r["median_us"]), fmt_us(r["iqr_us"]), f"{r['ratio']:.3f}", f"{r['min_us'] / base_min:.3f}",
+             "yes" if equal[name] else "NO"] for name, r in res.items()]
+    micro_rows = [[name, fmt_us(r["median_us"]), f"{r['ratio']:.3f}"] for name, r in micro.items()]
+    gd = res["graphdispatch"]["ratio"]
+    # paired per repeat, not a difference of medians: a busy machine swamps a few microseconds
+    host = paired_ratio(res, "graphdispatch/timing=host", "graphdispatch")
+    targets = [
+        Target("overhead: graphdispatch / aot_eager", f"<= {TARGET_RATIO}", f"{gd:.3f}x", gd <= TARGET_RATIO),
+        Target("overhead: graphdispatch/emulate / aot_eager", "(info: replay path, graph re-run on CPU)",
+               f"{res['graphdispatch/emulate']['ratio']:.3f}x; state {emulate}", None),
+        Target("overhead: timing=host / timing=off (model)", "(info)",
+               f"{host:.3f}x ({(host - 1) * res['graphdispatch']['median_us']:+.1f} us)", None),
+        Target("overhead: outputs equal to eager", "all bitwise", "yes" if all(equal.values()) else
+               "NO: " + ", ".join(k for k, v in equal.items() if not v), all(equal.values())),
+    ]
+    payload = {
+        "quick": args.quick,
+        "model": {"depth": DEPTH, "dim": DIM, "input": list(SHAPE), "threads": 1},
+        "results": res,
+        "bitwise_equal_to_plain": equal,
+        "emulate_state": emulate,
+        "timing_host_over_off_model": host,
+        "timing_off_vs_host_runtime_only": micro,
+        "graphdispatch_totals": report.get("totals"),
+    }
+    emit("overhead", payload, [
+        (f"per-call time, {DEPTH} blocks, CPU, 1 thread (A/B interleaved, {repeats}x{inner} calls; ratio = median of "
+         "paired ratios to aot_eager)",
+         ["variant", "median us", "IQR us", "x aot_eager", "min / min", "bitwise"], rows),
+        ("timing off vs host, runtime alone (scaling.py objects, graph not run; ratio to off)",
+         ["variant", "median us", "x off"], micro_rows),
+    ], targets, args)
+
+
+def micro_timing(quick: bool) -> dict[str, dict[str, float]]:
+    calls: dict[str, Callable[[], Any]] = {}
+    for series in ("eager/contract", "replay/params"):
+        for timing in ("off", "host"):
+            compiled, a = scaling.build(series, 100, 32, timing=timing)
+            calls[f"{series} K=32 timing={timing}"] = (lambda c, x: lambda: c(x))(compiled, a)
+    # ~1 ms per sample at least: shorter windows are dominated by scheduler noise
+    res = interleaved(calls, repeats=15 if quick else 40, inner=1000 if quick else 3000)
+    for series in ("eager/contract", "replay/params"):
+        for timing in ("off", "host"):
+            res[f"{series} K=32 timing={timing}"]["ratio"] = paired_ratio(
+                res, f"{series} K=32 timing={timing}", f"{series} K=32 timing=off")
+    return res
+
+
+def _emulate_state() -> str:
+    """The emulate variant's cuda_graph state, from its session's report."""
+    from graphdispatch_backend import session
+
+    for sess in list(session._SESSIONS.values()):
+        if sess.options.cuda_graphs == "emulate":
+            graphs = sess.report.to_dict()["graphs"]
+            return ", ".join(f"{g['cuda_graph']['state']} ({g['cuda_graph']['replays']}/{g['calls']} calls replayed)"
+                             for g in graphs)
+    return "no emulate session"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""`python -m graphdispatch_backend artifacts verify ROOT...` and `artifacts hash BUNDLE`
+(DESIGN.md section 3): one table row per bundle (id, verdict, reason, folder), exit code 1
+when anything is rejected. Called through `__main__.main` (fast), plus one real `python -m`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphdispatch_backend.__main__ import main
+from graphdispatch_backend.artifacts.bundle import verify_bundle
+from graphdispatch_backend.testing import write_bundle
+
+OUT = [{"shape": [2, 8], "dtype": "float32"}]
+SOURCE = "def forward(x):\n    return x\n"
+
+
+def bundle(folder: Path, artifact_id: str) -> Path:
+    return write_bundle(folder, artifact_id, "blocks.*.mlp", [], OUT, SOURCE, extra_files={"data.bin": b"0123"})
+
+
+def verify(capsys, *roots) -> tuple[int, list[list[str]]]:
+    code = main(["artifacts", "verify", *map(str, roots)])
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    assert re.split(r"\s{2,}", lines[0]) == ["id", "verdict", "reason", "bundle"]
+    assert set(lines[1]) <= {"-", " "}
+    return code, [re.split(r"\s{2,}", line.rstrip()) for line in lines[2:]]
+
+
+def test_verify_all_ok_exits_0(tmp_path, capsys):
+    bundle(tmp_path / "root" / "a", "a")
+    bundle(tmp_path / "root" / "b", "b")
+    code, rows = verify(capsys, tmp_path / "root")
+    assert code == 0
+    assert [(r[0], r[1], r[3]) for r in rows] == [("a", "ok", str(tmp_path / "root" / "a")),
+                                                  ("b", "ok", str(tmp_path / "root" / "b"))]
+    assert rows[0][2] == "blocks.*.mlp (2 files, parity bitwise)"
+
+
+def test_verify_a_root_that_is_itself_a_bundle(tmp_path, capsys):
+    code, rows = verify(capsys, bundle(tmp_path / "one", "one"))
+    assert code == 0 and [r[:2] for r in rows] == [["one", "ok"]]
+
+
+def _hash(folder: Path) -> None:
+    (folder / "data.bin").write_bytes(b"0124")
+
+
+def _size(folder: Path) -> None:
+    (folder / "data.bin").write_bytes(b"01234")
+
+
+def _missing(folder: Path) -> None:
+    (folder / "data.bin").unlink()
+
+
+def _undeclared(folder: Path) -> None:
+    (folder / "notes.md").write_text("hi")
+
+
+def _symlink(folder: Path) -> None:
+    (folder / "link").symlink_to(folder / "data.bin")
+
+
+def _pycache(folder: Path) -> None:
+    (folder / "__pycache__").mkdir()
+
+
+def _unknown_key(folder: Path) -> None:
+    doc = json.loads((folder / "artifact.json").read_text())
+    doc["extra"] = 1
+    (folder / "artifact.json").write_text(json.dumps(doc))
+
+
+def _not_json(folder: Path) -> None:
+    (folder / "artifact.json").write_text("{")
+
+
+# (corruption, the id column, the reason column's start)
+REJECTIONS = [
+    (_hash, "bad", "hash_mismatch: data.bin"),
+    (_size, "bad", "size_mismatch: data.bin: 5 bytes, declared 4"),
+    (_missing, "bad", "missing_file: data.bin"),
+    (_undeclared, "bad", "undeclared_file: notes.md"),
+    (_symlink, "bad", "symlink: link"),
+    (_pycache, "bad", "pycache: __pycache__"),
+    (_unknown_key, "?", "manifest: extra: unknown key"),  # no trustworthy id when the manifest does not parse
+    (_not_json, "?", "manifest: artifact.json is not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("corrupt, shown_id, reason", REJECTIONS, ids=[c.__name__.strip("_") for c, _, _ in REJECTIONS])
+def test_verify_reports_each_rejection_and_exits_1(tmp_path, capsys, corrupt, shown_id, reason):
+    root = tmp_path / "root"
+    bundle(root / "a", "a")
+    corrupt(bundle(root / "bad", "bad"))
+    code, rows = verify(capsys, root)
+    assert code == 1
+    assert rows[0][:2] == ["a", "ok"]  # the good bundle is still verified and shown
+    assert rows[1][:2] == [shown_id, "rejected"] and rows[1][2].startswith(reason), rows[1]
+    assert rows[1][3] == str(root / "bad")
+
+
+def test_verify_duplicate_ids(tmp_path, capsys):
+    bundle(tmp_path / "r1" / "x", "dup")
+    bundle(tmp_path / "r2" / "y", "dup")
+    bundle(tmp_path / "r2" / "z", "z")
+    code, rows = verify(capsys, tmp_path / "r1", tmp_path / "r2")
+    assert code == 1
+    assert [r[:2] for r in rows] == [["dup", "rejected"], ["dup", "rejected"], ["z", "ok"]]
+    assert all(r[2].startswith("duplicate_id") for r in rows[:2])
+
+
+def test_verify_missing_root(tmp_path, capsys):
+    bundle(tmp_path / "root" / "a", "a")
+    code, rows = verify(capsys, tmp_path / "nope", tmp_path / "root")
+    assert code == 1
+    assert rows[0][:2] == ["-", "rejected"] and rows[0][2].startswith("missing_root")
+    assert rows[1][:2] == ["a", "ok"]
+
+
+def test_verify_a_root_without_bundles_is_not_ok(tmp_path, capsys):
+    (tmp_path / "empty" / "not-a-bundle").mkdir(parents=True)
+    code, rows = verify(capsys, tmp_path / "empty")
+    assert code == 1 and rows[0][:2] == ["-", "rejected"] and rows[0][2].startswith("no_bundles")
+
+
+def test_verify_needs_a_root(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["artifacts", "verify"])
+    assert info.value.code == 2
+
+
+# -- hash -----------------------------------------------------------------------------------------
+
+
+def test_hash_rewrites_files_and_the_bundle_then_verifies(tmp_path, capsys):
+    folder = bundle(tmp_path / "root" / "a", "a")
+    (folder / "kernel.py").write_text("def forward(x):\n    return x.clone()\n")
+    (folder / "more").mkdir()
+    (folder / "more" / "table.bin").write_bytes(b"\x00" * 10)
+    assert verify(capsys, tmp_path / "root")[0] == 1
+
+    assert main(["artifacts", "hash", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "kernel.py" in out and "more/table.bin" in out and "rewrote" in out and "(3 files)" in out
+    assert {f.path for f in verify_bundle(folder).manifest.files} == {"kernel.py", "data.bin", "more/table.bin"}
+    code, rows = verify(capsys, tmp_path / "root")
+    assert code == 0 and rows[0][:2] == ["a", "ok"]
+
+
+@pytest.mark.parametrize("corrupt", [_symlink, _pycache, _not_json], ids=["symlink", "pycache", "not_json"])
+def test_hash_refuses_and_exits_1(tmp_path, capsys, corrupt):
+    folder = bundle(tmp_path / "a", "a")
+    corrupt(folder)
+    before = (folder / "artifact.json").read_bytes()
+    assert main(["artifacts", "hash", str(folder)]) == 1
+    assert capsys.readouterr().out.startswith(f"cannot hash {folder}")
+    assert (folder / "artifact.json").read_bytes() == before
+
+
+def test_hash_of_a_missing_folder_exits_1(tmp_path, capsys):
+    assert main(["artifacts", "hash", str(tmp_path / "nope")]) == 1
+    assert "cannot hash" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    bundle(tmp_path / "root" / "a", "a")
+    corrupt = bundle(tmp_path / "root" / "b", "b")
+    _undeclared(corrupt)
+    command = [sys.executable, "-m", "graphdispatch_backend", "artifacts", "verify", str(tmp_path / "root")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    rows = [re.split(r"\s{2,}", line) for line in done.stdout.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["a", "ok"], ["b", "rejected"]]
+    assert rows[1][2].startswith("undeclared_file")

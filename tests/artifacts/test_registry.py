@@ -1,0 +1,283 @@
+"""The artifact registry (DESIGN.md sections 2 and 3): discovery one level deep, verification
+of every bundle, duplicate ids, the `enable` allowlist and what the report says about it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
+
+import graphdispatch_backend
+from graphdispatch_backend.artifacts.registry import ArtifactLoadError, Registry
+from graphdispatch_backend.errors import RegistryError
+from graphdispatch_backend.testing import write_bundle
+
+OUT = [{"shape": [2, 8], "dtype": "float32"}]
+SOURCE = "def forward(*args):\n    raise AssertionError('not called in these tests')\n"
+
+
+def bundle(folder: Path, artifact_id: str, module: str = "m", source: str = SOURCE, **kwargs) -> Path:
+    return write_bundle(folder, artifact_id, module, [], OUT, source, **kwargs)
+
+
+def corrupt(folder: Path) -> Path:
+    """Same size, other bytes: only the sha256 tells."""
+    data = (folder / "kernel.py").read_bytes()
+    (folder / "kernel.py").write_bytes(b"#" + data[1:] if data[:1] != b"#" else b" " + data[1:])
+    return folder
+
+
+def no_contain(thunk):
+    try:
+        return thunk(), None
+    except Exception as exc:
+        return None, exc
+
+
+# -- discovery ------------------------------------------------------------------------------------
+
+
+def test_root_that_is_itself_a_bundle(tmp_path):
+    folder = bundle(tmp_path / "only", "only")
+    reg = Registry.load([str(folder)])
+    assert list(reg.artifacts) == ["only"] and reg.errors == []
+    assert reg.artifacts["only"].bundle.folder == folder
+
+
+def test_root_of_bundles_is_searched_one_level_deep(tmp_path):
+    root = tmp_path / "root"
+    bundle(root / "a", "a")
+    bundle(root / "b", "b")
+    bundle(root / "group" / "deeper", "deeper")  # two levels down: not a bundle of this root
+    (root / "empty").mkdir()  # a folder without artifact.json is not a bundle
+    (root / "README.txt").write_text("not a bundle")
+    reg = Registry.load([str(root)])
+    assert sorted(reg.artifacts) == ["a", "b"] and reg.verified_ids == ("a", "b")
+    assert reg.errors == []
+
+
+def test_a_root_that_is_a_bundle_hides_nothing_and_its_children_are_not_bundles(tmp_path):
+    root = bundle(tmp_path / "root", "top")
+    bundle(tmp_path / "elsewhere", "child")
+    reg = Registry.load([str(root)])
+    assert list(reg.artifacts) == ["top"]
+
+
+def test_several_roots(tmp_path):
+    bundle(tmp_path / "r1" / "a", "a")
+    bundle(tmp_path / "r2", "b")
+    reg = Registry.load([str(tmp_path / "r1"), str(tmp_path / "r2")])
+    assert sorted(reg.artifacts) == ["a", "b"]
+    assert reg.roots == (str(tmp_path / "r1"), str(tmp_path / "r2"))
+
+
+def test_a_bad_bundle_is_reported_and_never_hides_the_good_ones(tmp_path):
+    root = tmp_path / "root"
+    bundle(root / "a", "a")
+    bad = corrupt(bundle(root / "b", "b"))
+    bundle(root / "c", "c")
+    (root / "d").mkdir()
+    (root / "d" / "artifact.json").write_text("[]")
+    reg = Registry.load([str(root)])
+    assert sorted(reg.artifacts) == ["a", "c"]
+    assert [(e["bundle"], e["reason"]) for e in reg.errors] == [(str(bad), "hash_mismatch"),
+                                                                 (str(root / "d"), "manifest")]
+    assert all(e["message"] for e in reg.errors)
+
+
+def test_missing_root_is_recorded_and_other_roots_still_load(tmp_path):
+    bundle(tmp_path / "good" / "a", "a")
+    (tmp_path / "file").write_text("a file, not a folder")
+    missing, a_file = str(tmp_path / "nope"), str(tmp_path / "file")
+    reg = Registry.load([missing, str(tmp_path / "good"), a_file])
+    assert list(reg.artifacts) == ["a"]
+    assert [(e["bundle"], e["reason"]) for e in reg.errors] == [(missing, "missing_root"), (a_file, "missing_root")]
+    assert "nope" in reg.errors[0]["message"]
+
+
+# -- duplicate ids --------------------------------------------------------------------------------
+
+
+def test_duplicate_ids_are_an_error_naming_both_folders_and_neither_is_used(tmp_path):
+    root = tmp_path / "root"
+    one, two = bundle(root / "one", "dup"), bundle(root / "two", "dup")
+    bundle(root / "other", "other")
+    reg = Registry.load([str(root)])
+    assert list(reg.artifacts) == ["other"] and reg.verified_ids == ("other",)
+    (error,) = reg.errors
+    assert error["reason"] == "duplicate_id"
+    assert str(one) in error["message"] and str(two) in error["message"] and "'dup'" in error["message"]
+    assert str(one) in error["bundle"] and str(two) in error["bundle"]
+
+
+def test_duplicate_ids_across_roots(tmp_path):
+    bundle(tmp_path / "r1", "dup")
+    bundle(tmp_path / "r2" / "x", "dup")
+    reg = Registry.load([str(tmp_path / "r1"), str(tmp_path / "r2")])
+    assert reg.artifacts == {} and [e["reason"] for e in reg.errors] == ["duplicate_id"]
+
+
+# -- enable -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def three(tmp_path) -> Path:
+    root = tmp_path / "root"
+    bundle(root / "a", "a")
+    bundle(root / "b", "b")
+    corrupt(bundle(root / "bad", "bad"))
+    return root
+
+
+def test_enable_narrows_the_selection_but_every_bundle_is_verified(three):
+    reg = Registry.load([str(three)], enable=["a"])
+    assert list(reg.artifacts) == ["a"] and list(reg.excluded) == ["b"]
+    assert reg.verified_ids == ("a", "b")
+    assert [e["reason"] for e in reg.errors] == ["hash_mismatch"]  # not enabled, still verified and reported
+    summary = reg.summary()
+    assert summary["enabled_filter"] == ["a"] and summary["excluded_ids"] == ["b"] and summary["loaded"] == ["a"]
+
+
+def test_empty_enable_admits_nothing(three):
+    reg = Registry.load([str(three)], enable=[])
+    assert reg.artifacts == {} and sorted(reg.excluded) == ["a", "b"]
+    assert reg.summary()["enabled_filter"] == []
+
+
+def test_no_enable_admits_every_verified_bundle(three):
+    summary = Registry.load([str(three)]).summary()
+    assert summary["enabled_filter"] is None and summary["excluded_ids"] == [] and summary["loaded"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("unknown", ["nope", "bad"])  # never seen, or seen but rejected
+def test_enable_naming_an_unknown_id_is_an_error_naming_it_and_the_available_ones(three, unknown):
+    with pytest.raises(RegistryError) as info:
+        Registry.load([str(three)], enable=["a", unknown])
+    message = str(info.value)
+    assert repr(unknown) in message and "available: a, b" in message
+
+
+def test_enable_naming_a_duplicated_id_says_why(tmp_path):
+    bundle(tmp_path / "root" / "one", "dup")
+    bundle(tmp_path / "root" / "two", "dup")
+    with pytest.raises(RegistryError, match=r"'dup'.*available: none.*more than one folder"):
+        Registry.load([str(tmp_path / "root")], enable=["dup"])
+
+
+def test_summary_keys(three):
+    summary = Registry.load([str(three)], enable=["b"]).summary()
+    assert set(summary) == {"roots", "loaded", "verified", "enabled_filter", "excluded_ids", "errors"}
+    assert summary["roots"] == [str(three)] and summary["verified"] == ["a", "b"]
+    assert summary["errors"][0]["reason"] == "hash_mismatch"
+
+
+# -- lazy, once-only loading --------------------------------------------------------------------------
+
+
+COUNTING = """
+import pathlib
+path = pathlib.Path({marker!r})
+path.write_text(path.read_text() + "x" if path.exists() else "x")
+def forward():
+    return 1
+"""
+
+
+def test_entry_code_runs_lazily_and_once(tmp_path):
+    marker = tmp_path / "marker"
+    bundle(tmp_path / "c", "c", source=COUNTING.format(marker=str(marker)))
+    reg = Registry.load([str(tmp_path / "c")])
+    assert not marker.exists()  # verification executes nothing
+    artifact = reg.artifacts["c"]
+    fn = artifact.load(no_contain)
+    assert artifact.load(no_contain) is fn and fn() == 1
+    assert marker.read_text() == "x"
+
+
+def test_a_load_failure_is_kept_and_the_code_not_run_again(tmp_path):
+    marker = tmp_path / "marker"
+    source = COUNTING.format(marker=str(marker)) + "raise ImportError('no triton here')\n"
+    artifact = Registry.load([str(bundle(tmp_path / "c", "c", source=source))]).artifacts["c"]
+    for _ in range(2):
+        with pytest.raises(ArtifactLoadError, match="ImportError: no triton here"):
+            artifact.load(no_contain)
+    assert marker.read_text() == "x"
+
+
+# -- through torch.compile -------------------------------------------------------------------------
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+MLP_INPUTS = [
+    {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
+    {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
+    {"name": "input0", "shape": [2, 8], "dtype": "float32"},
+    {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
+    {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
+]
+MLP_SOURCE = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    return torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+"""
+
+
+@pytest.mark.parametrize("enable", [["fc1-only"], "fc1-only"])  # a list, or a comma-separated string
+def test_not_enabled_rejection_is_reported_for_a_region_an_excluded_artifact_would_match(tmp_path, enable):
+    root = tmp_path / "root"
+    write_bundle(root / "mlp", "mlp", "mlp", MLP_INPUTS, OUT, MLP_SOURCE)
+    write_bundle(root / "fc1", "fc1-only", "no.such.module", [], OUT, SOURCE)
+    model, x = Block().eval(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(root), "enable": enable})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    report = graphdispatch_backend.latest_report()
+    assert report["registry"]["enabled_filter"] == ["fc1-only"]
+    assert report["registry"]["excluded_ids"] == ["mlp"] and report["registry"]["loaded"] == ["fc1-only"]
+    (graph,) = report["graphs"]
+    assert graph["substitutions"] == []
+    regions = {r["name"]: r for r in graph["regions"]}
+    assert regions["mlp"]["rejections"] == [
+        {"artifact": "mlp", "reason": "not_enabled", "detail": "not in the enable allowlist"}]
+    assert regions["mlp.fc1"]["rejections"] == []  # the excluded pattern does not match it: no noise
+
+
+def test_same_model_substitutes_when_enabled(tmp_path):
+    """The control for the test above: enabled, the same bundle serves the region."""
+    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, OUT, MLP_SOURCE)
+    model, x = Block().eval(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path), "enable": "mlp"})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    assert [(s["region"], s["artifact"], s["parity"]) for s in graph["substitutions"]] == [("mlp", "mlp", "passed")]
+
+
+def test_enable_naming_an_unknown_id_fails_the_compile_with_a_registry_error(tmp_path):
+    bundle(tmp_path / "a", "a")
+    model = nn.Linear(4, 4)
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path), "enable": "a,zzz"})(
+            torch.randn(2, 4))
+    inner = info.value.inner_exception
+    assert isinstance(inner, RegistryError) and "'zzz'" in str(inner) and "available: a" in str(inner)

@@ -1,0 +1,536 @@
+"""Fault injection: every injected fault leaves the output equal to eager, and says why.
+
+Faults, each injected at several points of the runner's life (with warmup=1 and
+verify_inputs=2 an artifact is invoked at the parity gate, at capture, at the verification
+replays and eager runs, then at every replay):
+
+- artifacts that raise on their k-th invocation, return the wrong shape, dtype, strides or
+  number of outputs, a non-tensor, NaN, noise (nondeterministic), write into an input, raise
+  at import, lack their entry symbol, or are slower (speed_gate);
+- the replay engine failing: capture raises, replay raises (during and after
+  verification), replay returns wrong or stale values;
+- inputs and state moving: a pinned input or a parameter replaced at call k, or changed in
+  place; more shape keys than max_captures; verification inputs that never change;
+- things that change between runs: a manifest edited on disk (a new session after
+  graphdispatch_backend.reset() sees it), a bundle tampered after verification (refused at
+  load, its code never runs), a bundle removed, options and GRAPHDISPATCH_* variables changed.
+
+Each case compares every call with eager bit for bit, checks that the report names the
+reason, and that every graph's calls == replays + eager_calls. Injected faults are counted
+("injected_faults" in the run summary).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
+
+import graphdispatch_backend
+from graphdispatch_backend.errors import GraphDispatchError, RegistryError
+from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.testing import write_bundle
+
+SIG_IN = [{"name": "weight", "shape": [8, 8], "dtype": "float32"},
+          {"name": "bias", "shape": [8], "dtype": "float32"},
+          {"name": "input0", "shape": [4, 8], "dtype": "float32"}]
+SIG_OUT = [{"shape": [4, 8], "dtype": "float32"}]
+CALLS = 8
+EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
+
+
+class Net(nn.Module):
+    """One substitutable region (`blk`, a Linear) inside a graph with work around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.blk(x)) * 2
+
+
+class Net2(nn.Module):
+    """Two inputs: `y` stays the same tensor across calls, so the runner pins it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8).eval()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.blk(x)) + y)
+
+
+def make(cls: type[nn.Module] = Net) -> nn.Module:
+    torch.manual_seed(0)
+    model = cls().eval()
+    if isinstance(model, Net2):
+        with torch.no_grad():  # non-trivial running statistics
+            model.norm.running_mean.normal_()
+            model.norm.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def kernel(fault: str = "", k: int = 1, prelude: str = "") -> str:
+    """An exact reimplementation of `blk` (F.linear, bitwise equal to the native addmm),
+    with `fault` (a block of statements) from its k-th invocation on."""
+    body = "\n".join("        " + line for line in fault.strip().splitlines()) or "        pass"
+    return f"""
+import time
+import torch
+import torch.nn.functional as F
+{prelude}
+CALLS = [0]
+
+
+def forward(weight, bias, input0):
+    CALLS[0] += 1
+    out = F.linear(input0, weight, bias)
+    if CALLS[0] >= {k}:
+{body}
+    return out
+"""
+
+
+def bundle(root: Path, source: str, artifact_id: str = "fault", **fields: Any) -> Path:
+    write_bundle(root / artifact_id, artifact_id, "blk", SIG_IN, SIG_OUT, source, **fields)
+    return root
+
+
+def balanced(report: dict[str, Any]) -> None:
+    for graph in report["graphs"]:
+        cg = graph["cuda_graph"]
+        assert graph["calls"] == cg["replays"] + cg["eager_calls"], graph["name"]
+        assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"], cg
+
+
+def run(model: nn.Module, options: dict[str, Any], calls: int = CALLS,
+        before: Callable[[int], None] | None = None, inputs: Callable[[int], tuple[Any, ...]] | None = None,
+        fresh: bool = True) -> dict[str, Any]:
+    """Compile, call `calls` times with changing inputs, compare each call with eager bit
+    for bit; return the session report (balanced)."""
+    if fresh:
+        torch._dynamo.reset()
+        graphdispatch_backend.reset()
+    compiled = torch.compile(model, backend="graphdispatch", options=options)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for i in range(calls):
+            if before is not None:
+                before(i)
+            args = inputs(i) if inputs is not None else (torch.randn(4, 8, generator=gen),)
+            got, want = compiled(*args), model(*args)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want), f"call {i}: max abs diff {(got - want).abs().max().item()}"
+    report = graphdispatch_backend.latest_report()
+    balanced(report)
+    return report
+
+
+def substitution(report: dict[str, Any]) -> dict[str, Any]:
+    (graph,) = report["graphs"]
+    (sub,) = graph["substitutions"]
+    return sub
+
+
+def declines(report: dict[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for graph in report["graphs"]:
+        for reason, n in graph["cuda_graph"]["declines"].items():
+            out[reason] = out.get(reason, 0) + n
+    return out
+
+
+def eager_reasons(report: dict[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for graph in report["graphs"]:
+        for reason, n in graph["cuda_graph"]["eager_by_reason"].items():
+            out[reason] = out.get(reason, 0) + n
+    return out
+
+
+# -- artifacts that misbehave --------------------------------------------------------------
+
+# fault name -> (statements, demotion reason at the parity gate (k=1), reason after it)
+ARTIFACT_FAULTS = {
+    "raises": ("raise RuntimeError('injected fault')", "raised", "raised"),
+    "wrong_shape": ("return out[:2]", "parity", "bad_output"),
+    "wrong_dtype": ("return out.double()", "parity", "bad_output"),
+    "wrong_strides": ("return out.t().contiguous().t()", "parity", "bad_output"),
+    "two_outputs": ("return out, out", "parity", "bad_output"),
+    "returns_none": ("return None", "bad_output", "bad_output"),
+    "returns_float": ("return 1.5", "bad_output", "bad_output"),
+    "returns_string": ("return 'out'", "bad_output", "bad_output"),
+}
+# invocation of the artifact the fault starts at: 1 is the parity gate; with emulation 2 is
+# the capture, 3-6 the verification replays and eager runs, 7+ replays of the verified graph
+POINTS = (1, 2, 4, 7)
+
+
+@pytest.mark.parametrize("mode", ["emulate", "off"])
+@pytest.mark.parametrize("k", POINTS)
+@pytest.mark.parametrize("fault", sorted(ARTIFACT_FAULTS))
+def test_artifact_fault_at_kth_invocation(tmp_path, counts, fault, k, mode):
+    statements, at_gate, later = ARTIFACT_FAULTS[fault]
+    options = dict(EMULATE) if mode == "emulate" else {"cuda_graphs": False}
+    report = run(make(), {**options, "artifacts": str(bundle(tmp_path, kernel(statements, k)))})
+    sub = substitution(report)
+    assert sub["demoted"], sub
+    assert sub["reason"] == (at_gate if k == 1 else later), sub
+    assert sub["detail"], sub
+    if k == 1:
+        assert sub["parity"] == "failed" and sub["calls"] == 0, sub
+    counts["injected_faults"] += 1
+    counts[f"injected_faults:artifact:{fault}"] += 1
+
+
+@pytest.mark.parametrize("fault", ["noise", "last_bit", "nan", "one_ulp_one_element"])
+def test_artifact_wrong_values_fail_parity(tmp_path, counts, fault):
+    statements = {
+        "noise": "return out + torch.randn_like(out) * 1e-3",  # nondeterministic: new noise every call
+        "last_bit": "return (out.view(torch.int32) ^ 1).view(torch.float32)",  # one ulp everywhere
+        "nan": "out = out.clone()\nout[1, 2] = float('nan')\nreturn out",
+        "one_ulp_one_element": "out = out.clone()\nout[3, 7] = torch.nextafter(out[3, 7], torch.tensor(float('inf')))"
+                               "\nreturn out",
+    }[fault]
+    report = run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, kernel(statements)))})
+    sub = substitution(report)
+    assert sub["demoted"] and sub["reason"] == "parity" and sub["parity"] == "failed", sub
+    assert sub["first_mismatch_index"] is not None, sub
+    counts["injected_faults"] += 1
+
+
+def test_artifact_writing_into_its_input_is_undone_and_demoted(tmp_path, counts):
+    report = run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, kernel("input0.mul_(2)")))})
+    sub = substitution(report)
+    assert sub["demoted"] and sub["reason"] == "mutated_input", sub
+    counts["injected_faults"] += 1
+
+
+@pytest.mark.parametrize("fault", ["import_raises", "no_symbol", "symbol_not_callable", "syntax_error"])
+def test_artifact_that_does_not_load(tmp_path, counts, fault):
+    source = {
+        "import_raises": kernel(prelude="raise ImportError('no such kernel library')"),
+        "no_symbol": "import torch\n",
+        "symbol_not_callable": "forward = 3\n",
+        "syntax_error": "def forward(:\n",
+    }[fault]
+    report = run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, source))})
+    (graph,) = report["graphs"]
+    assert graph["substitutions"] == []
+    (region,) = graph["regions"]
+    assert [r["reason"] for r in region["rejections"]] == ["load_failed"], region
+    counts["injected_faults"] += 1
+
+
+def test_slower_artifact_is_demoted_by_the_speed_gate(tmp_path, counts):
+    report = run(make(), {**EMULATE, "speed_gate": True,
+                          "artifacts": str(bundle(tmp_path, kernel("time.sleep(0.002)")))})
+    sub = substitution(report)
+    assert sub["demoted"] and sub["reason"] == "slower" and sub["parity"] == "passed", sub
+    counts["injected_faults"] += 1
+
+
+def test_correct_artifact_serves_with_no_fault(tmp_path, counts):
+    """The control: the same harness with no fault serves the artifact through replays."""
+    report = run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, kernel()))})
+    sub = substitution(report)
+    assert not sub["demoted"] and sub["parity"] == "passed" and sub["calls"] > 0, sub
+    assert report["graphs"][0]["cuda_graph"]["replays"] == CALLS - 3
+
+
+@pytest.mark.xfail(strict=True, raises=GraphDispatchError,
+                   reason="bug: an artifact raising GraphDispatchError escapes contain() into the user's forward")
+@pytest.mark.parametrize("mode", ["emulate", "off"])
+def test_artifact_raising_a_graphdispatch_error_is_contained(tmp_path, counts, mode):
+    """contain() lets graphdispatch's own errors pass through; an artifact can raise them too
+    (or a CudaGraphUnavailable, which the runner would read as its own decline)."""
+    source = kernel("from graphdispatch_backend.errors import GraphDispatchError\n"
+                    "raise GraphDispatchError('from artifact code')")
+    options = dict(EMULATE) if mode == "emulate" else {"cuda_graphs": False}
+    counts["injected_faults"] += 1
+    report = run(make(), {**options, "artifacts": str(bundle(tmp_path, source))})
+    assert substitution(report)["reason"] == "raised"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="design gap: parity is gated once per shape key; an artifact whose values drift after "
+                          "the gate is served (wrong output, no reason)")
+@pytest.mark.parametrize("k", [2, 7])
+def test_artifact_drifting_after_the_gate(tmp_path, counts, k):
+    counts["injected_faults"] += 1
+    run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, kernel("return out + 1e-3", k)))})
+
+
+# -- the replay engine failing -----------------------------------------------------------------
+
+def wrap_engine(monkeypatch: pytest.MonkeyPatch, *, capture_fails: bool = False,
+                replay: Callable[[int, Callable[[], None], Any], None] | None = None) -> None:
+    """Patch HostReplayEngine.capture: raise, or wrap each captured graph's replay with
+    `replay(n, original, graph)` where n counts replays over the session."""
+    original = HostReplayEngine.capture
+    n = [0]
+
+    def capture(self: HostReplayEngine, fn: Any, args: Any) -> Any:
+        if capture_fails:
+            raise RuntimeError("injected: capture failed")
+        graph = original(self, fn, args)
+        if replay is not None:
+            inner = graph.replay
+
+            def patched() -> None:
+                n[0] += 1
+                replay(n[0], inner, graph)
+
+            graph.replay = patched
+        return graph
+
+    monkeypatch.setattr(HostReplayEngine, "capture", capture)
+
+
+def test_capture_failure_declines(monkeypatch, counts):
+    wrap_engine(monkeypatch, capture_fails=True)
+    report = run(make(), dict(EMULATE))
+    assert declines(report) == {"capture_failed": 1}
+    assert report["graphs"][0]["cuda_graph"]["replays"] == 0
+    counts["injected_faults"] += 1
+
+
+def test_replay_failure_during_verification_declines(monkeypatch, counts):
+    def replay(n: int, inner: Callable[[], None], graph: Any) -> None:
+        raise RuntimeError("injected: replay failed")
+
+    wrap_engine(monkeypatch, replay=replay)
+    report = run(make(), dict(EMULATE))
+    assert declines(report) == {"replay_failed": 1}
+    counts["injected_faults"] += 1
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="bug: a replay that raises after verification escapes GraphRunner._replay into the "
+                          "user's forward")
+def test_replay_failure_after_verification_falls_back(monkeypatch, counts):
+    def replay(n: int, inner: Callable[[], None], graph: Any) -> None:
+        if n == 3:  # replays 1-2 verify; 3 is the first served replay
+            raise RuntimeError("injected: replay failed")
+        inner()
+
+    wrap_engine(monkeypatch, replay=replay)
+    counts["injected_faults"] += 1
+    report = run(make(), dict(EMULATE))
+    assert "replay_failed" in declines(report)
+
+
+@pytest.mark.parametrize("how", ["perturbed", "stale", "poisoned_once"])
+def test_wrong_replay_is_caught_by_verification(monkeypatch, counts, how):
+    def replay(n: int, inner: Callable[[], None], graph: Any) -> None:
+        if how == "stale":
+            return  # recomputes nothing: the outputs keep the capture's poison (or old values)
+        inner()
+        if how == "perturbed" or n == 1:
+            for out in graph.outputs:
+                out.add_(1e-6 if how == "perturbed" else float("nan"))
+
+    wrap_engine(monkeypatch, replay=replay)
+    report = run(make(), dict(EMULATE))
+    assert declines(report) == {"verify_mismatch": 1}, report["graphs"][0]["cuda_graph"]
+    assert report["graphs"][0]["cuda_graph"]["replays"] == 0
+    counts["injected_faults"] += 1
+
+
+# -- inputs, parameters and buffers that move ---------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("how", ["replaced", "in_place", "restrided_view"])
+def test_pinned_input_moving_at_call_k(counts, how, k):
+    gen = torch.Generator().manual_seed(2)
+    store = torch.randn(2, 4, 8, generator=gen)
+    y = [store[0]]
+
+    def inputs(i: int) -> tuple[torch.Tensor, ...]:
+        if i == k:
+            if how == "replaced":
+                y[0] = torch.randn(4, 8, generator=gen)  # a new tensor: a new address
+            elif how == "in_place":
+                y[0].add_(1.0)  # same address, new values: read in place by the replay
+            else:
+                y[0] = store[1]  # same shape and strides, another offset of the same storage
+        return torch.randn(4, 8, generator=gen), y[0]
+
+    report = run(make(Net2), dict(EMULATE), calls=CALLS + 2, inputs=inputs)
+    reasons = eager_reasons(report)
+    if how != "in_place" and k >= 2:  # moved under a capture (verifying or verified)
+        assert reasons.get("pinned_input_moved"), reasons
+    counts["injected_faults"] += 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("what", ["weight", "bias", "running_mean"])
+@pytest.mark.parametrize("how", ["replaced_data", "in_place", "new_parameter"])
+def test_parameter_or_buffer_moving_at_call_k(counts, what, how, k):
+    model = make(Net2)
+    owner = model.norm if what == "running_mean" else model.blk
+    y = torch.randn(4, 8)
+
+    def before(i: int) -> None:
+        if i != k:
+            return
+        t = getattr(owner, what)
+        if how == "in_place":
+            t.mul_(1.5)
+        elif how == "replaced_data":
+            t.data = t.data * 1.5  # what FSDP2's reshard and offloading do: a new address
+        elif isinstance(t, nn.Parameter):
+            setattr(owner, what, nn.Parameter(t.detach() * 1.5))
+        else:
+            setattr(owner, what, t.detach() * 1.5)
+
+    report = run(model, dict(EMULATE), calls=CALLS + 2, before=before,
+                 inputs=lambda i: (torch.randn(4, 8), y))
+    if how != "in_place" and k >= 2:
+        # never replayed stale: either declined by name, or captured anew for the new address
+        graphs = report["graphs"]
+        captures = sum(g["cuda_graph"]["captures"] for g in graphs)
+        assert "parameter_moved" in declines(report) or captures >= 2 or len(graphs) > 1, graphs
+    counts["injected_faults"] += 1
+
+
+def test_more_shape_keys_than_max_captures(counts):
+    model = make()
+    sizes = [4, 5, 6, 5, 4, 6, 7, 4]
+
+    def inputs(i: int) -> tuple[torch.Tensor]:
+        x = torch.randn(sizes[i], 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+
+    report = run(model, {**EMULATE, "max_captures": 1}, calls=len(sizes), inputs=inputs)
+    assert declines(report).get("max_captures") == 1, report["graphs"]
+    counts["injected_faults"] += 1
+
+
+def test_verification_inputs_that_never_change(counts):
+    x = torch.randn(4, 8)
+    report = run(make(), dict(EMULATE), calls=14, inputs=lambda i: (x.clone(),))
+    assert declines(report) == {"verify_inputs_not_distinct": 1}, report["graphs"][0]["cuda_graph"]
+    counts["injected_faults"] += 1
+
+
+# -- things that change between runs -----------------------------------------------------------------
+
+def test_manifest_edited_on_disk_is_seen_by_a_new_session(tmp_path, counts):
+    root = bundle(tmp_path, kernel())
+    first = run(make(), {**EMULATE, "artifacts": str(root)})
+    assert substitution(first)["parity"] == "passed"
+    manifest_path = root / "fault" / "artifact.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["region"]["module"] = "nothing.matches"
+    manifest_path.write_text(json.dumps(manifest))
+    second = run(make(), {**EMULATE, "artifacts": str(root)})  # fresh: reset() + dynamo reset
+    (graph,) = second["graphs"]
+    assert graph["substitutions"] == [] and graph["module_rejections"] == {"fault": 1}, graph
+    # the kernel rewritten (and rehashed) to a wrong one: the next session gates and demotes it
+    bundle(tmp_path, kernel("return out * 1.0001"))
+    third = run(make(), {**EMULATE, "artifacts": str(root)})
+    assert substitution(third)["reason"] == "parity"
+    counts["injected_faults"] += 2
+
+
+def test_without_reset_a_session_keeps_what_it_verified(tmp_path, counts):
+    """The same options in the same process are one session: an edit on disk is not seen
+    until reset(); the registry verified at session start still serves, correctly."""
+    root = bundle(tmp_path, kernel())
+    run(make(), {**EMULATE, "artifacts": str(root)})
+    bundle(tmp_path, kernel("return out * 1.0001"))  # rewritten, rehashed
+    torch._dynamo.reset()
+    report = run(make(), {**EMULATE, "artifacts": str(root)}, fresh=False)
+    subs = [s for g in report["graphs"] for s in g["substitutions"]]
+    # the code loaded (from verified bytes) by the first graph serves the second one too
+    assert [(s["parity"], s["demoted"]) for s in subs] == [("passed", False)] * 2, subs
+    counts["injected_faults"] += 1
+
+
+def test_bundle_tampered_after_verification_is_refused_at_load(tmp_path, counts):
+    """Verification happens when the session starts; the entry code loads lazily when a
+    region first matches. Rewriting kernel.py in between must be caught at load (the bytes
+    are hashed again) and the tampered code must never run."""
+    marker = tmp_path / "tampered-code-ran"
+    root = bundle(tmp_path / "root", kernel())
+    options = {**EMULATE, "artifacts": str(root)}
+    # a first compile of a model with no matching region starts the session (verifies the bundle)
+    other = nn.Sequential(nn.Linear(8, 8)).eval()
+    run(other, options)
+    assert graphdispatch_backend.latest_report()["registry"]["loaded"] == ["fault"]
+    tampered = kernel(prelude=f"open({str(marker)!r}, 'w').close()")
+    (root / "fault" / "kernel.py").write_text(tampered)
+    torch._dynamo.reset()
+    report = run(make(), options, fresh=False)  # same options: same session, no new verification
+    graph = report["graphs"][-1]
+    assert graph["substitutions"] == []
+    (region,) = graph["regions"]
+    (rejection,) = region["rejections"]
+    assert rejection["reason"] == "load_failed" and rejection["detail"].startswith(("tampered", "size_mismatch")), \
+        rejection
+    assert not marker.exists(), "tampered code was executed"
+    counts["injected_faults"] += 1
+
+
+def test_bundle_removed_between_runs(tmp_path, counts):
+    root = bundle(tmp_path, kernel())
+    assert substitution(run(make(), {**EMULATE, "artifacts": str(root)}))["parity"] == "passed"
+    for path in sorted((root / "fault").iterdir()):
+        path.unlink()
+    (root / "fault").rmdir()
+    report = run(make(), {**EMULATE, "artifacts": str(root)})
+    assert report["registry"]["loaded"] == [] and report["graphs"][0]["substitutions"] == []
+    counts["injected_faults"] += 1
+
+
+def test_options_changed_between_runs(tmp_path, counts, monkeypatch):
+    root = bundle(tmp_path, kernel())
+    a = run(make(), {**EMULATE, "artifacts": str(root), "enable": ["fault"]})
+    assert substitution(a)["parity"] == "passed"
+    b = run(make(), {**EMULATE, "artifacts": str(root), "enable": []})
+    (region,) = b["graphs"][0]["regions"]
+    assert [r["reason"] for r in region["rejections"]] == ["not_enabled"]
+    with pytest.raises(Exception) as info:  # an unknown id in `enable` is an error, by contract
+        run(make(), {**EMULATE, "artifacts": str(root), "enable": ["no-such-id"]})
+    assert isinstance(getattr(info.value, "inner_exception", info.value), RegistryError)
+    monkeypatch.setenv("GRAPHDISPATCH_CUDA_GRAPHS", "0")  # the environment changes, the dict does not
+    c = run(make(), {"artifacts": str(root)})
+    assert declines(c) == {"disabled": 1} and substitution(c)["parity"] == "passed"
+    monkeypatch.setenv("GRAPHDISPATCH_CUDA_GRAPHS", "emulate")
+    monkeypatch.setenv("GRAPHDISPATCH_WARMUP", "2")
+    d = run(make(), {"artifacts": str(root)})
+    assert d["options"]["warmup"] == 2 and d["graphs"][0]["cuda_graph"]["replays"] == CALLS - 4
+    counts["injected_faults"] += 4
+
+
+@pytest.mark.xfail(strict=True, raises=BackendCompilerFailed,
+                   reason="bug: an unwritable report_dir fails the compile (BackendCompilerFailed) instead of a "
+                          "logged warning")
+def test_report_dir_that_cannot_be_written(tmp_path, counts):
+    blocked = tmp_path / "gd_out"
+    blocked.write_text("a file where the report folder should be")
+    counts["injected_faults"] += 1
+    run(make(), {**EMULATE, "report_dir": str(blocked)})
+
+
+def test_strict_mode_raises_instead_of_demoting(tmp_path, counts):
+    """The one place a fault may reach the user: strict=True, on purpose (authors' CI)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(make(), backend="graphdispatch",
+                             options={**EMULATE, "strict": True,
+                                      "artifacts": str(bundle(tmp_path, kernel("return out[:2]")))})
+    with pytest.raises(Exception) as info, torch.no_grad():
+        compiled(torch.randn(4, 8))
+    chain = [info.value, getattr(info.value, "inner_exception", None), info.value.__cause__]
+    assert any(isinstance(e, GraphDispatchError) for e in chain), info.value
+    counts["injected_faults"] += 1

@@ -1,0 +1,271 @@
+"""CudaGraphEngine and the runner on a real GPU (skipped without CUDA; bench/gpu_check.sh runs them).
+
+The engine is thin and every decision is tested on CPU through HostReplayEngine; these tests
+pin what only a device can show: a real capture replays right, also when the caller works
+on a non-default stream; an aborted capture gives its memory back and leaves the caller's
+stream as it was; eager work on another thread neither fails nor spoils a capture; and the
+whole runner (block stacks, piecewise capture) replays bit for bit through torch.compile.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend.runtime.engine import CudaGraphEngine
+
+pytestmark = pytest.mark.cuda
+
+
+def mlp(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.relu(x @ w) + x,)
+
+
+def operands(n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return (torch.randn(n, n, device="cuda", generator=gen), torch.randn(n, n, device="cuda", generator=gen))
+
+
+def only_graph() -> dict[str, Any]:
+    report = graphdispatch_backend.latest_report()
+    assert report is not None
+    (graph,) = report["graphs"]
+    cg = graph["cuda_graph"]
+    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
+    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
+    return graph
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+
+def test_capture_then_replay_matches_eager_on_new_values():
+    x, w = operands()
+    graph = CudaGraphEngine().capture(mlp, (x, w))
+    try:
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))  # what the runner's copy-in does
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(graph.outputs[0], mlp(x, w)[0])
+    finally:
+        graph.reset()
+
+
+def test_replay_from_a_non_default_stream_is_ordered_with_it():
+    x, w = operands(1024)  # big enough that an unordered copy or clone would race visibly
+    graph = CudaGraphEngine().capture(mlp, (x, w))
+    side = torch.cuda.Stream()
+    inputs = [torch.randn_like(x) for _ in range(8)]
+    got = []
+    side.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
+    try:
+        with torch.cuda.stream(side):
+            for new in inputs:
+                x.copy_(new)  # on `side`: the replay must wait for it
+                graph.replay()
+                got.append(graph.outputs[0].clone())  # on `side`: must wait for the replay
+        torch.cuda.synchronize()
+        for new, out in zip(inputs, got):
+            assert torch.equal(out, mlp(new, w)[0])
+    finally:
+        graph.reset()
+
+
+def test_capture_leaves_the_callers_stream_current():
+    x, w = operands()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph = CudaGraphEngine().capture(mlp, (x, w))
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    graph.reset()
+
+
+def _raises_in_capture(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+    hidden = torch.relu(x @ w)
+    if torch.cuda.is_current_stream_capturing():  # the side-stream warmup before it passes
+        big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB from the capture's pool
+        big.fill_(1)
+        raise RuntimeError(f"kernel author's bug after {hidden.numel() + big.numel()} elements")
+    return (hidden,)
+
+
+def _syncs_in_capture(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+    hidden = torch.relu(x @ w)
+    if torch.cuda.is_current_stream_capturing():
+        hidden = hidden * float(hidden.sum().item() > 0)  # a host sync: not permitted while capturing
+    return (hidden,)
+
+
+def test_repeated_captures_do_not_grow_memory():
+    x, w = operands()
+    engine = CudaGraphEngine()
+    engine.capture(mlp, (x, w)).reset()  # the first capture initialises the side stream's cuBLAS workspace
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(4):
+        engine.capture(mlp, (x, w)).reset()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == baseline
+
+
+@pytest.mark.parametrize("fn", [_raises_in_capture, _syncs_in_capture], ids=["raises", "syncs"])
+def test_aborted_capture_releases_its_pool_and_the_stream(fn: Callable[..., Any]):
+    x, w = operands()
+    engine = CudaGraphEngine()
+    engine.capture(mlp, (x, w)).reset()  # workspaces and handles exist before the baseline
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    with pytest.raises(Exception):  # noqa: B017 - whatever CUDA or the fn raised
+        engine.capture(fn, (x, w))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == baseline  # the aborted capture's tensors and pool are gone
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    graph = engine.capture(mlp, (x, w))  # the device is fit for the next capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph.outputs[0], mlp(x, w)[0])
+    graph.reset()
+
+
+def test_eager_work_on_another_thread_during_a_capture():
+    """The runner lets other threads run eager while one captures; with the default
+    "global" capture mode their host syncs would fail or invalidate the capture."""
+    x, w = operands()
+    in_capture, done = threading.Event(), threading.Event()
+    calls = [0]
+
+    def slow(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        calls[0] += 1
+        if calls[0] == 2:  # the capture, after the side-stream warmup
+            in_capture.set()
+            assert done.wait(30)
+        return mlp(x, w)
+
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            assert in_capture.wait(30)
+            a, b = operands(128)
+            for _ in range(3):
+                float((a @ b).sum().item())  # launches and a host sync, meanwhile
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    graph = CudaGraphEngine().capture(slow, (x, w))
+    thread.join(30)
+    assert not errors, errors
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph.outputs[0], mlp(x, w)[0])
+    graph.reset()
+
+
+# -- the runner through torch.compile ----------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.lin(x))
+
+
+def stack(depth: int = 4, dim: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(dim) for _ in range(depth)]).cuda().eval()
+
+
+def run_checked(compiled: Callable[..., Any], model: Callable[..., Any], inputs: list[tuple[Any, ...]]) -> list[Any]:
+    outs = []
+    with torch.no_grad():
+        for i, args in enumerate(inputs):
+            got, want = compiled(*args), model(*args)
+            assert torch.equal(got, want), f"call {i}"
+            outs.append(got)
+    return outs
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, "auto"])
+def test_runner_replays_bitwise_through_compile(cuda_graphs):
+    model = stack()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": cuda_graphs})
+    inputs = [(torch.randn(8, 64, device="cuda"),) for _ in range(9)]
+    outs = run_checked(compiled, model, inputs)
+    snapshots = [o.clone() for o in outs]
+    run_checked(compiled, model, [(torch.randn(8, 64, device="cuda"),) for _ in range(2)])
+    assert all(torch.equal(o, s) for o, s in zip(outs, snapshots))  # later replays never touch them
+    cg = only_graph()["cuda_graph"]
+    assert cg["mode"] == "cuda" and cg["state"] == "verified"
+    assert cg["captures"] == 1 and cg["declines"] == {}
+    assert cg["replays"] == 11 - 5  # 3 warmups, 2 verifying calls
+
+
+def test_blocks_sharing_one_graph_each_capture_and_share_buffers():
+    model = stack(depth=8)
+    for block in model:  # regional compilation: one compiled graph for all eight blocks
+        block.compile(backend="graphdispatch", options={"cuda_graphs": True})
+    keep = []  # intermediates kept alive: every block input is at a new address, deterministically
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for block in model:
+            x = block(x)
+            keep.append(x)
+        return x
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        for block in model:
+            x = block.forward(x)
+        return x
+
+    run_checked(forward, reference, [(torch.randn(8, 64, device="cuda"),) for _ in range(7)])
+    graph = only_graph()
+    cg = graph["cuda_graph"]
+    assert cg["captures"] == 8 and cg["declines"] == {}
+    assert cg["replays"] == 8 * 2  # 3 warmups and 2 verifying calls per block, then replays
+    assert cg["static_bytes"] == 8 * 64 * 4  # one buffer set for all eight
+
+
+def test_moved_parameter_on_cuda_is_never_replayed_stale():
+    model = stack(depth=1)
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": True})
+    run_checked(compiled, model, [(torch.randn(8, 64, device="cuda"),) for _ in range(6)])
+    model[0].lin.weight.data = torch.randn(64, 64, device="cuda")  # a reshard: new storage
+    run_checked(compiled, model, [(torch.randn(8, 64, device="cuda"),) for _ in range(6)])
+    cg = only_graph()["cuda_graph"]
+    assert cg["captures"] == 2 and cg["replays"] == 2
+
+
+def test_piecewise_capture_on_cuda():
+    def f(x: torch.Tensor, s: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        y = (x * 2).relu()
+        n = s.sum().item()  # scalar_read
+        return y * n * scale + 1  # scale is a 0-dim CPU tensor: foreign_device
+
+    scale = torch.tensor(0.5)
+    s = torch.arange(3, device="cuda")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(f, backend="graphdispatch", options={"cuda_graphs": True})
+        run_checked(compiled, f, [(torch.randn(16, device="cuda"), s, scale) for _ in range(7)])
+        scale.fill_(2.0)  # a CPU value read live, never baked into a capture
+        run_checked(compiled, f, [(torch.randn(16, device="cuda"), s, scale)])
+    graph = only_graph()
+    assert graph["split_reasons"].get("scalar_read") == 1
+    assert graph["split_reasons"].get("foreign_device", 0) >= 1
+    assert any(p["capturable"] and p["cuda_graph"]["replays"] > 0 for p in graph["pieces"])

@@ -1,0 +1,523 @@
+"""The parity gate (DESIGN.md section 5) through torch.compile, and `runtime.parity.compare`.
+
+A one-block model has one region, `mlp`; each test writes a bundle for it whose kernel
+misbehaves in one specific way, at its first or its k-th call. Whatever the artifact does,
+the compiled output must stay bitwise equal to eager (allclose artifacts excepted, by
+their manifest), and the report must say what happened. Every call gets fresh inputs, so
+a stale or wrong result cannot hide behind a repeated one.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend.errors import GraphDispatchError
+from graphdispatch_backend.runtime.parity import Mismatch, bitwise_equal, compare
+from graphdispatch_backend.testing import write_bundle
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+MLP_INPUTS = [
+    {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
+    {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
+    {"name": "input0", "shape": [None, 8], "dtype": "float32"},
+    {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
+    {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
+]
+MLP_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}]
+
+# `{behaviour}` runs after the exact result is computed; CALLS[0] is this call's number (1-based).
+KERNEL = """
+import time
+import torch
+
+CALLS = [0]
+K = {k}
+
+
+def forward(w1, b1, x, w2, b2):
+    CALLS[0] += 1
+    out = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    if CALLS[0] >= K:
+{behaviour}
+    return out
+"""
+
+
+def mlp_bundle(root: Path, behaviour: str = "pass", k: int = 1, **fields: Any) -> Path:
+    body = "\n".join("        " + line for line in behaviour.strip().splitlines())
+    source = KERNEL.format(k=k, behaviour=body)
+    return write_bundle(root / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, source, **fields)
+
+
+def run(root: Path, calls: int = 4, model: nn.Module | None = None, bitwise: bool = True,
+        **options: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """Compile `model` (default: a Block) with `root`, run it `calls` times on fresh inputs;
+    return (compiled outputs, eager outputs, the substitution record)."""
+    torch.manual_seed(0)
+    model = (model or Block()).eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(root), **options})
+    ours, eager = [], []
+    with torch.no_grad():
+        for i in range(calls):
+            x = torch.randn(2, 8)  # one shape: a new one would be a new graph (Dynamo recompiles)
+            expected = model(x.clone())
+            ours.append(compiled(x))
+            eager.append(expected)
+            if bitwise:
+                assert torch.equal(ours[-1], expected), f"call {i + 1} differs from eager"
+    return ours, eager, substitution()
+
+
+def substitution(index: int = 0) -> dict:
+    return graphdispatch_backend.latest_report()["graphs"][-1]["substitutions"][index]
+
+
+# -- bitwise ----------------------------------------------------------------------------------------------
+
+
+def test_bitwise_pass_serves_every_later_call(tmp_path):
+    mlp_bundle(tmp_path)
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for i in range(1, 4):
+            x = torch.randn(3, 8)
+            assert torch.equal(compiled(x), model(x))
+            sub = substitution()
+            assert (sub["parity"], sub["calls"], sub["native_calls"], sub["gates"]) == ("passed", i, 0, 1)
+    assert sub["demoted"] is False and sub["reason"] is None and sub["parity_mode"] == "bitwise"
+
+
+def test_bitwise_fail_is_demoted_with_diff_and_index(tmp_path):
+    mlp_bundle(tmp_path, "out = out.clone()\nout[1, 3] += 0.5")
+    _, _, sub = run(tmp_path)
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "parity", "failed")
+    assert sub["max_abs_diff"] == pytest.approx(0.5, abs=1e-5)
+    assert sub["first_mismatch_index"] == [1, 3]
+    assert "bits differ" in sub["detail"] and "[1, 3]" in sub["detail"]
+    assert (sub["calls"], sub["native_calls"], sub["gates"]) == (0, 4, 1)
+
+
+def test_bitwise_comparator_rejects_negative_zero_that_torch_equal_accepts():
+    expected, actual = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    assert torch.equal(expected, actual)
+    mismatch = compare([expected], [actual])
+    assert mismatch is not None and mismatch.first_index == (0,) and mismatch.max_abs_diff == 0.0
+
+
+# -- allclose -------------------------------------------------------------------------------------------
+
+
+ALLCLOSE = {"mode": "allclose", "rtol": 1e-4, "atol": 1e-6}
+
+
+def test_allclose_pass_within_tolerance_serves(tmp_path):
+    mlp_bundle(tmp_path, "out = out * (1 + 2e-6)", parity=ALLCLOSE)
+    ours, eager, sub = run(tmp_path, bitwise=False)
+    assert (sub["parity"], sub["parity_mode"], sub["demoted"], sub["calls"]) == ("passed", "allclose", False, 4)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ours, eager))
+    assert not all(torch.equal(a, b) for a, b in zip(ours, eager))  # the artifact's own bits were served
+
+
+def test_allclose_fail_beyond_tolerance(tmp_path):
+    mlp_bundle(tmp_path, "out = out.clone()\nout[0, 1] += 1e-2", parity=ALLCLOSE)
+    _, _, sub = run(tmp_path)
+    assert (sub["demoted"], sub["reason"]) == (True, "parity")
+    assert "rtol=0.0001" in sub["detail"] and sub["first_mismatch_index"] == [0, 1]
+    assert sub["max_abs_diff"] == pytest.approx(1e-2, rel=1e-3)
+
+
+@pytest.mark.parametrize("value, name", [("float('nan')", "nan"), ("float('inf')", "+inf"), ("-float('inf')", "-inf")])
+def test_allclose_fail_when_nan_or_inf_positions_differ_even_within_tolerance(tmp_path, value, name):
+    # atol 1e30: every finite difference is "close"; only the NaN/inf placement rule can fail it
+    huge = {"mode": "allclose", "rtol": 0, "atol": 1e30}
+    mlp_bundle(tmp_path, f"out = out.clone()\nout[1, 2] = {value}", parity=huge)
+    _, _, sub = run(tmp_path)
+    assert (sub["demoted"], sub["reason"]) == (True, "parity")
+    assert f"{name} positions differ" in sub["detail"] and sub["first_mismatch_index"] == [1, 2]
+    assert sub["max_abs_diff"] is None
+
+
+# -- raising ------------------------------------------------------------------------------------------------
+
+
+def test_artifact_raising_on_its_first_call(tmp_path):
+    mlp_bundle(tmp_path, "raise RuntimeError('kernel launch failed')")
+    _, _, sub = run(tmp_path)
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "raised", "failed")
+    assert sub["detail"] == "RuntimeError: kernel launch failed"
+    assert (sub["calls"], sub["native_calls"]) == (0, 4)
+
+
+def test_artifact_raising_at_its_kth_call_is_demoted_then_and_the_run_goes_on(tmp_path, gd_log):
+    mlp_bundle(tmp_path, "raise RuntimeError('out of registers')", k=3)
+    _, _, sub = run(tmp_path, calls=5)
+    assert (sub["demoted"], sub["reason"]) == (True, "raised")
+    assert sub["parity"] == "passed"  # it did pass the gate; it failed later
+    assert (sub["calls"], sub["native_calls"]) == (2, 3)  # served calls 1-2; native from call 3 on
+    warnings = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING" and "demoted" in r.getMessage()]
+    assert len(warnings) == 1 and "out of registers" in warnings[0]
+
+
+# -- bad outputs at a later call ---------------------------------------------------------------------------
+
+
+BAD_OUTPUTS = {
+    "shape": ("out = out[:1]", "Tensor[1, 8]"),
+    "dtype": ("out = out.double()", "torch.float64"),
+    "stride": ("out = out.t().contiguous().t()", "stride (1,"),
+    "non_tensor": ("out = 0.5", "float"),
+    "none": ("out = None", "NoneType"),
+    "count": ("out = (out, out)", "Tensor[2, 8] torch.float32 stride (8, 1), Tensor[2, 8]"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_OUTPUTS))
+def test_bad_output_at_a_later_call_is_demoted(tmp_path, kind):
+    behaviour, named = BAD_OUTPUTS[kind]
+    mlp_bundle(tmp_path, behaviour, k=3)
+    _, _, sub = run(tmp_path, calls=4)
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "bad_output", "passed")
+    assert named in sub["detail"], sub["detail"]
+    assert (sub["calls"], sub["native_calls"]) == (2, 2)
+
+
+@pytest.mark.parametrize("kind, reason, what", [
+    ("shape", "parity", "shape"), ("dtype", "parity", "dtype"), ("stride", "parity", "stride"),
+    ("count", "parity", "count"), ("non_tensor", "bad_output", "tensors expected"),
+    ("none", "bad_output", "tensors expected"),
+])
+def test_bad_output_at_the_first_call_fails_the_gate(tmp_path, kind, reason, what):
+    mlp_bundle(tmp_path, BAD_OUTPUTS[kind][0])
+    _, _, sub = run(tmp_path, calls=2)
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, reason, "failed")
+    assert what in sub["detail"]
+
+
+# -- mutation ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("behaviour", ["x.mul_(2)", "w1.zero_()", "b2.add_(1)"])
+def test_artifact_that_mutates_its_input_is_demoted_and_the_input_restored(tmp_path, behaviour):
+    mlp_bundle(tmp_path, behaviour)
+    torch.manual_seed(0)
+    model = Block().eval()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 8)
+            before, expected = x.clone(), model(x.clone())
+            assert torch.equal(compiled(x), expected)
+            assert torch.equal(x, before)  # the caller's tensor is as it was
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "mutated_input", "failed")
+    assert "1 of its inputs" in sub["detail"]
+
+
+# -- a region with several outputs -------------------------------------------------------------------------
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return torch.relu(h), torch.sigmoid(h)
+
+
+class TwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.two = Two()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.two(x)
+        return a * b + x
+
+
+TWO_SOURCE = """
+import torch
+
+
+def forward(w, b, x):
+    h = torch.addmm(b, x, w.t())
+    return {result}
+"""
+TWO_INPUTS = [{"name": "lin.weight", "shape": [8, 8], "dtype": "float32"},
+              {"name": "lin.bias", "shape": [8], "dtype": "float32"},
+              {"name": "input0", "shape": [None, 8], "dtype": "float32"}]
+TWO_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}] * 2
+
+
+@pytest.mark.parametrize("result, demoted, detail", [
+    ("torch.relu(h), torch.sigmoid(h)", False, None),
+    ("[torch.relu(h), torch.sigmoid(h)]", False, None),  # a list is as good as a tuple
+    ("torch.sigmoid(h), torch.relu(h)", True, "output 0: values"),
+    ("torch.relu(h), torch.sigmoid(h) * 1.0001", True, "output 1: values"),
+    ("torch.relu(h)", True, "output -1: count: 1 outputs, expected 2"),
+    # -0.0 where relu gives +0.0: equal values (torch.equal agrees), different bits
+    ("torch.where(h <= 0, -0.0, torch.relu(h)), torch.sigmoid(h)", True,
+     "output 0: values: bits differ (max abs diff 0,"),
+])
+def test_multi_output_region(tmp_path, result, demoted, detail):
+    write_bundle(tmp_path / "two", "two", "two", TWO_INPUTS, TWO_OUTPUTS,
+                 TWO_SOURCE.format(result=result))
+    _, _, sub = run(tmp_path, calls=3, model=TwoOut())
+    assert sub["region"] == "two" and sub["demoted"] is demoted
+    if demoted:
+        assert sub["reason"] == "parity" and sub["detail"].startswith(detail), sub["detail"]
+    else:
+        assert (sub["parity"], sub["calls"]) == ("passed", 3)
+
+
+# -- speed_gate ---------------------------------------------------------------------------------------------
+
+
+def test_speed_gate_keeps_native_when_the_artifact_is_slower(tmp_path):
+    mlp_bundle(tmp_path, "time.sleep(0.01)")
+    _, _, sub = run(tmp_path, calls=3, speed_gate=True)
+    assert (sub["demoted"], sub["reason"]) == (True, "slower")
+    assert sub["parity"] == "passed"  # the bits were right: speed alone decided
+    speed = sub["speed"]
+    assert speed["artifact_ms"] >= 10 > speed["native_ms"] and speed["speedup"] < 1
+    assert "median of" in sub["detail"] and (sub["calls"], sub["native_calls"]) == (0, 3)
+
+
+class Slow(nn.Module):
+    """200 exact no-ops (x * 1.0): slow through the native region, one clone for the artifact."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(200):
+            x = x * 1.0
+        return x
+
+
+class SlowModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = Slow()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.slow(x) + 1
+
+
+def test_speed_gate_serves_a_faster_artifact(tmp_path):
+    spec = [{"name": "input0", "shape": [None, 8], "dtype": "float32"}]
+    write_bundle(tmp_path / "fast", "fast", "slow", spec, [{"shape": [None, 8], "dtype": "float32"}],
+                 "def forward(x):\n    return x.clone()\n")
+    _, _, sub = run(tmp_path, calls=3, model=SlowModel(), speed_gate=True)
+    assert (sub["demoted"], sub["parity"], sub["calls"]) == (False, "passed", 3)
+    assert sub["speed"]["speedup"] > 1 and sub["speed"]["artifact_ms"] < sub["speed"]["native_ms"]
+
+
+def test_speed_gate_off_records_no_timing(tmp_path):
+    mlp_bundle(tmp_path, "time.sleep(0.003)")
+    _, _, sub = run(tmp_path, calls=2)
+    assert (sub["demoted"], sub["speed"], sub["calls"]) == (False, None, 2)
+
+
+def test_artifact_raising_while_timed_for_speed_gate_is_demoted(tmp_path):
+    """The speed gate runs the artifact again; raising there demotes like any other call."""
+    mlp_bundle(tmp_path, "raise RuntimeError('flaky')", k=2)
+    _, _, sub = run(tmp_path, calls=3, speed_gate=True)
+    assert (sub["demoted"], sub["reason"]) == (True, "raised")
+    assert "flaky" in sub["detail"] and "speed_gate" in sub["detail"]
+
+
+# -- strict ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("behaviour, named", [
+    ("out = out.clone()\nout[0, 0] += 1", "parity"),
+    ("raise RuntimeError('boom')", "boom"),
+])
+def test_strict_raises_instead_of_demoting(tmp_path, behaviour, named):
+    mlp_bundle(tmp_path, behaviour)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path), "strict": True})
+    with torch.no_grad(), pytest.raises(GraphDispatchError) as info:
+        compiled(torch.randn(2, 8))
+    assert named in str(info.value)
+
+
+def test_strict_does_not_raise_for_a_passing_artifact(tmp_path):
+    mlp_bundle(tmp_path)
+    _, _, sub = run(tmp_path, calls=2, strict=True)
+    assert sub["parity"] == "passed"
+
+
+# -- one gate per shape key -----------------------------------------------------------------------------------
+
+
+def test_each_shape_key_is_gated_once(tmp_path):
+    mlp_bundle(tmp_path)
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=True, options={"artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for batch in (2, 3, 2, 3, 5):
+            x = torch.randn(batch, 8)
+            assert torch.equal(compiled(x), model(x))
+    report = graphdispatch_backend.latest_report()
+    (graph,) = report["graphs"]
+    (sub,) = graph["substitutions"]
+    assert (sub["gates"], sub["calls"], sub["parity"]) == (3, 5, "passed")
+
+
+# == runtime.parity.compare ======================================================================================
+
+
+def f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def test_identical_outputs_compare_equal():
+    a = torch.randn(3, 4)
+    assert compare([a, 2, None], [a.clone(), 2, None]) is None
+    assert bitwise_equal(a, a.clone())
+
+
+def test_nan_payloads_must_agree_bitwise_but_not_in_allclose():
+    quiet, other = torch.tensor([f32(0x7FC00000)]), torch.tensor([f32(0x7FC00001)])
+    assert torch.isnan(quiet).all() and torch.isnan(other).all()
+    assert compare([quiet], [quiet.clone()]) is None
+    mismatch = compare([quiet], [other])
+    assert mismatch.what == "values" and mismatch.first_index == (0,) and mismatch.max_abs_diff is None
+    assert compare([quiet], [other], "allclose", 0.0, 0.0) is None
+    assert not bitwise_equal(quiet, other)
+
+
+def test_negative_zero_in_allclose_is_equal():
+    assert compare([torch.tensor([0.0])], [torch.tensor([-0.0])], "allclose", 0.0, 0.0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_bitwise_in_narrow_and_wide_floats(dtype):
+    e = torch.tensor([1.0, 2.0, 3.0], dtype=dtype)
+    a = e.clone()
+    bits = a.view(torch.int64 if dtype == torch.float64 else torch.int16)
+    bits[2] += 1  # the next representable value after 3.0: one ulp
+    mismatch = compare([e], [a])
+    assert mismatch is not None and mismatch.first_index == (2,) and mismatch.max_abs_diff > 0
+
+
+def test_first_mismatch_index_is_row_major_and_max_diff_is_over_all():
+    e = torch.zeros(2, 3, 4)
+    a = e.clone()
+    a[1, 2, 0] = 5.0
+    a[1, 0, 3] = 0.25
+    a[0, 2, 1] = float("nan")
+    mismatch = compare([e], [a])
+    assert mismatch.first_index == (0, 2, 1) and mismatch.max_abs_diff == 5.0  # NaN has no distance
+    assert str(mismatch) == "output 0: values: bits differ (max abs diff 5, first at [0, 2, 1])"
+    assert mismatch.to_dict() == {"output": 0, "what": "values", "detail": "bits differ", "max_abs_diff": 5.0,
+                                  "first_mismatch_index": [0, 2, 1]}
+
+
+def test_zero_dim_tensor_mismatch_index_is_empty():
+    mismatch = compare([torch.tensor(1.0)], [torch.tensor(2.0)])
+    assert mismatch.first_index == () and mismatch.to_dict()["first_mismatch_index"] == []
+
+
+def test_complex_bitwise_and_allclose():
+    e = torch.tensor([1 + 1j, 2 + 2j, 3 + 3j], dtype=torch.complex64)
+    a = e.clone()
+    a[1] = 2 + 2.001j  # only the imaginary part differs
+    mismatch = compare([e], [a])
+    assert mismatch.first_index == (1,)
+    assert mismatch.max_abs_diff == pytest.approx(1e-3, rel=1e-3)  # |a - e|, not ||a| - |e||
+    assert compare([e], [a], "allclose", 1e-3, 0.0) is None
+    assert compare([e], [a], "allclose", 1e-5, 0.0).what == "values"
+
+
+def test_complex_allclose_pins_nan_and_inf_per_component():
+    nan, inf = float("nan"), float("inf")
+    e = torch.tensor([complex(nan, 1.0), complex(1.0, inf), 1 + 1j], dtype=torch.complex128)
+    assert compare([e], [e.clone()], "allclose", 0.0, 0.0) is None  # same places: equal
+    moved = torch.tensor([complex(1.0, nan), complex(1.0, inf), 1 + 1j], dtype=torch.complex128)
+    mismatch = compare([e], [moved], "allclose", 1.0, 1.0)
+    assert mismatch.what == "nan_inf" and mismatch.first_index == (0,)
+
+
+def test_bool_and_int_are_always_compared_exactly():
+    e, a = torch.tensor([True, False, True]), torch.tensor([True, True, True])
+    mismatch = compare([e], [a], "allclose", 1.0, 1.0)
+    assert mismatch.first_index == (1,) and mismatch.max_abs_diff is None
+    ei, ai = torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 2], [3, 5]])
+    mismatch = compare([ei], [ai], "allclose", 1.0, 10.0)  # no tolerance for integers
+    assert mismatch.first_index == (1, 1) and mismatch.max_abs_diff == 1.0
+
+
+def test_allclose_nan_and_inf_placement():
+    nan, inf = float("nan"), float("inf")
+    e = torch.tensor([1.0, nan, inf, -inf])
+    assert compare([e], [e.clone()], "allclose", 0.0, 0.0) is None
+    assert compare([e], [torch.tensor([1.0, 0.0, inf, -inf])], "allclose", 0.0, 1e30).detail == "nan positions differ"
+    assert compare([e], [torch.tensor([1.0, nan, -inf, -inf])], "allclose", 0.0, 1e30).detail == "+inf positions differ"
+    mismatch = compare([e], [torch.tensor([1.0, nan, inf, 5.0])], "allclose", 0.0, 1e30)
+    assert (mismatch.what, mismatch.first_index) == ("nan_inf", (3,))
+    assert compare([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, nan])], "allclose", 0.0, 1e30).what == "nan_inf"
+
+
+def test_allclose_tolerance():
+    e = torch.tensor([1.0, 100.0])
+    assert compare([e], [torch.tensor([1.0, 100.05])], "allclose", 1e-3, 0.0) is None
+    mismatch = compare([e], [torch.tensor([1.01, 100.05])], "allclose", 1e-3, 0.0)
+    assert mismatch.first_index == (0,) and mismatch.max_abs_diff == pytest.approx(0.05, rel=1e-3)
+
+
+def test_strides_are_part_of_parity():
+    e = torch.arange(6.0).reshape(2, 3)
+    a = e.t().contiguous().t()
+    assert torch.equal(e, a) and e.stride() != a.stride()
+    mismatch = compare([e], [a])
+    assert mismatch.what == "stride" and "(1, 2)" in mismatch.detail
+    assert compare([e], [a], check_strides=False) is None
+    assert compare([torch.ones(1, 1)], [torch.ones(1, 1).t()]) is None  # one element: no layout to differ
+
+
+@pytest.mark.parametrize("expected, actual, what", [
+    ([torch.zeros(2)], [torch.zeros(3)], "shape"),
+    ([torch.zeros(2)], [torch.zeros(2, dtype=torch.float64)], "dtype"),
+    ([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)], "count"),
+    ([torch.zeros(2)], [0.0], "type"),
+    ([3], [4], "type"),
+    ([None], [torch.zeros(2)], "type"),
+])
+def test_structure_mismatches(expected, actual, what):
+    mismatch = compare(expected, actual)
+    assert isinstance(mismatch, Mismatch) and mismatch.what == what
+
+
+def test_empty_tensors_compare_equal():
+    assert compare([torch.empty(0, 3)], [torch.empty(0, 3)]) is None

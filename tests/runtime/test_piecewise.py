@@ -1,0 +1,313 @@
+"""Piecewise capture: a graph is cut around the nodes a CUDA graph cannot hold.
+
+`.item()` (aten._local_scalar_dense), runtime asserts, ops tagged cudagraph_unsafe, random
+ops, tensors on another device and artifacts declared `"capturable": false` stay eager,
+inline and in order; the runs between them are captured and replay. Outputs are bitwise
+equal to eager, the report lists the pieces and why each split happened, and a graph made
+only of such nodes runs eager as no_capturable_piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend.errors import SplitReason
+from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
+from graphdispatch_backend.passes.ops import draws_random
+from graphdispatch_backend.passes.split_pieces import split_pieces, split_reason
+from graphdispatch_backend.testing import aten_graph, manifest_from_region, write_bundle
+
+
+@torch.library.custom_op("gdtest_piecewise::host_sync", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def host_sync(x: torch.Tensor) -> torch.Tensor:
+    """Stands for an op that syncs with the host, so its author tagged it cudagraph_unsafe."""
+    return x * 3
+
+
+@host_sync.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def emulate(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    return torch.compile(fn, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2, **options})
+
+
+def only_graph() -> dict[str, Any]:
+    report = graphdispatch_backend.latest_report()
+    assert report is not None
+    (graph,) = report["graphs"]
+    cg = graph["cuda_graph"]
+    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
+    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
+    return graph
+
+
+def run_checked(compiled: Callable[..., Any], fn: Callable[..., Any], inputs: Sequence[tuple[Any, ...]],
+                seed: int | None = None) -> None:
+    with torch.no_grad():
+        for i, args in enumerate(inputs):
+            if seed is not None:
+                torch.manual_seed(seed + i)
+            got = compiled(*args)
+            if seed is not None:
+                torch.manual_seed(seed + i)
+            want = fn(*args)
+            assert got.dtype == want.dtype and torch.equal(got, want), f"call {i}"
+
+
+def summary(graph: dict[str, Any]) -> list[tuple[bool, dict[str, int], list[str]]]:
+    return [(p["capturable"], p["split_reasons"], p["ops"]) for p in graph["pieces"]]
+
+
+# -- through torch.compile ----------------------------------------------------------------
+
+
+def scalar_read(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    y = (x * 2).relu()
+    n = s.sum().item()
+    return y * n + 1
+
+
+def test_item_splits_around_local_scalar_dense_and_pieces_replay():
+    s = torch.arange(3)
+    inputs = [(torch.randn(4), s) for _ in range(6)]  # kept alive: x moves every call
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # else .item() is a graph break
+        run_checked(emulate(scalar_read), scalar_read, inputs)
+    graph = only_graph()
+    assert graph["split_reasons"] == {"scalar_read": 1}
+    assert summary(graph) == [
+        (True, {}, ["aten::mul.Tensor", "aten::relu.default", "aten::sum.default"]),
+        (False, {"scalar_read": 1}, ["aten::_local_scalar_dense.default"]),
+        (True, {}, ["aten::mul.Tensor", "aten::add.Tensor"]),
+    ]
+    for piece in (graph["pieces"][0], graph["pieces"][2]):
+        stats = piece["cuda_graph"]
+        assert stats["captures"] == 1 and stats["replays"] == 2 and stats["declines"] == {}
+    assert "cuda_graph" not in graph["pieces"][1]
+    assert graph["cuda_graph"]["replays"] == 2  # a call replays when every captured piece did
+
+
+def test_a_changed_scalar_read_is_a_new_key_of_the_piece_after_it():
+    # same shape (no recompile), another sum
+    first, second = torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3])
+    inputs = [(torch.randn(4), first) for _ in range(5)] + [(torch.randn(4), second) for _ in range(4)]
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        run_checked(emulate(scalar_read), scalar_read, inputs)
+    after = only_graph()["pieces"][2]["cuda_graph"]
+    assert after["shape_keys"] == 2  # n == 3, then n == 6: never replayed with the old constant
+
+
+def test_runtime_asserts_split_as_assert_scalar():
+    def slice_by(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        n = s.max().item()
+        return (x * 2).relu()[:n].sum(0) + x.cos()[:1]
+
+    s = torch.tensor([1, 2])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        run_checked(emulate(slice_by), slice_by, [(torch.randn(4), s) for _ in range(6)])
+    graph = only_graph()
+    assert graph["split_reasons"] == {"scalar_read": 1, "assert_scalar": 2}
+    # the size arithmetic between the asserts launches no kernel: left inline, not made a piece
+    assert all(any(not op.startswith("_operator") for op in p["ops"]) for p in graph["pieces"] if p["capturable"])
+    assert graph["cuda_graph"]["replays"] == 2
+
+
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    y = x.sin()
+    return y * torch.rand_like(y) + x
+
+
+def test_random_op_splits_and_matches_eager_under_the_same_seed():
+    run_checked(emulate(noisy), noisy, [(torch.randn(4),) for _ in range(6)], seed=100)
+    graph = only_graph()
+    assert graph["split_reasons"] == {"random_op": 1}
+    assert summary(graph) == [
+        (True, {}, ["aten::sin.default"]),
+        (False, {"random_op": 1}, ["aten::rand_like.default"]),
+        (True, {}, ["aten::mul.Tensor", "aten::add.Tensor"]),
+    ]
+    assert graph["cuda_graph"]["replays"] == 2
+
+
+def test_dropout_counts_once_though_it_has_two_outputs():
+    def dropped(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x.sin(), 0.5, training=True) + 1
+
+    run_checked(emulate(dropped), dropped, [(torch.randn(8),) for _ in range(6)], seed=7)
+    graph = only_graph()
+    assert graph["split_reasons"] == {"random_op": 1}
+    assert [p["split_reasons"] for p in graph["pieces"] if not p["capturable"]] == [{"random_op": 1}]
+
+
+def test_cudagraph_unsafe_tag_splits():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return host_sync(x.sin()) + 1
+
+    run_checked(emulate(f), f, [(torch.randn(4),) for _ in range(6)])
+    graph = only_graph()
+    assert graph["split_reasons"] == {"cudagraph_unsafe_tag": 1}
+    assert [p["capturable"] for p in graph["pieces"]] == [True, False, True]
+    assert graph["cuda_graph"]["replays"] == 2
+
+
+def test_graph_of_only_unsafe_nodes_is_no_capturable_piece():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.rand_like(x)
+
+    run_checked(emulate(f), f, [(torch.randn(4),) for _ in range(3)], seed=3)
+    cg = only_graph()["cuda_graph"]
+    assert cg["reason"] == "no_capturable_piece"
+    assert cg["eager_by_reason"] == {"no_capturable_piece": 3}
+    assert cg["declines"] == {"no_capturable_piece": 1}
+
+
+class FF(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ff = FF()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x.sin()) * 2
+
+
+def test_artifact_declared_not_capturable_splits_around_its_call(tmp_path):
+    model = Model().eval()
+    with torch.no_grad():
+        emulate(model)(torch.randn(2, 8))
+    region = next(r for r in only_graph()["regions"] if r["module"] == "ff")
+    names = [i["name"] for i in region["inputs"]]
+    source = (
+        "import torch\n\n\n"
+        "def forward(*args):\n"
+        f"    b, w, x = args[{names.index('lin.bias')}], args[{names.index('lin.weight')}], "
+        f"args[{names.index('input0')}]\n"
+        "    return torch.relu(torch.addmm(b, x, w.t()))\n"
+    )
+    write_bundle(tmp_path / "ff", "ff-host", "ff", **manifest_from_region(region), source=source, capturable=False)
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    run_checked(emulate(model, artifacts=str(tmp_path)), model, [(torch.randn(2, 8),) for _ in range(6)])
+    graph = only_graph()
+    (sub,) = graph["substitutions"]
+    assert sub["artifact"] == "ff-host" and not sub["capturable"] and not sub["demoted"] and sub["calls"] == 6
+    assert graph["split_reasons"] == {"artifact_not_capturable": 1}
+    assert [(p["capturable"], p["split_reasons"]) for p in graph["pieces"]] == [
+        (True, {}), (False, {"artifact_not_capturable": 1}), (True, {}),
+    ]
+    assert graph["cuda_graph"]["replays"] == 2
+
+
+# -- split_pieces, directly ----------------------------------------------------------------------
+
+
+def cut(gm: fx.GraphModule, device: str) -> tuple[PassContext, list[fx.GraphModule]]:
+    made: list[fx.GraphModule] = []
+
+    def make_piece(piece: fx.GraphModule, info: PieceInfo) -> Callable[..., Any]:
+        made.append(piece)
+
+        def run(*args: Any) -> Any:
+            return piece(*args)
+
+        # FX code generation names a call target by these, as backend.py's runners do
+        run.__name__ = run.__qualname__ = f"gd_piece_{info.index}"
+        run.__module__ = "graphdispatch"
+        return run
+
+    ctx = PassContext(pieces_spec=PieceSpec(device, make_piece))
+    split_pieces(gm, ctx)
+    return ctx, made
+
+
+def chain(x: torch.Tensor) -> torch.Tensor:
+    return x.sin().cos() + x
+
+
+def test_cpu_graph_under_a_cuda_spec_splits_everything_as_foreign_device():
+    lowered = aten_graph(chain, torch.randn(4))
+    ctx, made = cut(lowered.gm, "cuda")
+    assert ctx.split_reasons == {SplitReason.FOREIGN_DEVICE: 3}
+    assert [(p.capturable, p.reasons) for p in ctx.pieces] == [(False, {"foreign_device": 3})]
+    assert made == []
+    x = torch.randn(4)
+    assert torch.equal(lowered.gm(x)[0], chain(x))
+
+
+def test_same_device_graph_is_one_whole_piece_and_left_alone():
+    lowered = aten_graph(chain, torch.randn(4))
+    before = lowered.gm.code
+    ctx, made = cut(lowered.gm, "cpu")
+    assert ctx.split_reasons == {}
+    assert [(p.capturable, p.nodes) for p in ctx.pieces] == [(True, 3)]
+    assert made == [] and lowered.gm.code == before  # captured whole by the caller, not rewritten
+
+
+def test_a_tensor_on_another_device_splits_where_it_is_made_and_read():
+    lowered = aten_graph(chain, torch.randn(4))
+    gm = lowered.gm
+    cos = next(n for n in gm.graph.nodes if n.op == "call_function" and "cos" in str(n.target))
+    cos.meta["val"] = torch.empty(4, device="meta")  # as if cos ran on another device
+    ctx, made = cut(gm, "cpu")
+    assert ctx.split_reasons == {SplitReason.FOREIGN_DEVICE: 2}  # cos makes it, add reads it
+    assert [(p.capturable, p.reasons) for p in ctx.pieces] == [(True, {}), (False, {"foreign_device": 2})]
+    assert len(made) == 1
+    x = torch.randn(4)
+    assert torch.equal(gm(x)[0], chain(x))  # the cut graph still computes the same
+
+
+def test_split_reason_of_each_kind():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+
+    def call(target: Any, *args: Any, **meta: Any) -> fx.Node:
+        node = graph.call_function(target, args)
+        node.meta.update({"val": torch.empty(4), **meta})
+        return node
+
+    aten = torch.ops.aten
+    assert split_reason(call(aten.sin.default, x), "cpu") is None
+    assert split_reason(call(aten._local_scalar_dense.default, x), "cpu") is SplitReason.SCALAR_READ
+    assert split_reason(call(aten._assert_async.default, x), "cpu") is SplitReason.ASSERT_SCALAR
+    unsafe = torch.ops.gdtest_piecewise.host_sync.default
+    assert split_reason(call(unsafe, x), "cpu") is SplitReason.CUDAGRAPH_UNSAFE_TAG
+    assert split_reason(call(aten.rand_like.default, x), "cpu") is SplitReason.RANDOM_OP
+    assert split_reason(call(aten.sin.default, x, gd_capturable=False), "cpu") is SplitReason.ARTIFACT_NOT_CAPTURABLE
+    assert split_reason(call(aten.sin.default, x), "cuda") is SplitReason.FOREIGN_DEVICE
+
+
+def test_draws_random_reads_dropout_arguments():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    aten = torch.ops.aten
+
+    def node(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return graph.call_function(target, args, kwargs)
+
+    assert draws_random(node(aten.rand_like.default, x))
+    assert draws_random(node(aten.native_dropout.default, x, 0.5, True))
+    assert draws_random(node(aten.native_dropout.default, x, 0.5, None))  # ATen: train=None means training
+    assert not draws_random(node(aten.native_dropout.default, x, 0.5, False))
+    assert not draws_random(node(aten.native_dropout.default, x, 0.0, True))
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not draws_random(node(sdpa, x, x, x))  # dropout_p defaults to 0
+    assert not draws_random(node(sdpa, x, x, x, 0.0))
+    assert draws_random(node(sdpa, x, x, x, dropout_p=0.1))
+    assert not draws_random(node(aten.sin.default, x))

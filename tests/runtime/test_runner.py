@@ -1,0 +1,809 @@
+"""GraphRunner: warmup -> capture -> verify -> replay, and every decline, on CPU.
+
+Through torch.compile with `cuda_graphs="emulate"` (the full state machine on HostReplayEngine)
+where the path matters, and on a GraphRunner built directly where that is simpler. Every
+test compares each output with eager, bit for bit, and checks the report's accounting:
+`calls == replays + eager_calls` and `eager_by_reason` sums to `eager_calls`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend.backend import graphdispatch_backend as backend_fn
+from graphdispatch_backend.backend import make_contain
+from graphdispatch_backend.diagnostics.events import Events
+from graphdispatch_backend.diagnostics.report import CudaGraphStats
+from graphdispatch_backend.diagnostics.timing import Timing
+from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.examples.dit import DiTConfig, example_inputs, make_model
+from graphdispatch_backend.runtime import runner as runner_mod
+from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.runtime.runner import MAX_RECAPTURES, NOT_DISTINCT_LIMIT, GraphRunner, State
+from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.testing import manifest_from_region, write_bundle
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def make_runner(fn: Callable[..., Sequence[Any]], *, warmup: int = 2, max_captures: int = 8, verify_inputs: int = 2,
+                state: dict[int, str] | None = None, gates: Sequence[Any] = (), engine: Any = None,
+                scope: RuntimeScope | None = None) -> tuple[GraphRunner, CudaGraphStats]:
+    """A runner on its own scope. Note warmup=1 sees one observation, so every tensor input
+    counts as pinned until it moves; tests that feed new tensors use warmup >= 2."""
+    scope = scope or RuntimeScope(engine or HostReplayEngine(), Timing(), Events(), make_contain(False))
+    stats = CudaGraphStats()
+    runner = GraphRunner(fn, "piece", scope, stats, warmup=warmup, max_captures=max_captures,
+                         verify_inputs=verify_inputs, state_names=state or {}, gates=gates)
+    return runner, stats
+
+
+def assert_stats_accounted(stats: CudaGraphStats, calls: int) -> None:
+    assert stats.replays + stats.eager_calls == calls
+    assert sum(stats.eager_by_reason.values()) == stats.eager_calls
+
+
+def assert_report_accounted(report: dict[str, Any]) -> None:
+    for graph in report["graphs"]:
+        cg = graph["cuda_graph"]
+        assert graph["calls"] == cg["replays"] + cg["eager_calls"], graph["name"]
+        assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"], graph["name"]
+        for piece in graph["pieces"]:
+            if "cuda_graph" in piece:
+                stats = piece["cuda_graph"]
+                assert sum(stats["eager_by_reason"].values()) == stats["eager_calls"]
+
+
+def only_graph() -> dict[str, Any]:
+    report = graphdispatch_backend.latest_report()
+    assert report is not None
+    assert_report_accounted(report)
+    (graph,) = report["graphs"]
+    return graph
+
+
+def emulate(model: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    return torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate", **options})
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of (tuples of) tensors and constants, same dtype and strides."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def affine(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+    return (x @ w + 1.0,)
+
+
+class PtrMemo:
+    """A kernel with a host-side cache keyed by input address (as a descriptor cache might
+    be): right for every fresh tensor, stale on a static buffer whose values changed. Right
+    on the capture inputs, wrong on changed ones: what verification is for."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        hit = self.memo.get(x.data_ptr())
+        if hit is None:  # keeps x alive, so no fresh tensor can reuse its address
+            hit = self.memo[x.data_ptr()] = (x, x * 2 + 1)
+        return (hit[1] + 0,)  # a new tensor: the capture poisons its outputs, never the cache
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.lin(x))
+
+
+def stack(depth: int = 2, dim: int = 8, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block(dim) for _ in range(depth)]).eval()
+
+
+def run_checked(compiled: Callable[..., Any], model: Callable[..., Any],
+                inputs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Call both on every input set; every output must be bitwise equal to eager."""
+    outs = []
+    with torch.no_grad():
+        for i, args in enumerate(inputs):
+            got, want = compiled(*args), model(*args)
+            assert same(got, want), f"call {i}"
+            outs.append(got)
+    return outs
+
+
+# -- the fast path ---------------------------------------------------------------------
+
+
+def test_block_stack_replays_after_warmup_and_verification():
+    cfg = DiTConfig(depth=2, image_size=8)
+    model = make_model(cfg=cfg)
+    inputs = [example_inputs(seed=i, cfg=cfg) for i in range(7)]
+    run_checked(emulate(model), model, inputs)
+    graph = only_graph()
+    cg = graph["cuda_graph"]
+    # 3 warmups, the capture call verifies (1), one more distinct input set verifies (2), then replays
+    assert cg["state"] == "verified"
+    assert (cg["captures"], cg["replays"], cg["eager_calls"]) == (1, 2, 5)
+    assert cg["eager_by_reason"] == {"warmup": 3, "verifying": 2}
+    assert graph["calls"] == 7 == cg["replays"] + cg["eager_calls"]
+    assert cg["declines"] == {}
+    assert cg["static_bytes"] > 0
+
+
+def test_direct_runner_state_machine_counts():
+    runner, stats = make_runner(affine, warmup=3, verify_inputs=2)
+    w = torch.randn(4, 4)
+    keep = [torch.randn(3, 4) for _ in range(8)]  # kept alive: each call a new address (moving)
+    states = []
+    for x in keep:
+        assert same(runner(x, w), affine(x, w))
+        states.append(stats.state)
+    assert states[:3] == ["warming"] * 3
+    assert states[3] == "captured" and states[4:] == ["verified"] * 4
+    assert (stats.captures, stats.replays) == (1, 3)
+    assert stats.eager_by_reason == {"warmup": 3, "verifying": 2}
+    assert_stats_accounted(stats, 8)
+
+
+def test_outputs_returned_never_change_when_later_calls_replay():
+    model = stack()
+    compiled = emulate(model, warmup=2)
+    inputs = [(torch.randn(2, 8),) for _ in range(8)]
+    outs = run_checked(compiled, model, inputs)
+    snapshots = [o.clone() for o in outs]
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(3)])  # more replays overwrite static outputs
+    assert all(torch.equal(o, s) for o, s in zip(outs, snapshots))
+    assert only_graph()["cuda_graph"]["replays"] == 4 + 3
+
+
+# -- scalar inputs are constants in the key -----------------------------------------------
+
+
+def scaled(x: torch.Tensor, flag: bool, n: int, s: float) -> tuple[torch.Tensor]:
+    return ((x * n + s) if flag else (x - n * s),)
+
+
+def test_changed_bool_int_float_is_captured_anew_never_stale():
+    runner, stats = make_runner(scaled, warmup=2, verify_inputs=1, max_captures=16)
+    scalars = [(True, 2, 0.5), (False, 2, 0.5), (True, 3, 0.5), (True, 2, 1.5), (True, 2, -0.0), (True, 2, 0.0),
+               (True, 1, float("nan"))]
+    keep = []
+    for _ in range(4):  # rounds: warm, warm, capture, replay each scalar combination
+        for flag, n, s in scalars:
+            x = torch.randn(4)
+            keep.append(x)
+            got = runner(x, flag, n, s)[0]
+            want = scaled(x, flag, n, s)[0]
+            # bits, not ==: a stale 0.0 where -0.0 was passed flips the sign of zeros
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (flag, n, s)
+    assert stats.shape_keys == len(scalars)  # NaN finds its own entry again
+    assert stats.captures == len(scalars)
+    assert stats.replays == len(scalars)  # fourth round
+    assert_stats_accounted(stats, 4 * len(scalars))
+
+
+def test_negative_zero_does_not_replay_a_positive_zero_capture():
+    runner, stats = make_runner(lambda x, s: (x * s,), warmup=1, verify_inputs=1)
+    x = torch.tensor([1.0, -2.0, 3.0])
+    for _ in range(3):
+        runner(x, 0.0)
+    assert stats.state == "verified"
+    out = runner(x, -0.0)[0]
+    assert torch.equal(out.view(torch.int32), (x * -0.0).view(torch.int32))
+
+
+def test_dynamic_int_through_compile_is_keyed_not_baked():
+    def f(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n + n
+
+    compiled = torch.compile(f, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2},
+                             dynamic=True)
+    ns = [2] * 5 + [3] * 5 + [2, 3]
+    run_checked(compiled, f, [(torch.randn(4), n) for n in ns])
+    graph = only_graph()
+    (piece,) = graph["pieces"]
+    assert piece["cuda_graph"]["shape_keys"] == 2
+    assert graph["cuda_graph"]["captures"] == 2
+    assert graph["cuda_graph"]["replays"] == 4  # the 5th call of each n, and the last two
+
+
+# -- tensors that move, restride or get reallocated -----------------------------------------
+
+
+def test_restrided_view_of_the_same_storage_is_correct():
+    base = torch.randn(4, 4)
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1)
+    w = torch.randn(4, 4)
+    for _ in range(4):
+        assert same(runner(base, w), affine(base, w))
+    assert stats.replays == 1
+    views = [base.t(), base[:, :2].t(), base.view(2, 8)[:, :4]]  # the same block, other shapes and strides
+    for view in views:
+        assert view.data_ptr() == base.data_ptr()
+        for _ in range(4):
+            assert same(runner(view, w), affine(view, w))
+    base.add_(1.0)  # pinned inputs are read in place
+    assert same(runner(base, w), affine(base, w))
+    assert stats.replays == 1 + len(views) + 1
+    assert stats.declines == {}
+    assert_stats_accounted(stats, 4 + 4 * len(views) + 1)
+
+
+def test_restrided_parameter_with_same_address_declines_parameter_moved():
+    w = torch.randn(4, 4)
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1, state={1: "lin.weight"})
+    keep = [torch.randn(3, 4) for _ in range(6)]
+    for x in keep[:4]:
+        assert same(runner(x, w), affine(x, w))
+    assert stats.replays == 1
+    wt = w.t()  # same data_ptr, same key (parameters are keyed by address), other layout
+    for x in keep[4:]:
+        assert same(runner(x, wt), affine(x, wt))
+    assert stats.declines == {"parameter_moved": 1}
+    assert stats.eager_by_reason["parameter_moved"] == 2
+    assert_stats_accounted(stats, 6)
+
+
+def test_parameter_restrided_during_warmup_declines_parameter_moved():
+    w = torch.randn(4, 4)
+    runner, stats = make_runner(affine, warmup=2, state={1: "lin.weight"})
+    for i in range(4):
+        x = torch.randn(3, 4)
+        wi = w if i % 2 == 0 else w.t()
+        assert same(runner(x, wi), affine(x, wi))
+    assert stats.declines == {"parameter_moved": 1}
+    assert "during warmup" in stats.decline_details["parameter_moved"]
+    assert_stats_accounted(stats, 4)
+
+
+def test_moved_parameter_through_compile_is_correct_and_captured_anew():
+    model = stack(depth=1)
+    compiled = emulate(model, warmup=2)
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
+    assert only_graph()["cuda_graph"]["replays"] == 2
+    model[0].lin.weight.data = torch.randn(8, 8)  # FSDP2 reshard / offload: a new storage under the graph
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
+    cg = only_graph()["cuda_graph"]
+    # the new parameter set is its own entry: warmed, captured and verified again, never replayed stale
+    assert cg["captures"] == 2
+    assert cg["replays"] == 4
+
+
+def test_blocks_sharing_one_graph_each_capture():
+    """With Dynamo's default inline_inbuilt_nn_modules, `block.compile()` on every block gives
+    ONE compiled graph called with each block's parameters in turn. Before parameters were
+    part of the entry key, that graph declined parameter_moved and never replayed."""
+    blocks = [Block() for _ in range(3)]
+    for b in blocks:
+        b.eval().compile(backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2})
+    keep = []  # intermediates kept alive: every block input is at a new address (moving), deterministically
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = b(x)
+            keep.append(x)
+        return x
+
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            x = b.forward(x)  # Module.compile() leaves forward itself uncompiled
+        return x
+
+    run_checked(run, ref, [(torch.randn(2, 8),) for _ in range(6)])
+    graph = only_graph()
+    cg = graph["cuda_graph"]
+    assert cg["captures"] == 3 and cg["declines"] == {}
+    assert cg["replays"] == 3 * 2
+    (piece,) = graph["pieces"]
+    assert piece["cuda_graph"]["shape_keys"] == 1
+
+
+def test_too_many_parameter_sets_run_eager_as_parameter_moved(monkeypatch):
+    monkeypatch.setattr(runner_mod, "MAX_PARAMETER_SETS", 2)
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1, state={1: "w"})
+    ws = [torch.randn(4, 4) for _ in range(3)]
+    keep = []
+    for _ in range(4):  # rounds: warm, warm, capture, replay
+        for w in ws:
+            x = torch.randn(2, 4)
+            keep.append(x)
+            assert same(runner(x, w), affine(x, w))
+    assert (stats.captures, stats.replays) == (2, 2)
+    assert stats.declines == {"parameter_moved": 1}
+    assert "more than 2 addresses" in stats.decline_details["parameter_moved"]
+    assert stats.eager_by_reason["parameter_moved"] == 4
+    assert_stats_accounted(stats, 12)
+
+
+def test_input_reallocated_at_the_same_address_with_new_values_is_read_in_place():
+    pool = torch.empty(64)
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1)
+    w = torch.randn(4, 4)
+    for _ in range(6):
+        x = pool[:12].view(3, 4)  # a new tensor object at the old address (the allocator reused the block)
+        x.copy_(torch.randn(3, 4))
+        assert same(runner(x, w), affine(x, w))
+    assert stats.replays == 3 and stats.recaptures == 0  # pinned: read in place, never stale
+
+
+def test_input_freed_and_reallocated_through_compile_is_correct():
+    model = stack()
+    compiled = emulate(model)
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(2, 8)  # the previous x is freed: the allocator may hand back its address
+            assert same(compiled(x), model(x))
+            del x
+    cg = only_graph()["cuda_graph"]
+    assert cg["replays"] >= 1
+
+
+def test_pinned_input_moved_recaptures_it_as_moving():
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1)
+    x0, w = torch.randn(3, 4), torch.randn(4, 4)
+    for _ in range(4):  # x0 never moves during warmup: pinned
+        assert same(runner(x0, w), affine(x0, w))
+    assert stats.replays == 1
+    keep = [torch.randn(3, 4) for _ in range(6)]
+    for x in keep:
+        assert same(runner(x, w), affine(x, w))
+    assert stats.eager_by_reason["pinned_input_moved"] == 1
+    assert stats.recaptures == 1 and stats.captures == 2
+    assert stats.declines == {}
+    assert stats.replays == 1 + 2  # re-warmed (2), captured and verified (1), then replays as moving
+    assert_stats_accounted(stats, 10)
+
+
+def test_pinned_inputs_that_keep_moving_decline_as_churn():
+    def four(a, b, c, d):
+        return (a + b * c - d,)
+
+    runner, stats = make_runner(four, warmup=1, verify_inputs=1)
+    args = [torch.randn(4) for _ in range(4)]
+    calls = 0
+    for moved in range(MAX_RECAPTURES + 1):
+        for _ in range(3):  # warm, capture, replay
+            assert same(runner(*args), four(*args))
+            calls += 1
+        args[moved] = torch.randn(4)  # the next pinned input moves after verification
+        assert same(runner(*args), four(*args))
+        calls += 1
+    assert stats.recaptures == MAX_RECAPTURES
+    assert stats.declines == {"pinned_input_churn": 1}
+    for _ in range(2):
+        assert same(runner(*args), four(*args))
+    assert stats.eager_by_reason["pinned_input_churn"] == 2
+    assert_stats_accounted(stats, calls + 2)
+
+
+# -- shape keys and max_captures ---------------------------------------------------------
+
+
+def test_shape_keys_up_to_max_captures_then_eager_with_counted_reason():
+    model = stack(depth=1)
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=True,
+                             options={"cuda_graphs": "emulate", "warmup": 2, "max_captures": 2})
+    inputs = [(torch.randn(b, 8),) for b in [2] * 5 + [3] * 5 + [4, 4, 5, 2, 3]]
+    run_checked(compiled, model, inputs)
+    graph = only_graph()
+    cg = graph["cuda_graph"]
+    assert cg["captures"] == 2
+    assert cg["declines"] == {"max_captures": 1}
+    assert cg["eager_by_reason"]["max_captures"] == 3  # batch 4 twice and batch 5: never warmed
+    assert cg["replays"] == 4  # batch 2 and 3 go on replaying after the limit
+    assert graph["pieces"][0]["cuda_graph"]["shape_keys"] == 2
+
+
+# -- every decline reason, forced ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cuda_graphs", "reason"), [(False, "disabled"), ("auto", "not_cuda")])
+def test_graph_level_declines(cuda_graphs, reason):
+    model = stack(depth=1)
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": cuda_graphs})
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(5)])
+    cg = only_graph()["cuda_graph"]
+    assert cg["mode"] == "off" and cg["reason"] == reason
+    assert cg["eager_by_reason"] == {reason: 5}
+    assert cg["declines"] == {reason: 1}
+
+
+def test_no_cuda_device_declines(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # deterministic on a GPU machine too
+    model = stack(depth=1)
+    compiled = torch.compile(model, backend="graphdispatch", mode="reduce-overhead")
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(3)])
+    cg = only_graph()["cuda_graph"]
+    assert cg["reason"] == "no_cuda_device"
+    assert cg["eager_by_reason"] == {"no_cuda_device": 3}
+
+
+def test_training_graph_runs_eager_as_autograd():
+    model = stack(depth=1).train()
+    ref = stack(depth=1).train()
+    compiled = emulate(model)
+    for _ in range(4):
+        x = torch.randn(2, 8)
+        out, want = compiled(x), ref(x)
+        assert torch.equal(out, want)
+        out.sum().backward()
+        want.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    graph = only_graph()
+    assert graph["kind"] == "autograd"
+    assert graph["cuda_graph"]["eager_by_reason"] == {"autograd": 4}
+
+
+def test_non_tensor_output_declines():
+    runner, stats = make_runner(lambda x: (x + 1, [x]), warmup=1)
+    for _ in range(3):
+        x = torch.randn(4)
+        out = runner(x)
+        assert torch.equal(out[0], x + 1) and out[1][0] is x
+    assert stats.declines == {"non_tensor_output": 1}
+    assert "list" in stats.decline_details["non_tensor_output"]
+    assert stats.eager_by_reason == {"warmup": 1, "non_tensor_output": 2}
+
+
+def test_none_and_scalar_outputs_replay_as_constants():
+    runner, stats = make_runner(lambda x: (x + 1, None, 3, 0.5, True), warmup=2, verify_inputs=1)
+    keep = [torch.randn(4) for _ in range(5)]
+    for x in keep:
+        assert same(runner(x), (x + 1, None, 3, 0.5, True))
+    assert stats.replays == 2 and stats.declines == {}
+
+
+class _FailingCapture(HostReplayEngine):
+    def capture(self, fn, args):
+        raise RuntimeError("capture exploded")
+
+
+class _FailingReplay(HostReplayEngine):
+    def capture(self, fn, args):
+        graph = super().capture(fn, args)
+
+        def boom() -> None:
+            raise RuntimeError("replay exploded")
+
+        graph.replay = boom
+        return graph
+
+
+@pytest.mark.parametrize(("engine", "reason", "detail"), [
+    (_FailingCapture(), "capture_failed", "capture exploded"),
+    (_FailingReplay(), "replay_failed", "replay exploded"),
+])
+def test_engine_failures_decline(engine, reason, detail):
+    runner, stats = make_runner(affine, warmup=1, engine=engine)
+    w = torch.randn(4, 4)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        assert same(runner(x, w), affine(x, w))
+    assert stats.declines == {reason: 1}
+    assert detail in stats.decline_details[reason]
+    assert stats.state == "eager"
+    assert_stats_accounted(stats, 4)
+
+
+class _FailsWhenServing(HostReplayEngine):
+    """Replays right while verifying, then raises (a device fault after publish)."""
+
+    def __init__(self, good_replays: int) -> None:
+        self.good = good_replays
+
+    def capture(self, fn, args):
+        graph = super().capture(fn, args)
+        inner = graph.replay
+
+        def replay() -> None:
+            if self.good <= 0:
+                raise RuntimeError("device fault on replay")
+            self.good -= 1
+            inner()
+
+        graph.replay = replay
+        return graph
+
+
+def test_replay_failing_after_verification_declines_and_answers_eagerly():
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=2, engine=_FailsWhenServing(good_replays=3))
+    w = torch.randn(4, 4)
+    keep = [torch.randn(3, 4) for _ in range(9)]
+    for x in keep:  # 2 warmups, 2 verifying calls, 1 served replay, then the fault
+        assert same(runner(x, w), affine(x, w))
+    assert stats.replays == 1
+    assert stats.declines == {"replay_failed": 1}
+    assert "device fault on replay" in stats.decline_details["replay_failed"]
+    assert stats.eager_by_reason["replay_failed"] == 4  # the failing call and every later one
+    assert stats.state == "eager"
+    assert_stats_accounted(stats, len(keep))
+
+
+def test_replay_failing_after_verification_raises_under_strict():
+    from graphdispatch_backend.errors import GraphDispatchError
+
+    scope = RuntimeScope(_FailsWhenServing(good_replays=2), Timing(), Events(), make_contain(True))
+    runner, _ = make_runner(affine, warmup=2, verify_inputs=2, scope=scope)
+    w = torch.randn(4, 4)
+    keep = [torch.randn(3, 4) for _ in range(5)]
+    for x in keep[:4]:
+        runner(x, w)
+    with pytest.raises(GraphDispatchError, match="device fault on replay"):
+        runner(keep[4], w)
+
+
+def test_capture_failed_through_compile_keeps_outputs_right(monkeypatch):
+    monkeypatch.setattr(HostReplayEngine, "capture", _FailingCapture.capture)
+    model = stack()
+    run_checked(emulate(model, warmup=1), model, [(torch.randn(2, 8),) for _ in range(4)])
+    cg = only_graph()["cuda_graph"]
+    assert cg["declines"] == {"capture_failed": 1}
+    assert cg["eager_by_reason"] == {"warmup": 1, "capture_failed": 3}
+
+
+def test_verify_mismatch_declines():
+    runner, stats = make_runner(PtrMemo(), warmup=2, verify_inputs=2)
+    keep = [torch.randn(4) for _ in range(6)]
+    for x in keep:
+        assert same(runner(x), (x * 2 + 1,))  # a verifying call answers with eager's output
+    assert stats.declines == {"verify_mismatch": 1}
+    assert "bits differ" in stats.decline_details["verify_mismatch"]
+    assert stats.eager_by_reason == {"warmup": 2, "verifying": 2, "verify_mismatch": 2}
+    assert stats.replays == 0
+
+
+def test_repeated_values_decline_verify_inputs_not_distinct():
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=2)
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    keep = [x.clone() for _ in range(3 + NOT_DISTINCT_LIMIT + 2)]  # new tensors, the same values every call
+    for xi in keep:
+        assert same(runner(xi, w), affine(xi, w))
+    assert stats.declines == {"verify_inputs_not_distinct": 1}
+    assert stats.eager_by_reason["verify_inputs_not_distinct"] == 2
+    assert stats.eager_by_reason["verifying"] == 1 + NOT_DISTINCT_LIMIT
+    assert_stats_accounted(stats, len(keep))
+
+
+class _Gate:
+    """A stand-in for an ArtifactGate: what the runner reads (demoted) and tells (replayed)."""
+
+    def __init__(self) -> None:
+        self.demoted = False
+        self.replays = 0
+
+    def replayed(self) -> None:
+        self.replays += 1
+
+
+def test_artifact_demoted_after_capture_recaptures_then_declines():
+    gate = _Gate()
+    runner, stats = make_runner(affine, warmup=1, verify_inputs=1, gates=[gate])
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    keep = []
+
+    def call() -> None:
+        keep.append(x)
+        assert same(runner(x, w), affine(x, w))
+
+    for flip in range(MAX_RECAPTURES + 1):
+        for _ in range(3):
+            call()
+        gate.demoted = not gate.demoted  # a stand-in gate may flip back; a real demotion is permanent
+        call()
+        assert stats.eager_by_reason["artifact_demoted"] == flip + 1
+    assert stats.recaptures == MAX_RECAPTURES
+    assert stats.declines == {"artifact_demoted": 1}
+    assert_stats_accounted(stats, len(keep))
+
+
+def test_artifact_demoted_during_replay_is_recaptured_through_compile(tmp_path, monkeypatch):
+    class FF(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ff = FF()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ff(x) * 2
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    with torch.no_grad():
+        emulate(model)(torch.randn(2, 8))
+    region = next(r for r in only_graph()["regions"] if r["module"] == "ff")
+    names = [i["name"] for i in region["inputs"]]
+    source = (
+        "import os\nimport torch\n\n\n"
+        "def forward(*args):\n"
+        "    if os.environ.get('GD_TEST_KERNEL_FAIL'):\n"
+        "        raise RuntimeError('kernel gave up')\n"
+        f"    b, w, x = args[{names.index('lin.bias')}], args[{names.index('lin.weight')}], "
+        f"args[{names.index('input0')}]\n"
+        "    return torch.relu(torch.addmm(b, x, w.t()))\n"
+    )
+    write_bundle(tmp_path / "ff", "ff-relu", "ff", **manifest_from_region(region), source=source)
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    monkeypatch.delenv("GD_TEST_KERNEL_FAIL", raising=False)
+    compiled = emulate(model, artifacts=str(tmp_path), warmup=2)
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
+    assert only_graph()["cuda_graph"]["replays"] == 2
+    monkeypatch.setenv("GD_TEST_KERNEL_FAIL", "1")  # the artifact raises inside the next replay: demoted
+    # replay (served native by the gate), artifact_demoted, 2 warmups, capture + 2 verifies, replay
+    run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(7)])
+    graph = only_graph()
+    (sub,) = graph["substitutions"]
+    assert sub["demoted"] and sub["reason"] == "raised"
+    cg = graph["cuda_graph"]
+    assert cg["eager_by_reason"]["artifact_demoted"] == 1
+    assert cg["recaptures"] == 1 and cg["captures"] == 2
+    assert cg["replays"] == 2 + 1 + 1  # the demoting replay served native; one more after re-capture
+
+
+class _Tupled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.relu(self.lin(x)),)
+
+
+def test_contract_mismatch_runs_the_native_graph():
+    # Without Dynamo's guards in front (the backend called directly), nothing but the
+    # contract stops a batch of 3 from reaching a graph traced for 2.
+    model = _Tupled().eval()
+    with torch.no_grad():
+        fn = backend_fn(fx.symbolic_trace(model), [torch.randn(2, 8)], options={"cuda_graphs": "emulate"})
+        for batch in (2, 3, 2):
+            x = torch.randn(batch, 8)
+            assert torch.equal(fn(x)[0], model(x)[0])
+        # only the compiled guards see this one; explaining it used to crash the process
+        x = torch.randn(2, 8, requires_grad=True)
+        assert torch.equal(fn(x)[0], model(x)[0])
+    graph = only_graph()
+    assert graph["contract_mismatches"] == 2
+    assert "size (3, 8)" in graph["contract_detail"]
+    assert graph["cuda_graph"]["eager_by_reason"]["contract_mismatch"] == 2
+
+
+def test_backend_error_runs_the_dynamo_graph(monkeypatch):
+    import graphdispatch_backend.backend as backend_module
+
+    def broken(gm, ctx):
+        raise RuntimeError("a pass exploded")
+
+    monkeypatch.setattr(backend_module, "run_pipeline", broken)
+    model = stack(depth=1)
+    run_checked(emulate(model), model, [(torch.randn(2, 8),) for _ in range(3)])
+    graph = only_graph()
+    assert graph["kind"] == "fallback" and "a pass exploded" in graph["error"]
+    assert graph["cuda_graph"]["eager_by_reason"] == {"backend_error": 3}
+
+
+def test_decline_is_logged_at_warning_once_per_reason(gd_log):
+    runner, _ = make_runner(lambda x: (x, "s"), warmup=1)
+    other, _ = make_runner(lambda x: (x, "s"), warmup=1, scope=runner._scope)  # one session, one Events
+    for r in (runner, other):
+        for _ in range(3):
+            r(torch.randn(2))
+    warnings = [rec for rec in gd_log.records if rec.levelname == "WARNING" and "non_tensor_output" in rec.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_entry_declined_in_one_thread_is_not_released_under_a_replay():
+    """Thread D finds a mismatch and is about to decline the entry; thread R has passed its
+    checks and is mid-replay. The decline must wait for the replay (it releases the graph
+    under the replay lock), or R replays a graph that was reset."""
+    w = torch.randn(4, 4)
+    runner, stats = make_runner(affine, warmup=1, verify_inputs=1, state={1: "w"})
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        runner(x, w)
+    assert stats.state == "verified"
+    (entry,) = runner._entries.values()
+    at_mismatch, go_mismatch = threading.Event(), threading.Event()
+    in_replay, go_replay = threading.Event(), threading.Event()
+
+    def paused_mismatch(*args: Any) -> Any:
+        at_mismatch.set()
+        go_mismatch.wait(5)
+        return GraphRunner._mismatch(runner, *args)
+
+    def paused_copy_in(e: Any, args: Any) -> None:
+        in_replay.set()
+        go_replay.wait(5)
+        GraphRunner._copy_in(runner, e, args)
+
+    runner._mismatch = paused_mismatch
+    runner._copy_in = paused_copy_in
+    results: dict[str, Any] = {}
+
+    def call(name: str, *args: Any) -> None:
+        try:
+            results[name] = runner(*args)
+        except BaseException as exc:  # the point is that nothing escapes
+            results[name] = exc
+
+    decliner = threading.Thread(target=call, args=("D", x, w.t()))  # restrided: parameter_moved
+    decliner.start()
+    assert at_mismatch.wait(5)
+    replayer = threading.Thread(target=call, args=("R", x, w))
+    replayer.start()
+    assert in_replay.wait(5)
+    go_mismatch.set()
+    decliner.join(0.3)  # time enough for a decline that does not wait to release the graph
+    go_replay.set()
+    decliner.join(5)
+    replayer.join(5)
+    assert same(results["R"], affine(x, w)), results["R"]
+    assert same(results["D"], affine(x, w.t())), results["D"]
+    assert entry.state is State.EAGER and entry.reason is Decline.PARAMETER_MOVED
+    assert stats.replays == 2
+
+
+def test_state_names_of_non_tensors_are_ignored():
+    runner, stats = make_runner(lambda x, n: (x * n,), warmup=2, verify_inputs=1, state={1: "odd"})
+    keep = [torch.randn(3) for _ in range(5)]
+    for x in keep:
+        assert same(runner(x, 2), (x * 2,))
+    assert stats.declines == {} and stats.replays == 2
+
+
+def test_parameters_moving_on_every_call_decline_fast_and_say_why():
+    """FSDP2 reshard, offload or `weight.data = ...` every step: each call brings a new
+    parameter set whose old storage is gone before it comes back. The shape key must
+    decline parameter_moved within a few calls, not warm a new capture forever."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    c = torch.compile(m, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1})
+    with torch.no_grad():
+        for _ in range(12):
+            x = torch.randn(4, 8)
+            assert torch.equal(c(x), m(x))
+            m[0].weight.data = m[0].weight.data.clone()
+    cg = graphdispatch_backend.latest_report()["graphs"][0]["cuda_graph"]
+    assert cg["declines"].get("parameter_moved") == 1
+    assert "new address on each call" in cg["decline_details"]["parameter_moved"]
+    assert cg["eager_by_reason"].get("parameter_moved", 0) >= 12 - 5
+    assert cg["replays"] == 0 and cg["captures"] == 0
+
+
+def test_weights_reloaded_once_are_captured_again():
+    """One reload (new LoRA weights, say) is not churn: the new parameter set is captured
+    and replays; the old entry is dropped."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    c = torch.compile(m, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1})
+    with torch.no_grad():
+        for i in range(10):
+            if i == 4:
+                m[0].weight.data = torch.randn(8, 8)
+            x = torch.randn(4, 8)
+            assert torch.equal(c(x), m(x))
+    cg = graphdispatch_backend.latest_report()["graphs"][0]["cuda_graph"]
+    assert "parameter_moved" not in cg["declines"]
+    assert cg["captures"] == 2 and cg["replays"] >= 4

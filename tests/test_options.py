@@ -1,0 +1,319 @@
+"""Options.resolve: the options contract of DESIGN section 2 (keys, values, environment, mode, identity)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+from torch._dynamo.exc import BackendCompilerFailed
+
+import graphdispatch_backend
+from graphdispatch_backend import Options, OptionsError
+
+VALID_KEYS = (
+    "artifacts", "enable", "cuda_graphs", "warmup", "max_captures", "verify_inputs",
+    "speed_gate", "timing", "report_dir", "export_regions", "strict",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_graphdispatch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GRAPHDISPATCH_* variable in the developer's shell would change every default below.
+    for name in list(os.environ):
+        if name.startswith("GRAPHDISPATCH_"):
+            monkeypatch.delenv(name)
+
+
+def _linear() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4).eval(), torch.randn(2, 4)
+
+
+# -- keys ---------------------------------------------------------------------------
+
+def test_the_valid_keys_are_the_documented_ones():
+    assert set(Options.names()) == set(VALID_KEYS)
+
+
+def test_defaults():
+    o = Options.resolve(environ={})
+    assert o.to_dict() == {
+        "artifacts": [], "enable": None, "cuda_graphs": "auto", "warmup": 3, "max_captures": 8,
+        "verify_inputs": 2, "speed_gate": False, "timing": "off", "report_dir": None,
+        "export_regions": False, "strict": False,
+    }
+
+
+def test_unknown_key_names_it_and_every_valid_key():
+    with pytest.raises(ValueError) as info:
+        Options.resolve({"warmup": 2, "no_such_key": 1}, environ={})
+    assert isinstance(info.value, OptionsError)
+    message = str(info.value)
+    assert "no_such_key" in message
+    assert all(key in message for key in VALID_KEYS), message
+
+
+# -- values -------------------------------------------------------------------------
+
+# (key, bad value, a fragment of the message that says what is allowed)
+BAD_VALUES = [
+    ("artifacts", 5, "a path or a list of paths"),
+    ("artifacts", [""], "a path or a list of paths"),
+    ("artifacts", ["ok", 3], "a path or a list of paths"),
+    ("enable", 5, "list of artifact ids or a comma-separated string"),
+    ("enable", ["a", 1], "list of artifact ids or a comma-separated string"),
+    ("cuda_graphs", "sometimes", "'emulate'"),
+    ("cuda_graphs", 1, "'auto'"),
+    ("cuda_graphs", None, "'auto'"),
+    ("warmup", 0, "integer >= 1"),
+    ("warmup", -1, "integer >= 1"),
+    ("warmup", 1.5, "integer >= 1"),
+    ("warmup", True, "integer >= 1"),
+    ("warmup", "3", "integer >= 1"),
+    ("max_captures", 0, "integer >= 1"),
+    ("max_captures", "8", "integer >= 1"),
+    ("verify_inputs", 0, "integer >= 1"),
+    ("verify_inputs", None, "integer >= 1"),
+    ("speed_gate", 1, "True or False"),
+    ("speed_gate", "yes", "True or False"),
+    ("timing", "fast", "'shadow'"),
+    ("timing", True, "'host'"),
+    ("report_dir", 5, "a path"),
+    ("report_dir", "", "a path"),
+    ("export_regions", "true", "True or False"),
+    ("strict", None, "True or False"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
+def test_bad_value_names_the_key_and_what_is_allowed(key, value, allowed):
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({key: value}, environ={})
+    message = str(info.value)
+    assert repr(key) in message, message
+    assert allowed in message, message
+
+
+def test_every_key_has_a_bad_value_case():
+    assert {k for k, _, _ in BAD_VALUES} == set(VALID_KEYS)
+
+
+def test_values_are_normalized(tmp_path):
+    o = Options.resolve(
+        {"artifacts": str(tmp_path), "enable": " b, a ,,a", "cuda_graphs": "EMULATE", "report_dir": tmp_path / "r"},
+        environ={},
+    )
+    assert o.artifacts == (str(tmp_path),)
+    assert o.enable == ("a", "b")
+    assert o.cuda_graphs == "emulate"
+    assert o.report_dir == str(tmp_path / "r")
+    rel = Options.resolve({"report_dir": "relative/out", "artifacts": ["k1", "k2"]}, environ={})
+    assert rel.report_dir == os.path.abspath("relative/out")
+    assert rel.artifacts == (os.path.abspath("k1"), os.path.abspath("k2"))
+
+
+# -- copied and frozen ------------------------------------------------------------------
+
+def test_resolve_neither_mutates_nor_keeps_the_callers_dict(tmp_path):
+    given = {"artifacts": [str(tmp_path)], "enable": ["x"], "warmup": 2}
+    before = copy.deepcopy(given)
+    o = Options.resolve(given, environ={})
+    assert given == before
+    given["artifacts"].append(str(tmp_path / "other"))
+    given["enable"].append("y")
+    given["warmup"] = 9
+    assert (o.artifacts, o.enable, o.warmup) == ((str(tmp_path),), ("x",), 2)
+    exported = o.to_dict()
+    exported["artifacts"].append("z")  # to_dict hands out copies too
+    assert o.artifacts == (str(tmp_path),)
+
+
+def test_options_are_frozen_and_hashable():
+    o = Options.resolve({"warmup": 2}, environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.warmup = 5
+    assert hash(o) == hash(Options.resolve({"warmup": 2}, environ={}))
+
+
+def test_mutating_the_dict_after_torch_compile_changes_nothing(tmp_path):
+    # torch.compile keeps a reference to the caller's dict (and pops its own keys from
+    # it); the backend must have copied what it validated.
+    model, x = _linear()
+    given = {"warmup": 2, "artifacts": [str(tmp_path)]}
+    compiled = torch.compile(model, backend="graphdispatch", options=given)
+    with torch.no_grad():
+        compiled(x)
+        given["warmup"] = 7
+        given["artifacts"].append(str(tmp_path / "elsewhere"))
+        compiled(x)  # same guards: no recompile, the graph compiled with the original options serves
+    report = graphdispatch_backend.latest_report()
+    assert report["options"]["warmup"] == 2
+    assert report["options"]["artifacts"] == [str(tmp_path)]
+    (graph,) = report["graphs"]
+    assert graph["calls"] == 2
+
+
+# -- environment ------------------------------------------------------------------------
+
+def test_environment_overrides_defaults(tmp_path):
+    env = {
+        "GRAPHDISPATCH_WARMUP": "5", "GRAPHDISPATCH_CUDA_GRAPHS": "emulate", "GRAPHDISPATCH_SPEED_GATE": "yes",
+        "GRAPHDISPATCH_STRICT": "1", "GRAPHDISPATCH_ENABLE": "b,a", "GRAPHDISPATCH_TIMING": "host",
+        "GRAPHDISPATCH_ARTIFACTS": os.pathsep.join([str(tmp_path / "k1"), str(tmp_path / "k2")]),
+        "GRAPHDISPATCH_REPORT_DIR": str(tmp_path / "out"), "GRAPHDISPATCH_EXPORT_REGIONS": "off",
+        "GRAPHDISPATCH_MAX_CAPTURES": "2", "GRAPHDISPATCH_VERIFY_INPUTS": "3",
+        "OTHER_VARIABLE": "ignored",
+    }
+    o = Options.resolve(environ=env)
+    assert o == Options(
+        artifacts=(str(tmp_path / "k1"), str(tmp_path / "k2")), enable=("a", "b"), cuda_graphs="emulate",
+        warmup=5, max_captures=2, verify_inputs=3, speed_gate=True, timing="host",
+        report_dir=str(tmp_path / "out"), export_regions=False, strict=True,
+    )
+
+
+@pytest.mark.parametrize(("text", "value"), [("0", False), ("false", False), ("1", True), ("True", True)])
+def test_cuda_graphs_from_environment_accepts_booleans(text, value):
+    assert Options.resolve(environ={"GRAPHDISPATCH_CUDA_GRAPHS": text}).cuda_graphs is value
+
+
+def test_explicit_option_wins_over_environment():
+    env = {"GRAPHDISPATCH_WARMUP": "5", "GRAPHDISPATCH_TIMING": "sync"}
+    o = Options.resolve({"warmup": 1}, environ=env)
+    assert (o.warmup, o.timing) == (1, "sync")
+
+
+def test_environment_is_read_from_os_environ(monkeypatch):
+    monkeypatch.setenv("GRAPHDISPATCH_WARMUP", "4")
+    assert Options.resolve().warmup == 4
+    assert Options.resolve({"warmup": 2}).warmup == 2
+
+
+BAD_ENV = [
+    ("GRAPHDISPATCH_WARMUP", "x"),
+    ("GRAPHDISPATCH_WARMUP", "0"),
+    ("GRAPHDISPATCH_STRICT", "perhaps"),
+    ("GRAPHDISPATCH_SPEED_GATE", "2"),
+    ("GRAPHDISPATCH_TIMING", "fast"),
+    ("GRAPHDISPATCH_CUDA_GRAPHS", "maybe"),
+    ("GRAPHDISPATCH_MAX_CAPTURES", "-1"),
+]
+
+
+@pytest.mark.parametrize(("name", "text"), BAD_ENV, ids=[f"{n}={t!r}" for n, t in BAD_ENV])
+def test_bad_environment_value_names_the_variable(name, text):
+    with pytest.raises(OptionsError) as info:
+        Options.resolve(environ={name: text})
+    assert name in str(info.value), str(info.value)
+
+
+def test_empty_environment_variable_means_unset():
+    # `export GRAPHDISPATCH_ENABLE=` must not silently mean "enable no artifact at all"
+    resolved = Options.resolve(environ={"GRAPHDISPATCH_ENABLE": "", "GRAPHDISPATCH_REPORT_DIR": " "})
+    assert resolved.enable is None and resolved.report_dir is None
+
+
+def test_unknown_graphdispatch_variable_is_an_error_naming_it():
+    with pytest.raises(OptionsError) as info:
+        Options.resolve(environ={"GRAPHDISPATCH_WARMUPS": "3"})
+    message = str(info.value)
+    assert "GRAPHDISPATCH_WARMUPS" in message
+    assert "GRAPHDISPATCH_WARMUP," in message  # and it lists the valid ones
+
+
+def test_bad_environment_fails_torch_compile(monkeypatch):
+    monkeypatch.setenv("GRAPHDISPATCH_VERIFY_INPUTS", "many")
+    model, x = _linear()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch")(x)
+    assert isinstance(info.value.inner_exception, OptionsError)
+    assert "GRAPHDISPATCH_VERIFY_INPUTS" in str(info.value.inner_exception)
+
+
+def test_environment_reaches_the_report_through_torch_compile(monkeypatch):
+    monkeypatch.setenv("GRAPHDISPATCH_WARMUP", "6")
+    model, x = _linear()
+    with torch.no_grad():
+        torch.compile(model, backend="graphdispatch")(x)
+    assert graphdispatch_backend.latest_report()["options"]["warmup"] == 6
+
+
+# -- mode ---------------------------------------------------------------------------------
+
+def test_reduce_overhead_means_cuda_graphs_true():
+    assert Options.resolve(mode="reduce-overhead", environ={}).cuda_graphs is True
+    assert Options.resolve(mode="default", environ={}).cuda_graphs == "auto"
+    assert Options.resolve(mode=None, environ={}).cuda_graphs == "auto"
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs", "reduce_overhead"])
+def test_other_modes_are_rejected(mode):
+    with pytest.raises(OptionsError) as info:
+        Options.resolve(mode=mode, environ={})
+    assert repr(mode) in str(info.value) and "reduce-overhead" in str(info.value)
+
+
+def test_reduce_overhead_through_torch_compile():
+    model, x = _linear()
+    with torch.no_grad():
+        out = torch.compile(model, backend="graphdispatch", mode="reduce-overhead")(x)
+        assert torch.equal(out, model(x))
+    report = graphdispatch_backend.latest_report()
+    assert report["options"]["cuda_graphs"] is True
+    if not torch.cuda.is_available():  # the graph's tensors are on the CPU either way
+        assert report["graphs"][0]["cuda_graph"]["eager_by_reason"] == {"no_cuda_device": 1}
+
+
+def test_unsupported_mode_through_torch_compile():
+    model, x = _linear()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", mode="max-autotune")(x)
+    assert isinstance(info.value.inner_exception, OptionsError)
+    assert "max-autotune" in str(info.value.inner_exception)
+
+
+# -- identity ----------------------------------------------------------------------------
+
+def test_equal_options_are_equal_whatever_their_spelling(tmp_path):
+    a = Options.resolve({"enable": "b,a", "artifacts": str(tmp_path), "warmup": 2}, environ={})
+    b = Options.resolve({"enable": ["a", "b"], "artifacts": [str(tmp_path)]}, environ={"GRAPHDISPATCH_WARMUP": "2"})
+    assert a == b and hash(a) == hash(b)
+    assert a != Options.resolve({"enable": "b,a", "artifacts": str(tmp_path), "warmup": 3}, environ={})
+
+
+def test_equal_options_share_one_session_and_report():
+    # Three different functions, so Dynamo compiles each (one Linear class would reuse its code).
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.compile(lambda t: t + 1, backend="graphdispatch", options={"warmup": 2})(x)
+        torch.compile(lambda t: t * 2, backend="graphdispatch", options={"warmup": 2})(x)
+        shared = graphdispatch_backend.latest_report()
+        torch.compile(lambda t: t - 3, backend="graphdispatch", options={"warmup": 3})(x)
+        separate = graphdispatch_backend.latest_report()
+        torch.compile(lambda t: t / 4, backend="graphdispatch", options={"warmup": 2})(x)
+        back = graphdispatch_backend.latest_report()
+    assert [g["calls"] for g in shared["graphs"]] == [1, 1]  # both graphs in one report
+    assert separate["options"]["warmup"] == 3
+    assert [g["calls"] for g in separate["graphs"]] == [1]
+    assert [g["calls"] for g in back["graphs"]] == [1, 1, 1]  # the warmup=2 session again
+
+
+def test_unknown_key_through_torch_compile_is_an_options_error():
+    model, x = _linear()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", options={"warmups": 3})(x)
+    inner = info.value.inner_exception
+    assert isinstance(inner, OptionsError) and isinstance(inner, ValueError)
+    assert "warmups" in str(inner) and "verify_inputs" in str(inner)
+
+
+def test_bad_value_through_torch_compile_is_an_options_error():
+    model, x = _linear()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", options={"timing": "always"})(x)
+    inner = info.value.inner_exception
+    assert isinstance(inner, OptionsError)
+    assert "'timing'" in str(inner) and "always" in str(inner)
