@@ -24,12 +24,20 @@ from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
-from graphdispatch_backend.errors import Contain, Decline, GraphDispatchError, OptionsError, Rejection
+from graphdispatch_backend.errors import (
+    Contain,
+    Decline,
+    GraphDispatchError,
+    OptionsError,
+    Rejection,
+    StrictModeError,
+)
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.region import Region
 from graphdispatch_backend.runtime.contract import PlaceholderContract
+from graphdispatch_backend.runtime.eager_check import EagerCheck
 from graphdispatch_backend.runtime.gate import ArtifactGate
 from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
@@ -54,17 +62,17 @@ _DETAILS = {
 
 def make_contain(strict: bool) -> Contain:
     """Run a thunk of third-party code (artifact, capture, export) and hand back what it
-    raised instead of raising; our own typed errors pass through. Under `strict`, raise
-    GraphDispatchError instead."""
+    raised instead of raising. Only StrictModeError (graphdispatch's own, under `strict`)
+    passes through; under `strict`, anything else raises StrictModeError too."""
 
     def contain(thunk: Callable[[], Any]) -> tuple[Any, Exception | None]:
         try:
             return thunk(), None
-        except GraphDispatchError:
+        except StrictModeError:
             raise
         except Exception as exc:
             if strict:
-                raise GraphDispatchError(f"{type(exc).__name__}: {exc}") from exc
+                raise StrictModeError(f"{type(exc).__name__}: {exc}") from exc
             return None, exc
 
     return contain
@@ -83,7 +91,7 @@ def graphdispatch_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **k
         raise
     except Exception as exc:
         if options.strict:
-            raise exc if isinstance(exc, GraphDispatchError) else GraphDispatchError(
+            raise exc if isinstance(exc, GraphDispatchError) else StrictModeError(
                 f"compiling a graph failed: {type(exc).__name__}: {exc}") from exc
         return _fallback(session, record, gm, exc)
     finally:
@@ -123,15 +131,26 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                                         "cuda_graph": record.cuda_graph_mode,
                                         "cuda_graph_reason": record.cuda_graph_reason,
                                         "autocast": autocast.to_dict()})
+    lifted = [t for _, t in gm.named_parameters(remove_duplicate=False)] + [
+        t for _, t in gm.named_buffers(remove_duplicate=False)]
+    n_lifted = len(lifted)
+    if record.kind == "inference" and builder.mutated is not None:
+        positions = builder.mutated
+
+        def mutated(args: Sequence[Any]) -> list[torch.Tensor]:
+            return [lifted[i] if i < n_lifted else args[i - n_lifted] for i in positions]
+
+        keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
+        compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
+                              session.options.strict, keyed, mutated)
     if session.exporter is None:
         return compiled
-    n_lifted = sum(1 for _ in gm.named_parameters(remove_duplicate=False)) + sum(
-        1 for _ in gm.named_buffers(remove_duplicate=False))
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
+    checked = compiled
 
     def run(*args: Any) -> Any:
         observe(args)
-        return compiled(*args)
+        return checked(*args)
 
     return run
 
@@ -151,8 +170,15 @@ class _Builder:
         self.record = record
         self.origins = origins
         self.module_rejections: Counter[str] = Counter()
+        # inputs (aot positions) the inference graph writes into; None: it cannot be checked
+        # against eager (an input's metadata is mutated, or aot did not say)
+        self.mutated: list[int] | None = None
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
+        tracing = torch._guards.TracingContext.try_get()
+        meta = getattr(tracing, "fw_metadata", None) if tracing is not None else None
+        if meta is not None and not any(info.mutates_metadata for info in meta.input_info):
+            self.mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
         return self._build(gm, training=False)
 
     def forward(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:

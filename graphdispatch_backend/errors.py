@@ -13,12 +13,18 @@ from typing import Any, TypeAlias
 
 # How code outside backend.py runs something that may raise anything (artifact code,
 # capture): the callable is run and (result, None) or (None, exception) comes back.
-# backend.py supplies the implementation; under `strict` it raises GraphDispatchError.
+# backend.py supplies the implementation; under `strict` it raises StrictModeError.
 Contain: TypeAlias = Callable[[Callable[[], Any]], tuple[Any, Exception | None]]
 
 
 class GraphDispatchError(Exception):
     """Root of every error graphdispatch raises on purpose (and what `strict` raises)."""
+
+
+class StrictModeError(GraphDispatchError):
+    """Raised only under `strict`, by graphdispatch itself, where it would have fallen back.
+    The `contain` boundary lets this type (and no other) through: an artifact that raises
+    a GraphDispatchError of its own is contained like any other exception."""
 
 
 class OptionsError(GraphDispatchError, ValueError):
@@ -68,12 +74,13 @@ class Decline(str, enum.Enum):
     NO_CUDA_DEVICE = "no_cuda_device"  # cuda_graphs=True on a machine without CUDA
     AUTOGRAD = "autograd"
     BACKEND_ERROR = "backend_error"
+    LOWERING_MISMATCH = "lowering_mismatch"  # the lowered graph is not bitwise equal to eager
+    LOWERING_FAILED = "lowering_failed"  # the lowered graph raises where eager does not
     CONTRACT_MISMATCH = "contract_mismatch"
     MAX_CAPTURES = "max_captures"
     NON_TENSOR_OUTPUT = "non_tensor_output"
     PARAMETER_MOVED = "parameter_moved"
     PINNED_INPUT_MOVED = "pinned_input_moved"
-    PINNED_INPUT_CHURN = "pinned_input_churn"
     CAPTURE_FAILED = "capture_failed"
     REPLAY_FAILED = "replay_failed"
     VERIFY_MISMATCH = "verify_mismatch"

@@ -45,6 +45,7 @@ class Session:
         )
         self.exporter = RegionExporter(options.report_dir) if options.export_regions else None
         self._scopes: dict[str, RuntimeScope] = {}
+        self.report.runtime = self._runtime_figures
         self._lock = threading.Lock()
         for error in self.registry.errors:
             self.events.warn_once(
@@ -59,11 +60,24 @@ class Session:
                 self._scopes[engine] = RuntimeScope(impl, self.timing, self.events, self.contain)
             return self._scopes[engine]
 
+    def _runtime_figures(self) -> dict[str, Any]:
+        """Static input buffers are shared by every graph of the session: count them once."""
+        with self._lock:
+            scopes = dict(self._scopes)
+        return {"static_buffers": {name: {"count": len(s.buffers), "bytes": s.buffers.nbytes}
+                                   for name, s in scopes.items()}}
+
     def write(self) -> None:
+        """Write dispatch.json and timing.json. A report directory that cannot be written
+        is a warning (once), never a failure of the user's compile or run."""
         if self.options.report_dir is None:
             return
-        path = self.report.write(self.options.report_dir)
-        write_json_atomic(path.with_name("timing.json"), self.timing.to_dict())
+        try:
+            path = self.report.write(self.options.report_dir)
+            write_json_atomic(path.with_name("timing.json"), self.timing.to_dict())
+        except OSError as exc:
+            self.events.warn_once("report_dir", "graphdispatch: cannot write the report to %s: %s",
+                                  self.options.report_dir, exc)
 
     def flush(self) -> None:
         if self.exporter is not None:
@@ -111,7 +125,7 @@ def reset() -> None:
 def _flush_at_exit() -> None:
     try:
         flush()
-    except OSError as exc:  # a report directory that vanished must not fail the exit
+    except OSError as exc:  # region exports into a directory that vanished must not fail the exit
         log.warning("graphdispatch: could not write the report at exit: %s", exc)
 
 

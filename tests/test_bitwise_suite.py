@@ -348,8 +348,7 @@ def test_report_is_written_atomically_to_report_dir(tmp_path, monkeypatch) -> No
 
     with monkeypatch.context() as patch:
         patch.setattr(os, "replace", refuse)
-        with pytest.raises(OSError):
-            graphdispatch_backend.flush()
+        graphdispatch_backend.flush()  # a report that cannot be written is a warning, never an error
     assert (out / "dispatch.json").read_bytes() == before
     assert sorted(os.listdir(out)) == ["dispatch.json", "timing.json"]  # the failed temp file is gone too
     graphdispatch_backend.flush()

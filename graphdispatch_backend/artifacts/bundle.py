@@ -66,6 +66,8 @@ def read_manifest(folder: Path) -> Manifest:
         raise _reject(BundleRejection.MANIFEST, f"{MANIFEST_NAME} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
+    except RecursionError:  # "[[[[...]]]]" within the size cap: reject, never crash the compile
+        raise _reject(BundleRejection.MANIFEST, f"{MANIFEST_NAME} nests too deeply") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _reject(BundleRejection.MANIFEST, f"{MANIFEST_NAME} is not valid JSON: {exc}") from None
     try:

@@ -14,6 +14,7 @@ import json
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,8 @@ class GraphRecord:
     replays: int = 0
     eager_calls: int = 0
     eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
+    eager_checks: int = 0  # calls on which the lowered graph was compared with real eager
+    lowering: dict[str, str] | None = None  # set when the lowering was found wrong
     contract_mismatches: int = 0
     contract_detail: str | None = None
     cuda_graph_mode: str = "off"
@@ -222,6 +225,7 @@ class GraphRecord:
             "inputs": self.inputs,
             "calls": counts[0],
             "stripped_assertions": self.stripped_assertions,
+            "lowering_check": self._lowering_check(),
             "contract_mismatches": self.contract_mismatches,
             "contract_detail": self.contract_detail,
             "error": self.error,
@@ -233,6 +237,12 @@ class GraphRecord:
             "module_rejections": dict(self.module_rejections),
             "export": self.export,
         }
+
+    def _lowering_check(self) -> dict[str, Any]:
+        """How the lowered graph compared with real eager (runtime/eager_check.py)."""
+        if self.lowering is not None:
+            return {"checked": self.eager_checks, **self.lowering}
+        return {"checked": self.eager_checks, "status": "bitwise" if self.eager_checks else "unchecked"}
 
     def _stats_per_piece(self) -> list[CudaGraphStats | None]:
         stats = iter(self.piece_stats)
@@ -247,6 +257,8 @@ class SessionReport:
     registry: dict[str, Any] = dataclasses.field(default_factory=dict)
     graphs: list[GraphRecord] = dataclasses.field(default_factory=list)
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # runtime-wide figures (static buffers shared by all graphs), supplied by the session
+    runtime: Callable[[], dict[str, Any]] | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def new_graph(self) -> GraphRecord:
@@ -264,7 +276,7 @@ class SessionReport:
             "environment": self.environment,
             "options": self.options,
             "registry": self.registry,
-            "totals": _totals(graphs),
+            "totals": {**_totals(graphs), **(self.runtime() if self.runtime else {})},
             "artifacts": attribute(graphs, self.registry),
             "graphs": graphs,
         }

@@ -75,7 +75,8 @@ def _summary(report: dict[str, Any], elapsed: float) -> None:
             verdict = f"parity {sub['parity']}"
             if sub["demoted"]:
                 verdict += f", DEMOTED to native ({sub['reason']}: {sub['detail']})"
-            print(f"  {sub['region']:<16} <- {sub['artifact']:<20} {verdict}; served {sub['calls']} calls")
+            print(f"  {sub['region']:<16} <- {sub['artifact']:<20} {verdict}; "
+                  f"served {sub['calls']} eager calls + {sub.get('replays', 0)} replays")
         rejected = [(r["name"], j) for r in graph["regions"] for j in r.get("rejections", [])]
         for name, rej in rejected[:5]:
             print(f"  {name:<16} x  {rej['artifact']:<20} rejected: {rej['reason']} ({rej['detail']})")

@@ -28,6 +28,17 @@ def layout_identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset())
 
 
+def writable_layout(t: torch.Tensor) -> bool:
+    """True when a tensor of t's sizes and strides can be allocated and written: no two
+    elements share memory (gaps are fine: a chunk of a wider tensor, a slice)."""
+    reach = 0  # the farthest offset the smaller-stride dims cover
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
 def _static_dims(value: Any) -> list[int | None]:
     return [s if isinstance(s, int) else None for s in value.shape]
 

@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.contract import LayoutIdentity
+from graphdispatch_backend.runtime.contract import LayoutIdentity, writable_layout
 from graphdispatch_backend.runtime.engine import CapturedGraph
 
 CHURN_LIMIT = 3  # dead parameter sets per shape key before it declines parameter_moved
@@ -41,7 +41,7 @@ def scalar_key(value: Any) -> tuple[Any, ...]:
 def copy_like(t: torch.Tensor) -> torch.Tensor:
     """A copy with the same strides as the static output (a chunk of a wider tensor keeps
     its row stride), so replayed outputs match eager's layout, not only its values."""
-    if t.is_contiguous() or torch._debug_has_internal_overlap(t) != 0:
+    if t.is_contiguous() or not writable_layout(t):
         return t.clone()
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     return out.copy_(t)

@@ -20,7 +20,7 @@ MAX_PARAMETER_SETS parameter sets are captured per shape key. Per entry:
 
 A refusal is a CudaGraphUnavailable with a typed Decline: the entry goes eager for good
 (its artifacts stay active), counted and logged once. A pinned *input* that moves (a new
-prompt's embeddings) is re-captured as moving, at most twice per entry.
+prompt's embeddings) is re-captured as moving (see _mismatch).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class GraphRunner:
         self._book = threading.Lock()  # held only to add an entry
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
+        self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
         self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
 
@@ -268,7 +269,9 @@ class GraphRunner:
         entry.state, entry.verified, entry.waits = State.CAPTURED, 0, 0
         with self._stats.lock:
             self._stats.captures += 1
-            self._stats.static_bytes = self._scope.buffers.nbytes
+            self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
+            # what this piece holds; the buffers are shared across pieces (session total in the report)
+            self._stats.static_bytes = sum(self._buffers_used.values())
         self._set_state()
 
     # -- verification ---------------------------------------------------------------
@@ -291,6 +294,15 @@ class GraphRunner:
         expected = self._eager(args, Decline.VERIFYING)
         if exc is not None:
             self._decline(entry, Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
+            return expected
+        if self._gates and tuple(g.demoted for g in self._gates) != entry.gate_state:
+            # an artifact in this piece failed a parity re-check during this very call: the
+            # capture holds it, so capture again without it rather than declining for good
+            if entry.recaptures < MAX_RECAPTURES:
+                entry.recaptures += 1
+                self._recapture(entry, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", set())
+            else:
+                self._decline(entry, Decline.ARTIFACT_DEMOTED, "artifacts in this piece keep being demoted")
             return expected
         mismatch = self._compare(expected, replayed)
         if mismatch is not None:
@@ -375,24 +387,34 @@ class GraphRunner:
 
     # -- refusals -------------------------------------------------------------------
     def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
-        if reason in (Decline.PINNED_INPUT_MOVED, Decline.ARTIFACT_DEMOTED):
+        """Re-capture after a pinned input moved or an artifact was demoted; decline else.
+
+        A pinned input that moves (a new prompt's embeddings; an activation the allocator
+        happened to put at the same address during warmup) becomes moving for good, with
+        every other pinned input that moved too: each such re-capture makes progress, so
+        they are bounded by the number of inputs and never end in a decline. Re-captures
+        for demotions are bounded by MAX_RECAPTURES."""
+        if reason is Decline.PINNED_INPUT_MOVED:
+            assert entry.identity is not None
+            moved = {p for p, ident in zip(entry.identity.positions, entry.identity.identities)
+                     if p not in self._state and layout_identity(args[p]) != ident}
+            self._recapture(entry, reason, detail, moved | {pos})
+        elif reason is Decline.ARTIFACT_DEMOTED and entry.recaptures < MAX_RECAPTURES:
             entry.recaptures += 1
-            if entry.recaptures > MAX_RECAPTURES:
-                self._decline(entry, Decline.PINNED_INPUT_CHURN if pos >= 0 else reason,
-                              f"{detail}; re-captured {MAX_RECAPTURES} times already")
-            else:
-                with self._scope.replay_lock:  # no thread may be replaying what is released
-                    entry.release()
-                    if pos >= 0:
-                        entry.forced_moving.add(pos)
-                    entry.state, entry.observations = State.WARMING, []
-                with self._stats.lock:
-                    self._stats.recaptures += 1
-                self._scope.timing.note(f"recapture {self.name}: {reason.value}: {detail}")
-                self._set_state()
+            self._recapture(entry, reason, detail, set())
         else:
             self._decline(entry, reason, detail)
         return self._eager(args, reason)
+
+    def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
+        with self._scope.replay_lock:  # no thread may be replaying what is released
+            entry.release()
+            entry.forced_moving |= now_moving
+            entry.state, entry.observations = State.WARMING, []
+        with self._stats.lock:
+            self._stats.recaptures += 1
+        self._scope.timing.note(f"recapture {self.name}: {reason.value}: {detail}")
+        self._set_state()
 
     def _decline(self, entry: Entry, reason: Decline, detail: str) -> None:
         with self._scope.replay_lock:  # no thread may be replaying what is released

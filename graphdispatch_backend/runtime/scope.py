@@ -18,6 +18,7 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.runtime.contract import writable_layout
 from graphdispatch_backend.runtime.engine import ReplayEngine
 
 _calls = threading.local()
@@ -49,7 +50,7 @@ class StaticBuffers:
         with self._lock:
             buf = self._buffers.get(key)
             if buf is None:
-                if torch._debug_has_internal_overlap(like) == 0:  # dense, no self-overlap
+                if writable_layout(like):  # the live layout, gaps and all: kernels see what eager saw
                     buf = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
                 else:  # an expanded view cannot be written into; verification judges the copy
                     buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)

@@ -291,8 +291,9 @@ def test_demotion_after_capture_recaptures_counted_and_named(net, make_bundle, a
     # verification replay (neither serves a call), so 1 served call and no served replay
     assert "kernel fault" in sub["detail"] and sub["calls"] == 1 and sub["replays"] == 0
     cg = graph["cuda_graph"]
-    # the capture held the artifact: the call that found it demoted ran eager, saying so, and re-captured
-    assert cg["eager_by_reason"].get("artifact_demoted", 0) >= 1 and cg["recaptures"] >= 1
+    # the capture held the artifact, which was demoted while that capture was being verified:
+    # the graph is captured again without it (no decline), and the run goes on replaying
+    assert cg["recaptures"] >= 1 and cg["declines"] == {} and cg["replays"] >= 1
     attribution = report["artifacts"]["mlp-flaky"]
     assert attribution["status"] == "demoted"
     assert attribution["demotions"] == [{"graph": "graph_0", "region": "blocks.0.mlp", "reason": "raised",

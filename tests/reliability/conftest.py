@@ -38,5 +38,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _COUNTS:
         return
     terminalreporter.section("reliability counts")
+    fuzz = sum(v for k, v in _COUNTS.items() if k.startswith("fuzz_cases:"))
+    if fuzz:
+        terminalreporter.write_line(f"fuzz_cases (total): {fuzz}")
     for key, value in sorted(_COUNTS.items()):
         terminalreporter.write_line(f"{key}: {value}")

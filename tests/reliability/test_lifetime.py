@@ -145,7 +145,8 @@ def test_four_threads_on_one_compiled_model(tmp_path, counts):
 def live_tensors() -> tuple[int, int]:
     """(live tensor objects, distinct live storages), after a full collection."""
     gc.collect()
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)]
+    # type(), not isinstance(): isinstance reads __class__, which some deprecated torch objects warn on
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and not issubclass(type(o), FakeTensor)]
     storages = set()
     for t in tensors:
         if t.device.type != "meta" and not torch._C._functorch.is_functorch_wrapped_tensor(t):

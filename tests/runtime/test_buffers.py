@@ -106,8 +106,9 @@ def test_48_graphs_hold_one_buffer_set():
     buffers = scope().buffers
     assert len(buffers) == 1
     assert buffers.nbytes == one_piece_moving_bytes(inputs[0])
-    # each piece reports the session's shared set, not a set of its own
+    # each piece reports the bytes it holds (the one shared set); the session counts it once
     assert {g["cuda_graph"]["static_bytes"] for g in graphs} == {one_piece_moving_bytes(inputs[0])}
+    assert report["totals"]["static_buffers"] == {"host": {"count": 1, "bytes": one_piece_moving_bytes(inputs[0])}}
 
 
 def test_blocks_of_two_widths_hold_one_buffer_per_layout():
@@ -117,6 +118,9 @@ def test_blocks_of_two_widths_hold_one_buffer_per_layout():
     buffers = scope().buffers
     assert len(buffers) == 2
     assert buffers.nbytes == one_piece_moving_bytes(narrow[0]) + one_piece_moving_bytes(wide[0])
+    # each graph reports only the buffer it holds, not the session's total
+    assert [g["cuda_graph"]["static_bytes"] for g in report["graphs"]] == [
+        one_piece_moving_bytes(narrow[0]), one_piece_moving_bytes(wide[0])]
 
 
 def test_static_buffers_are_keyed_by_position_and_layout():

@@ -24,11 +24,13 @@ import pytest
 import torch
 from torch import nn
 
+import graphdispatch_backend
 from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime import eager_check as eager_check_mod
 from graphdispatch_backend.runtime import runner as runner_mod
 from graphdispatch_backend.runtime.contract import LayoutIdentity
 from graphdispatch_backend.runtime.engine import HostReplayEngine
@@ -209,6 +211,11 @@ class Mutation:
 
 
 NO_PARAMETER_KEY = (GraphRunner, "_state_key", lambda self, args: [])
+# Through compile, the eager check (runtime/eager_check.py) compares the first call of each
+# new shape key with real eager, and would catch a runner that replays a stale constant on
+# it: a second line of defence (test_eager_check_catches_a_stale_constant). These mutations
+# test the runner's own check, so that line is switched off for them.
+NO_EAGER_CHECK = (eager_check_mod, "MAX_KEYS", 0)
 
 MUTATIONS = [
     Mutation("pinned address", ((LayoutIdentity, "addresses_match", _always(True)),), pinned_input_replaced),
@@ -218,7 +225,8 @@ MUTATIONS = [
     Mutation("parameter layout declines at replay", ((GraphRunner, "_check", _ignoring(Decline.PARAMETER_MOVED)),),
              parameter_restrided_in_place),
     Mutation("scalar constants in the key", ((runner_mod, "scalar_key", lambda value: ()),), scalar_changed),
-    Mutation("scalar constants in the key, through compile", ((runner_mod, "scalar_key", lambda value: ()),),
+    Mutation("scalar constants in the key, through compile", ((runner_mod, "scalar_key", lambda value: ()),
+                                                              NO_EAGER_CHECK),
              dynamic_int_through_compile),
     Mutation("moving copy-in", ((GraphRunner, "_copy_in", _no_copy_in),), moving_input_changes(verify_inputs=1)),
     Mutation("output clone", ((GraphRunner, "_clone_outputs", _static_outputs),), outputs_held_across_replays),
@@ -250,3 +258,13 @@ def test_verification_catches_a_missing_copy_in(monkeypatch):
     w, x = torch.randn(4, 4), fresh(3, 4)
     assert count_wrong(runner, affine, [lambda: (x(), w)] * 7) == 0
     assert runner._stats.declines == {"verify_mismatch": 1}
+
+
+def test_eager_check_catches_a_stale_constant(monkeypatch):
+    """With the runner's scalar key gone, the new shape key's first call is still compared
+    with real eager: the stale replay is caught there, answered eagerly, and the graph runs
+    as the Dynamo graph from then on (lowering_mismatch), so no output is wrong."""
+    monkeypatch.setattr(runner_mod, "scalar_key", lambda value: ())
+    assert dynamic_int_through_compile() == 0
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    assert graph["lowering_check"]["status"] == "lowering_mismatch"

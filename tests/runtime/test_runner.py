@@ -371,26 +371,45 @@ def test_pinned_input_moved_recaptures_it_as_moving():
     assert_stats_accounted(stats, 10)
 
 
-def test_pinned_inputs_that_keep_moving_decline_as_churn():
+def test_pinned_inputs_that_keep_moving_end_up_moving_and_replay():
+    """Each pinned input that moves becomes moving for good (with any other pinned input
+    that moved at the same time): every re-capture makes progress, so there are at most
+    as many as inputs, and the entry ends up replaying instead of declining."""
     def four(a, b, c, d):
         return (a + b * c - d,)
 
     runner, stats = make_runner(four, warmup=1, verify_inputs=1)
     args = [torch.randn(4) for _ in range(4)]
     calls = 0
-    for moved in range(MAX_RECAPTURES + 1):
+    for moved in range(4):
         for _ in range(3):  # warm, capture, replay
             assert same(runner(*args), four(*args))
             calls += 1
         args[moved] = torch.randn(4)  # the next pinned input moves after verification
         assert same(runner(*args), four(*args))
         calls += 1
-    assert stats.recaptures == MAX_RECAPTURES
-    assert stats.declines == {"pinned_input_churn": 1}
-    for _ in range(2):
+    assert stats.recaptures == 4 and stats.declines == {}
+    replays = stats.replays
+    for _ in range(5):  # re-warm once more, then every input is moving: fresh tensors replay
+        args = [torch.randn(4) for _ in range(4)]
         assert same(runner(*args), four(*args))
-    assert stats.eager_by_reason["pinned_input_churn"] == 2
-    assert_stats_accounted(stats, calls + 2)
+    assert stats.replays == replays + 3 and stats.recaptures == 4
+    assert_stats_accounted(stats, calls + 5)
+
+
+def test_several_pinned_inputs_moving_at_once_are_demoted_together():
+    def four(a, b, c, d):
+        return (a + b * c - d,)
+
+    runner, stats = make_runner(four, warmup=1, verify_inputs=1)
+    args = [torch.randn(4) for _ in range(4)]
+    for _ in range(3):
+        assert same(runner(*args), four(*args))
+    args = [torch.randn(4) for _ in range(4)]  # all four move in one call
+    for _ in range(5):
+        assert same(runner(*args), four(*args))
+        args = [torch.randn(4) for _ in range(4)]
+    assert stats.recaptures == 1 and stats.declines == {}
 
 
 # -- shape keys and max_captures ---------------------------------------------------------
