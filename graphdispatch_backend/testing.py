@@ -8,6 +8,20 @@
 - `write_bundle(...)`: a bundle folder with a correct manifest (sizes, sha256).
 - `manifest_from_region(region, ...)`: a manifest signature copied from a region report
   entry, exactly as a new user would write it.
+- `only_graph()`: the latest report's one graph, its calls checked as accounted for.
+- `region_entry(fn, *args, name=..., **options)`: a region's report entry from one call
+  compiled in a fresh session (reset before and after), to write a manifest from.
+
+Small models the tests share (seed before building them; class names show in reports):
+
+- `Mlp` (fc1 dim -> 2*dim, activation, fc2 2*dim -> dim), `Block` (x + mlp(x)) and
+  `Stack` (`blocks`, a ModuleList of Blocks): regions `mlp`, `blocks.<i>.mlp`, ... The
+  activation is `torch.relu`, or a module given as `act` (its own region, `mlp.act`).
+- `MLP_INPUTS`, `MLP_OUTPUTS` (`mlp_inputs(batch)`): the dim-8 `Mlp` region's manifest
+  signature, batch left free, inputs in the region report's order; `MLP_SOURCE`: an exact
+  kernel for the relu `Mlp` region.
+- `LinearBlock` (x + relu(lin(x)), or relu(lin(x)) with residual=False) and
+  `linear_stack(depth, dim, seed)`: a seeded nn.Sequential of them in eval mode.
 """
 
 from __future__ import annotations
@@ -24,7 +38,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
+from torch import nn
 
+import graphdispatch_backend
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
@@ -124,3 +140,111 @@ def manifest_from_region(region: dict[str, Any]) -> dict[str, list[dict[str, Any
         "inputs": [{"name": i["name"], "shape": i["shape"], "dtype": i["dtype"]} for i in region["inputs"]],
         "outputs": [{"shape": o["shape"], "dtype": o["dtype"]} for o in region["outputs"]],
     }
+
+
+def only_graph() -> dict[str, Any]:
+    """The latest report's only graph; its calls are replays or counted eager calls."""
+    report = graphdispatch_backend.latest_report()
+    assert report is not None
+    (graph,) = report["graphs"]
+    cg = graph["cuda_graph"]
+    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
+    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
+    return graph
+
+
+def region_entry(fn: Callable[..., Any], *args: Any, name: str, **options: Any) -> dict[str, Any]:
+    """The report entry of region `name` after one no_grad call of `fn` compiled with
+    graphdispatch (`options`). Dynamo and graphdispatch are reset before and after, so
+    what the caller compiles next (with a bundle written from the entry) starts fresh."""
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend="graphdispatch", options=options)(*args)
+    report = graphdispatch_backend.latest_report()
+    assert report is not None
+    (graph,) = report["graphs"]
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    return next(r for r in graph["regions"] if r["name"] == name)
+
+
+# -- small models ----------------------------------------------------------------------------
+
+
+class Mlp(nn.Module):
+    """fc1 (dim -> 2*dim), activation, fc2 (2*dim -> dim). The activation is `torch.relu`
+    unless `act` is given: a module, or a factory of one (`nn.GELU`), registered as `act`."""
+
+    def __init__(self, dim: int = 8, act: nn.Module | Callable[[], nn.Module] | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.act = act if act is None or isinstance(act, nn.Module) else act()
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(torch.relu(h) if self.act is None else self.act(h))
+
+
+class Block(nn.Module):
+    """x + mlp(x); `act` (a factory, `nn.GELU`) as for `Mlp`."""
+
+    def __init__(self, dim: int = 8, act: Callable[[], nn.Module] | None = None) -> None:
+        super().__init__()
+        self.mlp = Mlp(dim, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class Stack(nn.Module):
+    """`depth` Blocks in `blocks`, one after the other; `act` (a factory) gives each its own."""
+
+    def __init__(self, depth: int = 2, dim: int = 8, act: Callable[[], nn.Module] | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, act) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def mlp_inputs(batch: int | None = None) -> list[dict[str, Any]]:
+    """A fresh copy of the dim-8 `Mlp` region's signature inputs, in the region report's order."""
+    return [
+        {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
+        {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
+        {"name": "input0", "shape": [batch, 8], "dtype": "float32"},
+        {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
+        {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
+    ]
+
+
+MLP_INPUTS = mlp_inputs()
+MLP_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}]
+MLP_SOURCE = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    return torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+"""
+
+
+class LinearBlock(nn.Module):
+    """x + relu(lin(x)), lin: dim -> dim; relu(lin(x)) alone when not `residual`."""
+
+    def __init__(self, dim: int = 8, residual: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.lin(x))
+        return x + y if self.residual else y
+
+
+def linear_stack(depth: int = 2, dim: int = 8, seed: int = 0) -> nn.Sequential:
+    """`depth` LinearBlocks in an nn.Sequential (children `0`, `1`, ...), seeded, in eval mode."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[LinearBlock(dim) for _ in range(depth)]).eval()

@@ -35,28 +35,23 @@ import torch
 
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
-from graphdispatch_backend.runtime.contract import LayoutIdentity, layout_identity
+from graphdispatch_backend.runtime.book import MAX_PARAMETER_SETS, EntryBook
+from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.entry import (
-    CHURN_LIMIT,
-    CONSTANT_OUTPUTS,
     TENSOR,
     Entry,
-    Slot,
     State,
-    _Storages,
     copy_like,
     scalar_key,
 )
 from graphdispatch_backend.runtime.parity import bitwise_equal, compare
+from graphdispatch_backend.runtime.recording import record
 from graphdispatch_backend.runtime.scope import RuntimeScope, mark_eager
 
 __all__ = ["MAX_PARAMETER_SETS", "MAX_RECAPTURES", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
 MAX_RECAPTURES = 2
 NOT_DISTINCT_LIMIT = 8
-# Parameter sets (blocks sharing one compiled graph, or parameters that moved) captured per
-# shape key; more run eager as parameter_moved. Bounds the graphs a runner can hold.
-MAX_PARAMETER_SETS = 256
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -83,15 +78,12 @@ class GraphRunner:
         self._scope = scope
         self._stats = stats
         self._warmup = warmup
-        self._max_captures = max_captures
         self._verify_inputs = verify_inputs
         self._state = state_names  # position -> parameter/buffer name
         self._gates = tuple(gates)
-        self._slots: dict[tuple[Any, ...], Slot] = {}  # shape key -> its entries
-        self._entries: dict[tuple[Any, ...], Entry] = {}  # (shape key, parameter addresses) -> entry
-        self._limits_hit: set[Decline] = set()
+        self._book = EntryBook(max_captures, scope, self._report)
+        self._slots = self._book.slots  # shape key -> its entries (read on every call)
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
-        self._book = threading.Lock()  # held only to add an entry
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
@@ -148,61 +140,15 @@ class GraphRunner:
 
     def _new_entry(self, key: tuple[Any, ...], args: Sequence[Any]) -> tuple[Entry | None, Decline]:
         params = self._pick_params(args) if self._param_positions else ()
-        ptrs = self._state_key(args)
-        with self._book:
-            slot = self._slots.get(key)
-            if slot is None:
-                if len(self._slots) >= self._max_captures:
-                    self._limit(Decline.MAX_CAPTURES, f"more than {self._max_captures} shape keys")
-                    return None, Decline.MAX_CAPTURES
-                slot = self._slots[key] = Slot()
-                self._stats.shape_keys = len(self._slots)
-            elif slot.declined is not None:
-                return None, Decline.PARAMETER_MOVED
-            entry = slot.entries.get(tuple(ptrs))
-            if entry is not None:  # another thread added it meanwhile
-                return entry, Decline.BUSY
-            if params and slot.entries and not self._prune(slot):
-                return None, Decline.PARAMETER_MOVED
-            if len(slot.entries) >= MAX_PARAMETER_SETS:
-                self._limit(Decline.PARAMETER_MOVED,
-                            f"parameters seen at more than {MAX_PARAMETER_SETS} addresses for one shape key")
-                return None, Decline.PARAMETER_MOVED
-            entry = Entry((key, tuple(ptrs)), _Storages(params) if params else None)
-            slot.entries[tuple(ptrs)] = self._entries[(key, tuple(ptrs))] = entry
-            slot.last = (ptrs, entry)
-        self._set_state()
-        return entry, Decline.BUSY
+        entry, why = self._book.add(key, self._state_key(args), params, list(self._state.values()))
+        self._stats.shape_keys = len(self._book.slots)
+        if entry is not None:
+            self._set_state()
+        return entry, why
 
-    def _prune(self, slot: Slot) -> bool:
-        """A new parameter set for a known shape key: forget sets that can never come back.
-        False (and the shape key declines) when parameters are found at a new address
-        call after call: capturing each would only ever warm up, never replay."""
-        dropped = slot.prune()
-        if dropped:
-            with self._scope.replay_lock:
-                for entry in dropped:
-                    entry.release()
-                    self._entries.pop(entry.key, None)
-        if slot.dead < CHURN_LIMIT:
-            return True
-        names = ", ".join(list(self._state.values())[:3])
-        slot.declined = (f"parameters ({names}, ...) were at a new address on each call: {slot.dead} parameter "
-                         "sets were freed or moved before they were seen again (FSDP reshard, offload, or "
-                         "`.data` reassignment); captures would go stale")
-        for entry in list(slot.entries.values()):
-            with self._scope.replay_lock:
-                entry.release()
-            self._entries.pop(entry.key, None)
-        slot.entries.clear()
-        slot.last = ((), None)
-        self._report(Decline.PARAMETER_MOVED, slot.declined)
-        return False
-
-    def _limit(self, reason: Decline, detail: str) -> None:
-        if reason not in self._limits_hit:  # counted once per runner; each call is counted as eager
-            self._limits_hit.add(reason)
-            self._report(reason, detail)
+    @property
+    def _entries(self) -> dict[tuple[Any, ...], Entry]:
+        return self._book.entries
 
     def _eager(self, args: Sequence[Any], reason: Decline) -> Sequence[Any]:
         mark_eager(reason.value)
@@ -229,44 +175,7 @@ class GraphRunner:
         return tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args)
 
     def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
-        first = entry.observations[0]
-        stable = {
-            i for i, ident in enumerate(first)
-            if ident is not None and all(o[i] == ident for o in entry.observations)
-        }
-        for pos, name in self._state.items():
-            if pos not in stable:
-                raise CudaGraphUnavailable(Decline.PARAMETER_MOVED, f"{name} changed address or layout during warmup")
-        tensors = [i for i, ident in enumerate(first) if ident is not None]
-        moving = [i for i in tensors if (i not in stable or i in entry.forced_moving) and i not in self._state]
-        pinned = [i for i in tensors if i not in moving]
-        static_args = list(args)
-        buffers = []
-        for pos in moving:
-            buf = self._scope.buffers.get(pos, args[pos])
-            static_args[pos] = buf
-            buffers.append((pos, buf))
-        with self._scope.replay_lock:  # the buffers are shared: no other runner may be mid-replay
-            for pos, buf in buffers:
-                buf.copy_(args[pos])
-            graph, exc = self._scope.contain(lambda: self._scope.engine.capture(self._fn, static_args))
-        if exc is not None:
-            raise CudaGraphUnavailable(Decline.CAPTURE_FAILED, f"{type(exc).__name__}: {exc}")
-        template = []
-        for i, out in enumerate(graph.outputs):
-            if isinstance(out, torch.Tensor):
-                template.append(TENSOR)
-            elif isinstance(out, CONSTANT_OUTPUTS):
-                template.append(out)
-            else:
-                graph.reset()
-                raise CudaGraphUnavailable(Decline.NON_TENSOR_OUTPUT, f"output {i} is a {type(out).__name__}")
-        entry.graph, entry.static_args, entry.moving = graph, static_args, tuple(buffers)
-        # parameters are in the key (addresses): the identity checks their layout only
-        entry.identity = LayoutIdentity(pinned, args, addressed=[p for p in pinned if p not in self._state])
-        entry.template = tuple(template)
-        entry.gate_state = tuple(g.demoted for g in self._gates)
-        entry.state, entry.verified, entry.waits = State.CAPTURED, 0, 0
+        buffers = record(entry, args, self._fn, self._scope, self._state, self._gates)
         with self._stats.lock:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
@@ -435,5 +344,5 @@ class GraphRunner:
 
     def _set_state(self) -> None:
         order = (State.EAGER, State.WARMING, State.CAPTURED, State.VERIFIED)
-        states = [e.state for e in list(self._entries.values())]
+        states = self._book.states()
         self._stats.state = max(states, key=order.index).value if states else State.EAGER.value

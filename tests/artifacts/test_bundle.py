@@ -24,48 +24,9 @@ import graphdispatch_backend
 from graphdispatch_backend.artifacts.bundle import hash_bundle, load_entry, verify_bundle
 from graphdispatch_backend.artifacts.registry import Registry
 from graphdispatch_backend.errors import BundleRejected, BundleRejection, ManifestError
-from graphdispatch_backend.testing import write_bundle
+from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Stack, write_bundle
 
-# -- a small block model, and a bundle whose manifest matches its `blocks.*.mlp` regions ----------
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-INPUTS = [
-    {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
-    {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
-    {"name": "input0", "shape": [None, 8], "dtype": "float32"},
-    {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
-    {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
-]
-OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}]
+# -- a bundle whose manifest matches the `blocks.*.mlp` regions of testing.Stack -------------------
 
 # Module code with a side effect: the marker file proves whether it ever executed.
 KERNEL = """
@@ -81,7 +42,8 @@ def forward(w1, b1, x, w2, b2):
 
 
 def marked_bundle(folder: Path, marker: Path, **kwargs) -> Path:
-    return write_bundle(folder, "mlp", "blocks.*.mlp", INPUTS, OUTPUTS, KERNEL.format(marker=str(marker)), **kwargs)
+    source = KERNEL.format(marker=str(marker))
+    return write_bundle(folder, "mlp", "blocks.*.mlp", MLP_INPUTS, MLP_OUTPUTS, source, **kwargs)
 
 
 def compile_and_run(root: Path) -> dict:
@@ -362,7 +324,7 @@ def read(rel):
 
 def test_read_bundle_file_returns_verified_bytes_of_a_declared_file(tmp_path):
     payload = bytes(range(256))
-    folder = write_bundle(tmp_path / "reader", "reader", "m", [], OUTPUTS, READER,
+    folder = write_bundle(tmp_path / "reader", "reader", "m", [], MLP_OUTPUTS, READER,
                           extra_files={"data/table.bin": payload})
     fn = load_entry(verify_bundle(folder))
     assert fn() == payload
@@ -374,7 +336,7 @@ def test_read_bundle_file_returns_verified_bytes_of_a_declared_file(tmp_path):
 @pytest.mark.parametrize("rel", ["../secret.txt", "artifact.json", "undeclared.txt", "/etc/passwd"])
 def test_read_bundle_file_refuses_anything_undeclared(tmp_path, rel):
     (tmp_path / "secret.txt").write_text("secret")
-    folder = write_bundle(tmp_path / "reader", "reader", "m", [], OUTPUTS, READER,
+    folder = write_bundle(tmp_path / "reader", "reader", "m", [], MLP_OUTPUTS, READER,
                           extra_files={"data/table.bin": b"t"})
     read = load_entry(verify_bundle(folder)).__globals__["read"]
     (folder / "undeclared.txt").write_text("added after verification")
@@ -384,7 +346,7 @@ def test_read_bundle_file_refuses_anything_undeclared(tmp_path, rel):
 
 
 def test_read_bundle_file_refuses_a_file_changed_after_verification(tmp_path):
-    folder = write_bundle(tmp_path / "reader", "reader", "m", [], OUTPUTS, READER,
+    folder = write_bundle(tmp_path / "reader", "reader", "m", [], MLP_OUTPUTS, READER,
                           extra_files={"data/table.bin": b"abcd"})
     read = load_entry(verify_bundle(folder)).__globals__["read"]
     (folder / "data" / "table.bin").write_bytes(b"abce")

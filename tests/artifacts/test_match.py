@@ -22,38 +22,9 @@ from graphdispatch_backend.errors import Rejection
 from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.tag_regions import tag_regions
 from graphdispatch_backend.region import Region
-from graphdispatch_backend.testing import aten_graph, manifest_from_region, write_bundle
+from graphdispatch_backend.testing import MLP_SOURCE, Block, Stack, aten_graph, manifest_from_region, write_bundle
 
 TORCH = "2.13.0+cpu"
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 class Noisy(nn.Module):
@@ -360,11 +331,6 @@ def test_every_candidate_gets_its_own_rejection(stack):
 # -- overlap and load_failed: through the substitute pass --------------------------------------------------
 
 
-MLP_SOURCE = """
-import torch
-def forward(w1, b1, x, w2, b2):
-    return torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
-"""
 LINEAR_SOURCE = """
 import torch
 def forward(w, b, x):

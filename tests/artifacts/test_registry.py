@@ -13,7 +13,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 import graphdispatch_backend
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError, Registry
 from graphdispatch_backend.errors import RegistryError
-from graphdispatch_backend.testing import write_bundle
+from graphdispatch_backend.testing import MLP_SOURCE, Block, mlp_inputs, write_bundle
 
 OUT = [{"shape": [2, 8], "dtype": "float32"}]
 SOURCE = "def forward(*args):\n    raise AssertionError('not called in these tests')\n"
@@ -210,36 +210,7 @@ def test_a_load_failure_is_kept_and_the_code_not_run_again(tmp_path):
 # -- through torch.compile -------------------------------------------------------------------------
 
 
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-MLP_INPUTS = [
-    {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
-    {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
-    {"name": "input0", "shape": [2, 8], "dtype": "float32"},
-    {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
-    {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
-]
-MLP_SOURCE = """
-import torch
-def forward(w1, b1, x, w2, b2):
-    return torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
-"""
+MLP_INPUTS = mlp_inputs(batch=2)  # the batch pinned, as in OUT
 
 
 @pytest.mark.parametrize("enable", [["fc1-only"], "fc1-only"])  # a list, or a comma-separated string

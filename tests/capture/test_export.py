@@ -18,6 +18,7 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend.capture import export as export_module
 from graphdispatch_backend.capture.autocast import AutocastState
+from graphdispatch_backend.testing import Mlp
 
 MATMULS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
 
@@ -34,22 +35,11 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
 
 
-class Mlp(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.attn = Attention(dim)
-        self.mlp = Mlp(dim)
+        self.mlp = Mlp(dim, act=nn.GELU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
@@ -90,6 +80,17 @@ class WithCast(nn.Module):
 def _compile(model: nn.Module, report_dir: Path) -> Any:
     return torch.compile(model, backend="graphdispatch",
                          options={"export_regions": True, "report_dir": str(report_dir)})
+
+
+def _call_one_block(report_dir: Path) -> tuple[nn.Module, weakref.ref[torch.Tensor]]:
+    """A seeded one-block Stack, compiled into `report_dir` and called once; returns it and
+    a weak reference to that call's input (this holds no strong one)."""
+    torch.manual_seed(0)
+    model = Stack(depth=1).eval()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        _compile(model, report_dir)(x)
+    return model, weakref.ref(x)
 
 
 def _exports(report_dir: Path) -> dict[str, dict[str, Any]]:
@@ -219,13 +220,7 @@ def test_a_failing_export_is_recorded_for_its_region_and_nothing_is_raised(tmp_p
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(torch.export, "export", export)
-    torch.manual_seed(0)
-    model = Stack(depth=1).eval()
-    x = torch.randn(2, 4, 8)
-    alive = weakref.ref(x)
-    with torch.no_grad():
-        _compile(model, tmp_path)(x)
-    del x
+    model, alive = _call_one_block(tmp_path)
     graphdispatch_backend.flush()
     exports = _exports(tmp_path)
     for region in ("blocks.0", "blocks.0.attn"):  # both hold the attention call
@@ -239,10 +234,7 @@ def test_a_failing_export_is_recorded_for_its_region_and_nothing_is_raised(tmp_p
 
 
 def test_a_failing_replay_is_recorded_and_nothing_is_raised(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    model = Stack(depth=1).eval()
-    with torch.no_grad():
-        _compile(model, tmp_path)(torch.randn(2, 4, 8))
+    model, _ = _call_one_block(tmp_path)
 
     def broken(self: AutocastState) -> Any:
         raise RuntimeError("no autocast here")
@@ -255,13 +247,7 @@ def test_a_failing_replay_is_recorded_and_nothing_is_raised(tmp_path, monkeypatc
 
 
 def test_a_failure_around_the_regions_is_recorded_and_nothing_is_raised(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    model = Stack(depth=1).eval()
-    x = torch.randn(2, 4, 8)
-    alive = weakref.ref(x)
-    with torch.no_grad():
-        _compile(model, tmp_path)(x)
-    del x
+    model, alive = _call_one_block(tmp_path)
 
     def tag_regions(gm: Any, ctx: Any) -> None:
         raise KeyError("odd nn_module_stack")

@@ -1,6 +1,7 @@
-"""Fixtures for the diagnostics tests: a two-block model, artifact bundles for its MLPs
-(exact, off by a tanh GELU, slow, failing after some calls, wrong signature), and the
-accounting check every fallback scenario must pass."""
+"""Fixtures for the diagnostics tests: a two-block model (`testing.Stack` with GELU as each
+MLP's `act`: regions `blocks.0.mlp` and `blocks.1.mlp` share one signature, MLP_INPUTS and
+MLP_OUTPUTS), artifact bundles for its MLPs (exact, off by a tanh GELU, slow, failing after
+some calls, wrong signature), and the accounting check every fallback scenario must pass."""
 
 from __future__ import annotations
 
@@ -14,52 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphdispatch_backend.testing import write_bundle
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-class Net(nn.Module):
-    """Two blocks: regions `blocks.0.mlp` and `blocks.1.mlp` share one signature."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-# The `blocks.*.mlp` region signature, in the order the region report lists its inputs
-# (copied from dispatch.json as an author would; batch left free).
-MLP_INPUTS = [
-    {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
-    {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
-    {"name": "input0", "shape": [None, 8], "dtype": "float32"},
-    {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
-    {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
-]
-MLP_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}]
+from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Stack, mlp_inputs, write_bundle
 
 KERNELS = {
     # The native ops in the native order: bitwise equal.
@@ -122,26 +78,26 @@ def make_bundle(tmp_path: Path) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def mlp_inputs_factory() -> Callable[[], list[dict[str, Any]]]:
-    return lambda: [dict(i) for i in MLP_INPUTS]
+    return mlp_inputs
 
 
-@pytest.fixture
-def mlp_inputs() -> list[dict[str, Any]]:
-    return [dict(i) for i in MLP_INPUTS]
+@pytest.fixture(name="mlp_inputs")
+def mlp_inputs_fixture() -> list[dict[str, Any]]:
+    return mlp_inputs()
 
 
-def make_net() -> Net:
+def make_net() -> Stack:
     torch.manual_seed(0)
-    return Net().eval()
+    return Stack(act=nn.GELU).eval()
 
 
 @pytest.fixture(scope="session")
-def net_factory() -> Callable[[], Net]:
+def net_factory() -> Callable[[], Stack]:
     return make_net
 
 
 @pytest.fixture
-def net() -> Net:
+def net() -> Stack:
     return make_net()
 
 

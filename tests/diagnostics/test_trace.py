@@ -21,34 +21,10 @@ SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
 
-    class Mlp(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
-
-        def forward(self, x):
-            return self.fc2(self.act(self.fc1(x)))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = Mlp()
-
-        def forward(self, x):
-            return x + self.mlp(x)
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
+    from graphdispatch_backend.testing import Stack
 
     torch.manual_seed(0)
-    model = Net().eval()
+    model = Stack(act=nn.GELU).eval()  # blocks.0.mlp, blocks.1.mlp
     options = {"artifacts": sys.argv[1], "cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1}
     compiled = torch.compile(model, backend="graphdispatch", options=options)
     with torch.no_grad():

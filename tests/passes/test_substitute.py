@@ -25,35 +25,8 @@ from graphdispatch_backend.region import Region
 aten = torch.ops.aten
 
 
-class Mlp(nn.Module):
-    def __init__(self, dim: int = 4) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 4) -> None:
-        super().__init__()
-        self.mlp = Mlp(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-class Stack(nn.Module):
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+# testing.Block and testing.Stack, built by _model at dim 4 with GELU as each MLP's `act` region
+SMALL = {"dim": 4, "act": nn.GELU}
 
 
 class Split(nn.Module):
@@ -138,14 +111,14 @@ def _call(gm: fx.GraphModule, lowered: testing.Lowered, model: nn.Module, *args:
         return gm(*[state[o.name] if o.is_state else next(user) for o in lowered.origins])
 
 
-def _model(cls: type[nn.Module], *a: Any) -> nn.Module:
+def _model(cls: type[nn.Module], *a: Any, **kw: Any) -> nn.Module:
     torch.manual_seed(0)
-    return cls(*a).eval()
+    return cls(*a, **kw).eval()
 
 
 class TestSubstitute(expecttest.TestCase):
     def test_golden_one_call_node_per_region_inputs_in_signature_order(self):
-        model = _model(Block)
+        model = _model(testing.Block, **SMALL)
         x = torch.randn(2, 4)
         lowered = _lowered(model, x)
         before = testing.normalize(lowered.gm)
@@ -181,7 +154,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
         self.assertTrue(torch.equal(_call(done.gm, lowered, model, x)[0], model(x)))
 
     def test_every_repeated_block_gets_its_own_call(self):
-        model = _model(Stack, 3)
+        model = _model(testing.Stack, 3, **SMALL)
         x = torch.randn(2, 4)
         lowered = _lowered(model, x)
         done = run_substitute(lowered.gm, ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"], lowered.origins)
@@ -219,7 +192,7 @@ def forward(self, arg0_1):
         self.assertTrue(torch.equal(_call(done.gm, lowered, model, x)[0], model(x)))
 
     def test_enclosing_region_wins_and_the_inner_one_is_rejected_as_overlap(self):
-        model = _model(Stack, 1)
+        model = _model(testing.Stack, 1, **SMALL)
         x = torch.randn(2, 4)
         lowered = _lowered(model, x)
         # listed inner first on purpose: size decides, not the order the matcher is asked in
@@ -244,7 +217,7 @@ def forward(self, arg0_1):
         self.assertTrue(torch.equal(_call(done.gm, lowered, model, x)[0], model(x)))
 
     def test_a_region_that_does_not_load_leaves_the_graph_alone(self):
-        model = _model(Block)
+        model = _model(testing.Block, **SMALL)
         lowered = _lowered(model, torch.randn(2, 4))
         before = testing.normalize(lowered.gm)
         done = run_substitute(lowered.gm, ["mlp"], lowered.origins, loadable=False)
@@ -276,7 +249,7 @@ def forward(self, x, w):
         self.assertTrue(torch.equal(out, ref))
 
     def test_native_region_graph_computes_what_the_original_did(self):
-        model = _model(Stack, 2)
+        model = _model(testing.Stack, 2, **SMALL)
         x = torch.randn(2, 4)
         lowered = _lowered(model, x)
         done = run_substitute(lowered.gm, ["blocks.1.mlp", "blocks.0"], lowered.origins)

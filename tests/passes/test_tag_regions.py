@@ -22,22 +22,11 @@ from graphdispatch_backend.region import Region, TensorSpec
 aten = torch.ops.aten
 
 
-class Mlp(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim)
+        self.mlp = testing.Mlp(dim, act=nn.GELU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))

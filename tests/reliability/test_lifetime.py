@@ -31,7 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import graphdispatch_backend
-from graphdispatch_backend.testing import write_bundle
+from graphdispatch_backend.testing import region_entry, write_bundle
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
 KERNEL = """
@@ -75,13 +75,7 @@ def make() -> Net:
 def mlp_bundle(root: Path) -> Path:
     """An exact MLP kernel, its manifest written from the region report of `mlp` (as an
     author would), batch size left open."""
-    torch._dynamo.reset()
-    graphdispatch_backend.reset()
-    with torch.no_grad():
-        torch.compile(make(), backend="graphdispatch", options={"cuda_graphs": False})(torch.randn(4, 16))
-    region = next(r for r in graphdispatch_backend.latest_report()["graphs"][0]["regions"] if r["name"] == "mlp")
-    torch._dynamo.reset()
-    graphdispatch_backend.reset()
+    region = region_entry(make(), torch.randn(4, 16), name="mlp", cuda_graphs=False)
     names = [i["name"] for i in region["inputs"]]
     inputs = [{"name": i["name"], "shape": [None, 16] if i["name"] == "input0" else i["shape"], "dtype": i["dtype"]}
               for i in region["inputs"]]

@@ -13,36 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-import graphdispatch_backend
 from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.testing import linear_stack, only_graph
 
 CALLS_PER_THREAD = 12
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.lin(x))
-
-
-def stack(depth: int = 2) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(depth)]).eval()
-
-
-def only_graph() -> dict[str, Any]:
-    report = graphdispatch_backend.latest_report()
-    assert report is not None
-    (graph,) = report["graphs"]
-    cg = graph["cuda_graph"]
-    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
-    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
-    return graph
 
 
 def hammer(threads: int, call: Callable[[int, int], None]) -> None:
@@ -71,7 +46,7 @@ def hammer(threads: int, call: Callable[[int, int], None]) -> None:
 
 @pytest.mark.parametrize("threads", [2, 4])
 def test_threads_get_their_own_right_outputs_and_counts_add_up(threads):
-    model = stack()
+    model = linear_stack()
     compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2})
     with torch.no_grad():  # compile once, before the threads start
         compiled(torch.randn(2, 8))
@@ -91,7 +66,7 @@ def test_threads_get_their_own_right_outputs_and_counts_add_up(threads):
 
 
 def test_threads_with_different_shapes_each_replay_their_own_capture():
-    model = stack(depth=1)
+    model = linear_stack(depth=1)
     compiled = torch.compile(model, backend="graphdispatch", dynamic=True,
                              options={"cuda_graphs": "emulate", "warmup": 2})
     with torch.no_grad():
@@ -121,7 +96,7 @@ def test_a_call_that_finds_the_runner_capturing_runs_eager_as_busy(monkeypatch):
         return real_capture(self, fn, args)
 
     monkeypatch.setattr(HostReplayEngine, "capture", slow_capture)
-    model = stack()
+    model = linear_stack()
     compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2})
     with torch.no_grad():
         for _ in range(2):  # the warmups

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-import graphdispatch_backend
 from graphdispatch_backend.runtime.engine import CudaGraphEngine
+from graphdispatch_backend.testing import linear_stack, only_graph
 
 pytestmark = pytest.mark.cuda
 
@@ -30,16 +30,6 @@ def mlp(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
 def operands(n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     return (torch.randn(n, n, device="cuda", generator=gen), torch.randn(n, n, device="cuda", generator=gen))
-
-
-def only_graph() -> dict[str, Any]:
-    report = graphdispatch_backend.latest_report()
-    assert report is not None
-    (graph,) = report["graphs"]
-    cg = graph["cuda_graph"]
-    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
-    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
-    return graph
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -178,18 +168,8 @@ def test_eager_work_on_another_thread_during_a_capture():
 # -- the runner through torch.compile ----------------------------------------------------------
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.lin(x))
-
-
 def stack(depth: int = 4, dim: int = 64) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(dim) for _ in range(depth)]).cuda().eval()
+    return linear_stack(depth, dim).cuda()
 
 
 def run_checked(compiled: Callable[..., Any], model: Callable[..., Any], inputs: list[tuple[Any, ...]]) -> list[Any]:

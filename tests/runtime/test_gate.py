@@ -20,35 +20,7 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend.errors import GraphDispatchError
 from graphdispatch_backend.runtime.parity import Mismatch, bitwise_equal, compare
-from graphdispatch_backend.testing import write_bundle
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-MLP_INPUTS = [
-    {"name": "fc1.weight", "shape": [16, 8], "dtype": "float32"},
-    {"name": "fc1.bias", "shape": [16], "dtype": "float32"},
-    {"name": "input0", "shape": [None, 8], "dtype": "float32"},
-    {"name": "fc2.weight", "shape": [8, 16], "dtype": "float32"},
-    {"name": "fc2.bias", "shape": [8], "dtype": "float32"},
-]
-MLP_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}]
+from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Block, write_bundle
 
 # `{behaviour}` runs after the exact result is computed; CALLS[0] is this call's number (1-based).
 KERNEL = """

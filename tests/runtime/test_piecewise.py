@@ -16,12 +16,18 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import graphdispatch_backend
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
 from graphdispatch_backend.passes.ops import draws_random
 from graphdispatch_backend.passes.split_pieces import split_pieces, split_reason
-from graphdispatch_backend.testing import aten_graph, manifest_from_region, write_bundle
+from graphdispatch_backend.testing import (
+    LinearBlock,
+    aten_graph,
+    manifest_from_region,
+    only_graph,
+    region_entry,
+    write_bundle,
+)
 
 
 @torch.library.custom_op("gdtest_piecewise::host_sync", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
@@ -37,16 +43,6 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 def emulate(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     return torch.compile(fn, backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2, **options})
-
-
-def only_graph() -> dict[str, Any]:
-    report = graphdispatch_backend.latest_report()
-    assert report is not None
-    (graph,) = report["graphs"]
-    cg = graph["cuda_graph"]
-    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
-    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
-    return graph
 
 
 def run_checked(compiled: Callable[..., Any], fn: Callable[..., Any], inputs: Sequence[tuple[Any, ...]],
@@ -168,20 +164,11 @@ def test_graph_of_only_unsafe_nodes_is_no_capturable_piece():
     assert cg["declines"] == {"no_capturable_piece": 1}
 
 
-class FF(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x))
-
-
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.ff = FF()
+        self.ff = LinearBlock(residual=False)  # region `ff`: relu(lin(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ff(x.sin()) * 2
@@ -189,9 +176,7 @@ class Model(nn.Module):
 
 def test_artifact_declared_not_capturable_splits_around_its_call(tmp_path):
     model = Model().eval()
-    with torch.no_grad():
-        emulate(model)(torch.randn(2, 8))
-    region = next(r for r in only_graph()["regions"] if r["module"] == "ff")
+    region = region_entry(model, torch.randn(2, 8), name="ff", cuda_graphs="emulate", warmup=2)
     names = [i["name"] for i in region["inputs"]]
     source = (
         "import torch\n\n\n"
@@ -201,8 +186,6 @@ def test_artifact_declared_not_capturable_splits_around_its_call(tmp_path):
         "    return torch.relu(torch.addmm(b, x, w.t()))\n"
     )
     write_bundle(tmp_path / "ff", "ff-host", "ff", **manifest_from_region(region), source=source, capturable=False)
-    torch._dynamo.reset()
-    graphdispatch_backend.reset()
     run_checked(emulate(model, artifacts=str(tmp_path)), model, [(torch.randn(2, 8),) for _ in range(6)])
     graph = only_graph()
     (sub,) = graph["substitutions"]

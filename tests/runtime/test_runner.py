@@ -25,11 +25,11 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.examples.dit import DiTConfig, example_inputs, make_model
-from graphdispatch_backend.runtime import runner as runner_mod
+from graphdispatch_backend.runtime import book as book_mod
 from graphdispatch_backend.runtime.engine import HostReplayEngine
 from graphdispatch_backend.runtime.runner import MAX_RECAPTURES, NOT_DISTINCT_LIMIT, GraphRunner, State
 from graphdispatch_backend.runtime.scope import RuntimeScope
-from graphdispatch_backend.testing import manifest_from_region, write_bundle
+from graphdispatch_backend.testing import LinearBlock, linear_stack, manifest_from_region, region_entry, write_bundle
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -102,20 +102,6 @@ class PtrMemo:
         return (hit[1] + 0,)  # a new tensor: the capture poisons its outputs, never the cache
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.lin(x))
-
-
-def stack(depth: int = 2, dim: int = 8, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[Block(dim) for _ in range(depth)]).eval()
-
-
 def run_checked(compiled: Callable[..., Any], model: Callable[..., Any],
                 inputs: Sequence[tuple[Any, ...]]) -> list[Any]:
     """Call both on every input set; every output must be bitwise equal to eager."""
@@ -163,7 +149,7 @@ def test_direct_runner_state_machine_counts():
 
 
 def test_outputs_returned_never_change_when_later_calls_replay():
-    model = stack()
+    model = linear_stack()
     compiled = emulate(model, warmup=2)
     inputs = [(torch.randn(2, 8),) for _ in range(8)]
     outs = run_checked(compiled, model, inputs)
@@ -274,7 +260,7 @@ def test_parameter_restrided_during_warmup_declines_parameter_moved():
 
 
 def test_moved_parameter_through_compile_is_correct_and_captured_anew():
-    model = stack(depth=1)
+    model = linear_stack(depth=1)
     compiled = emulate(model, warmup=2)
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
     assert only_graph()["cuda_graph"]["replays"] == 2
@@ -290,7 +276,7 @@ def test_blocks_sharing_one_graph_each_capture():
     """With Dynamo's default inline_inbuilt_nn_modules, `block.compile()` on every block gives
     ONE compiled graph called with each block's parameters in turn. Before parameters were
     part of the entry key, that graph declined parameter_moved and never replayed."""
-    blocks = [Block() for _ in range(3)]
+    blocks = [LinearBlock() for _ in range(3)]
     for b in blocks:
         b.eval().compile(backend="graphdispatch", options={"cuda_graphs": "emulate", "warmup": 2})
     keep = []  # intermediates kept alive: every block input is at a new address (moving), deterministically
@@ -316,7 +302,7 @@ def test_blocks_sharing_one_graph_each_capture():
 
 
 def test_too_many_parameter_sets_run_eager_as_parameter_moved(monkeypatch):
-    monkeypatch.setattr(runner_mod, "MAX_PARAMETER_SETS", 2)
+    monkeypatch.setattr(book_mod, "MAX_PARAMETER_SETS", 2)
     runner, stats = make_runner(affine, warmup=2, verify_inputs=1, state={1: "w"})
     ws = [torch.randn(4, 4) for _ in range(3)]
     keep = []
@@ -344,7 +330,7 @@ def test_input_reallocated_at_the_same_address_with_new_values_is_read_in_place(
 
 
 def test_input_freed_and_reallocated_through_compile_is_correct():
-    model = stack()
+    model = linear_stack()
     compiled = emulate(model)
     with torch.no_grad():
         for _ in range(10):
@@ -416,7 +402,7 @@ def test_several_pinned_inputs_moving_at_once_are_demoted_together():
 
 
 def test_shape_keys_up_to_max_captures_then_eager_with_counted_reason():
-    model = stack(depth=1)
+    model = linear_stack(depth=1)
     compiled = torch.compile(model, backend="graphdispatch", dynamic=True,
                              options={"cuda_graphs": "emulate", "warmup": 2, "max_captures": 2})
     inputs = [(torch.randn(b, 8),) for b in [2] * 5 + [3] * 5 + [4, 4, 5, 2, 3]]
@@ -435,7 +421,7 @@ def test_shape_keys_up_to_max_captures_then_eager_with_counted_reason():
 
 @pytest.mark.parametrize(("cuda_graphs", "reason"), [(False, "disabled"), ("auto", "not_cuda")])
 def test_graph_level_declines(cuda_graphs, reason):
-    model = stack(depth=1)
+    model = linear_stack(depth=1)
     compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": cuda_graphs})
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(5)])
     cg = only_graph()["cuda_graph"]
@@ -446,7 +432,7 @@ def test_graph_level_declines(cuda_graphs, reason):
 
 def test_no_cuda_device_declines(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # deterministic on a GPU machine too
-    model = stack(depth=1)
+    model = linear_stack(depth=1)
     compiled = torch.compile(model, backend="graphdispatch", mode="reduce-overhead")
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(3)])
     cg = only_graph()["cuda_graph"]
@@ -455,8 +441,8 @@ def test_no_cuda_device_declines(monkeypatch):
 
 
 def test_training_graph_runs_eager_as_autograd():
-    model = stack(depth=1).train()
-    ref = stack(depth=1).train()
+    model = linear_stack(depth=1).train()
+    ref = linear_stack(depth=1).train()
     compiled = emulate(model)
     for _ in range(4):
         x = torch.randn(2, 8)
@@ -571,7 +557,7 @@ def test_replay_failing_after_verification_raises_under_strict():
 
 def test_capture_failed_through_compile_keeps_outputs_right(monkeypatch):
     monkeypatch.setattr(HostReplayEngine, "capture", _FailingCapture.capture)
-    model = stack()
+    model = linear_stack()
     run_checked(emulate(model, warmup=1), model, [(torch.randn(2, 8),) for _ in range(4)])
     cg = only_graph()["cuda_graph"]
     assert cg["declines"] == {"capture_failed": 1}
@@ -634,27 +620,17 @@ def test_artifact_demoted_after_capture_recaptures_then_declines():
 
 
 def test_artifact_demoted_during_replay_is_recaptured_through_compile(tmp_path, monkeypatch):
-    class FF(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.lin(x))
-
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ff = FF()
+            self.ff = LinearBlock(residual=False)  # region `ff`: relu(lin(x))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.ff(x) * 2
 
     torch.manual_seed(0)
     model = Model().eval()
-    with torch.no_grad():
-        emulate(model)(torch.randn(2, 8))
-    region = next(r for r in only_graph()["regions"] if r["module"] == "ff")
+    region = region_entry(model, torch.randn(2, 8), name="ff", cuda_graphs="emulate")
     names = [i["name"] for i in region["inputs"]]
     source = (
         "import os\nimport torch\n\n\n"
@@ -666,8 +642,6 @@ def test_artifact_demoted_during_replay_is_recaptured_through_compile(tmp_path, 
         "    return torch.relu(torch.addmm(b, x, w.t()))\n"
     )
     write_bundle(tmp_path / "ff", "ff-relu", "ff", **manifest_from_region(region), source=source)
-    torch._dynamo.reset()
-    graphdispatch_backend.reset()
     monkeypatch.delenv("GD_TEST_KERNEL_FAIL", raising=False)
     compiled = emulate(model, artifacts=str(tmp_path), warmup=2)
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
@@ -718,7 +692,7 @@ def test_backend_error_runs_the_dynamo_graph(monkeypatch):
         raise RuntimeError("a pass exploded")
 
     monkeypatch.setattr(backend_module, "run_pipeline", broken)
-    model = stack(depth=1)
+    model = linear_stack(depth=1)
     run_checked(emulate(model), model, [(torch.randn(2, 8),) for _ in range(3)])
     graph = only_graph()
     assert graph["kind"] == "fallback" and "a pass exploded" in graph["error"]
