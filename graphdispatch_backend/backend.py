@@ -141,8 +141,9 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
             return [lifted[i] if i < n_lifted else args[i - n_lifted] for i in positions]
 
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
+        dynamic = any(o.kind == "symbol" for o in origins)
         compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
-                              session.options.strict, keyed, mutated)
+                              session.options.strict, keyed, mutated, dynamic, session.timing)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)

@@ -165,19 +165,24 @@ def _graphs(report: dict[str, Any]) -> list[str]:
     rows, details = [], []
     for g in report["graphs"]:
         cg = g["cuda_graph"]
+        lowering = g.get("lowering_check") or {}
         rows.append([g["name"], g["kind"], g["nodes"], len(g["substitutions"]), g["calls"], cg["replays"],
-                     cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", f"{cg['mode']}: {cg['state']}",
-                     cg["captures"], _counts(cg["eager_by_reason"]), _counts(cg["declines"])])
+                     cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", lowering.get("status", "-"),
+                     f"{cg['mode']}: {cg['state']}", cg["captures"], _counts(cg["eager_by_reason"]),
+                     _counts(cg["declines"])])
+        if lowering.get("detail"):
+            details.append(f"  {g['name']}: {lowering['status']}: {lowering['detail']}")
         for reason, detail in sorted(cg["decline_details"].items()):
             details.append(f"  {g['name']}: {reason} (x{cg['declines'].get(reason, 1)}): {detail}")
         if g.get("contract_mismatches"):
             details.append(f"  {g['name']}: contract_mismatch (x{g['contract_mismatches']} calls ran the native "
                            f"graph): {g.get('contract_detail')}")
-    out = ["", "Graphs (cuda graph = engine: state; engine host is the CPU emulation, off means no capture)",
-           table(["graph", "kind", "nodes", "subst", "calls", "replays", "eager", "calls=r+e", "cuda graph",
-                  "captures", "eager calls by reason", "declines"], rows, max_width=CELL)]
+    out = ["", "Graphs (vs eager: the lowered graph checked against the Dynamo graph run eagerly, bit for bit; "
+               "cuda graph = engine: state; engine host is the CPU emulation, off means no capture)",
+           table(["graph", "kind", "nodes", "subst", "calls", "replays", "eager", "calls=r+e", "vs eager",
+                  "cuda graph", "captures", "eager calls by reason", "declines"], rows, max_width=CELL)]
     if details:
-        out += ["", "Why calls ran eager (declines and contract mismatches)"] + details
+        out += ["", "Why calls ran eager (declines, lowering checks and contract mismatches)"] + details
     return out
 
 

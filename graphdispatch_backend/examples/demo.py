@@ -84,5 +84,8 @@ def _summary(report: dict[str, Any], elapsed: float) -> None:
               f"eager {cg['eager_calls']} {cg['eager_by_reason']}")
         for reason, detail in cg["decline_details"].items():
             print(f"  declined: {reason}: {detail}")
+        lowering = graph.get("lowering_check", {})
+        print(f"  lowered graph vs eager (Dynamo graph run eagerly, bit for bit): {lowering.get('status')}"
+              + (f" ({lowering['detail']})" if lowering.get("detail") else ""))
         ok = graph["calls"] == cg["replays"] + cg["eager_calls"]
         print(f"  calls {graph['calls']} == replays {cg['replays']} + eager {cg['eager_calls']}: {ok}")

@@ -21,9 +21,11 @@ import torch
 
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
+from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, StrictModeError
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.parity import compare
+from graphdispatch_backend.runtime.scope import mark_entry
 
 MAX_KEYS = 4
 
@@ -54,6 +56,8 @@ class EagerCheck:
         strict: bool,
         keyed: Sequence[int],
         mutated: Callable[[Sequence[Any]], list[torch.Tensor]],
+        dynamic: bool,
+        timing: Timing,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -64,18 +68,25 @@ class EagerCheck:
         self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
         self._mutated = mutated  # the tensors among the inputs the graph writes into
         self._checked: set[tuple[Any, ...]] = set()
+        # A static graph has one shape key (Dynamo guards the shapes): check its first call.
+        self._budget = MAX_KEYS if dynamic else min(1, MAX_KEYS)
+        self._pending = self._budget > 0  # the hot path's one check once the budget is spent
         self._declined: Decline | None = None
+        self._timing = timing if timing.enabled else None
 
     def __call__(self, *args: Any) -> Any:
+        if self._timing is not None:
+            mark_entry(self._timing.now())
         if self._declined is not None:
             out = self._eager(*args)
             self._record.called(False, self._declined.value)
             return out
-        if len(self._checked) < MAX_KEYS and not self._needs_grad(args):
-            key = tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else a for a in map(args.__getitem__,
-                                                                                                  self._keyed))
-            if key not in self._checked:
+        if self._pending:
+            key = tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else a
+                        for a in map(args.__getitem__, self._keyed))
+            if key not in self._checked and not self._needs_grad(args):
                 self._checked.add(key)
+                self._pending = len(self._checked) < self._budget
                 return self._check(args)
         try:
             return self._compiled(*args)

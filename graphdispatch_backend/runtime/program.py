@@ -14,7 +14,7 @@ from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.contract import PlaceholderContract
-from graphdispatch_backend.runtime.scope import begin_call, end_call
+from graphdispatch_backend.runtime.scope import begin_call, end_call, take_entry
 
 
 class CompiledGraph:
@@ -68,6 +68,9 @@ class CompiledGraph:
     def _timed_call(self, args: list[Any]) -> Sequence[Any]:
         timing = self._timing
         start = timing.now()
+        entered = take_entry()
+        if entered is not None:  # aot's runtime wrapper: flattening parameters and inputs
+            timing.add("flatten", start - entered)
         ok = self._contract.check(args)
         timing.add("validate", timing.now() - start)
         if not ok:

@@ -86,6 +86,8 @@ class GraphRunner:
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
+        if self._timing is not None:  # only then: the untimed hot path pays nothing for it
+            self._key = self._timed(self._key, "shape_key")  # type: ignore[method-assign]
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
         self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
@@ -116,6 +118,19 @@ class GraphRunner:
             return self._advance(entry, args)
         finally:
             self._lock.release()
+
+    def _timed(self, fn: Callable[[Sequence[Any]], Any], phase: str) -> Callable[[Sequence[Any]], Any]:
+        timing = self._timing
+        assert timing is not None
+
+        def timed(args: Sequence[Any]) -> Any:
+            start = timing.now()
+            try:
+                return fn(args)
+            finally:
+                timing.add(phase, timing.now() - start)
+
+        return timed
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         positions = self._key_positions

@@ -40,6 +40,16 @@ def end_call() -> str | None:
     return reason
 
 
+def mark_entry(when: float) -> None:
+    """timing: when the backend's callable was entered, before aot flattens the inputs."""
+    _calls.entered = when
+
+
+def take_entry() -> float | None:
+    when, _calls.entered = getattr(_calls, "entered", None), None
+    return when
+
+
 class StaticBuffers:
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}

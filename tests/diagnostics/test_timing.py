@@ -35,11 +35,14 @@ def test_host_mode_times_every_phase_of_an_emulated_replay(net, make_bundle, tmp
     timing = read_json(tmp_path / "r" / "timing.json")
     assert timing["mode"] == "host" and timing["synchronized"] is False
     phases = timing["phases"]
-    assert {"validate", "execute", "copy_in", "replay", "unflatten", "artifact_gate"} <= set(phases)
+    assert {"flatten", "validate", "shape_key", "execute", "copy_in", "replay", "unflatten",
+            "artifact_gate"} <= set(phases)
     assert "shadow.native_forward" not in phases
     (graph,) = report["graphs"]
     assert graph["cuda_graph"]["replays"] >= 2, graph["cuda_graph"]  # the replay phases below are real replays
     assert phases["validate"]["calls"] == phases["execute"]["calls"] == graph["calls"] == 4
+    assert phases["flatten"]["calls"] == 4  # aot's wrapper, from the backend's callable to the graph
+    assert phases["shape_key"]["calls"] == 4  # one runner: one key per call
     # one parity gate per substituted region and shape key
     assert phases["artifact_gate"]["calls"] == len(graph["substitutions"]) == 2
     # every served replay (verification included) copies in, replays and clones out once
