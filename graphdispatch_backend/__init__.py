@@ -17,6 +17,7 @@ from graphdispatch_backend.errors import (
     OptionsError,
     RegistryError,
     Rejection,
+    StrictModeError,
 )
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.session import flush, latest_report, reset
@@ -34,6 +35,7 @@ __all__ = [
     "OptionsError",
     "Rejection",
     "RegistryError",
+    "StrictModeError",
     "flush",
     "latest_report",
     "reset",

@@ -87,11 +87,6 @@ class Decline(str, enum.Enum):
     VERIFY_NOT_DISTINCT = "verify_inputs_not_distinct"
     ARTIFACT_DEMOTED = "artifact_demoted"
     NO_CAPTURABLE_PIECE = "no_capturable_piece"
-    UNCAPTURABLE_PIECE = "uncapturable_piece"
-
-    @property
-    def is_refusal(self) -> bool:
-        return self not in (Decline.WARMUP, Decline.VERIFYING, Decline.BUSY)
 
 
 class SplitReason(str, enum.Enum):
@@ -119,7 +114,6 @@ class Rejection(str, enum.Enum):
     NOT_SELECTED = "not_selected"  # another artifact won the region
     OVERLAP = "overlap"  # an enclosing or earlier region was already substituted
     LOAD_FAILED = "load_failed"  # entry code would not load (or was tampered with)
-    AUTOGRAD = "autograd"  # training graphs take no fast path in v1
 
 
 class Demotion(str, enum.Enum):

@@ -69,10 +69,6 @@ class RegionExporter:
 
         return observe
 
-    @property
-    def kept_references(self) -> int:
-        return sum(len(k.examples) for k in self._kept)
-
     def finalize(self, events: Any, contain: Contain) -> None:
         try:
             for kept in self._kept:

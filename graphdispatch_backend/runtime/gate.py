@@ -30,6 +30,7 @@ from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion, StrictModeError
 from graphdispatch_backend.runtime.engine import in_host_replay
+from graphdispatch_backend.runtime.entry import scalar_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 
 SPEED_REPEATS = 7
@@ -55,6 +56,10 @@ class ArtifactDemoted(StrictModeError):
 
 def _meta(outs: Sequence[Any]) -> tuple[Any, ...]:
     return tuple((o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs)
+
+
+def _key(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else scalar_key(a) for a in inputs)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -96,7 +101,7 @@ class ArtifactGate:
             return self._run_native(inputs)
         if self._tolerant and getattr(_reference, "on", False):
             return self._reference_call(inputs)
-        key = tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in inputs)
+        key = _key(inputs)
         expected = self._passed.get(key)
         if expected is None:
             with self._lock:
@@ -105,7 +110,8 @@ class ArtifactGate:
                 if key not in self._passed:
                     return self._gate(key, inputs)
                 expected = self._passed[key]
-        if not in_host_replay():
+        replaying = in_host_replay()
+        if not replaying:  # unlocked: a lost increment under threads only shifts a re-check
             seen = self._seen[key] = self._seen.get(key, 1) + 1
             if seen & (seen - 1) == 0:  # a power of two: check parity again
                 with self._lock:
@@ -120,7 +126,7 @@ class ArtifactGate:
         if _meta(outs) != expected:
             self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
             return self._run_native(inputs)
-        if not in_host_replay():  # a replay is counted once, by the runner (replayed())
+        if not replaying:  # a replay is counted once, by the runner (replayed())
             with self._record.lock:
                 self._record.calls += 1
         return outs
@@ -132,7 +138,7 @@ class ArtifactGate:
 
     def _reference_call(self, inputs: Sequence[Any]) -> Sequence[Any]:
         """Inside native_regions(): gate as usual if this shape key is new, but answer natively."""
-        key = tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in inputs)
+        key = _key(inputs)
         with self._lock:
             if key not in self._passed and not self.demoted:
                 return self._judge(key, inputs, native_answer=True)
