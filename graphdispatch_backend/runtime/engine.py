@@ -16,9 +16,10 @@ CapturedGraph whose `replay()` re-runs it, writing into the same static `outputs
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,14 +50,24 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).max)
 
 
-_host = threading.local()
+_recording = threading.local()
 
 
-def in_host_replay() -> bool:
-    """True while HostReplayEngine re-runs a captured computation (capture or replay): the
-    Python inside is the model of kernels a CUDA graph would run without calling Python,
-    so artifact gates do not count it as calls (the runner counts replays)."""
-    return getattr(_host, "depth", 0) > 0
+def in_recording() -> bool:
+    """True while an engine records a computation (CUDA capture, host capture) or re-runs a
+    recorded one (host replay). The Python inside stands for kernels that a replay runs
+    without calling Python, and a CUDA capture forbids host syncs: artifact gates neither
+    count these runs as calls nor re-check parity in them (the runner counts replays)."""
+    return getattr(_recording, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    _recording.depth = getattr(_recording, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _recording.depth -= 1
 
 
 class _HostGraph:
@@ -68,12 +79,8 @@ class _HostGraph:
     def replay(self) -> None:
         if self._fn is None:
             raise RuntimeError("replay of a graph that was reset")
-        _host.depth = getattr(_host, "depth", 0) + 1
-        try:
-            with torch.no_grad():
-                fresh = self._fn(*self._args)
-        finally:
-            _host.depth -= 1
+        with recording(), torch.no_grad():
+            fresh = self._fn(*self._args)
         for static, value in zip(self.outputs, fresh):
             if isinstance(static, torch.Tensor):
                 static.copy_(value)
@@ -91,12 +98,8 @@ class HostReplayEngine:
         # detach() aliases the storage live now; a later `param.data = new` or a new
         # tensor in the caller leaves this alias on the old storage, like an address.
         pinned = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        _host.depth = getattr(_host, "depth", 0) + 1
-        try:
-            with torch.no_grad():
-                outputs = tuple(fn(*pinned))
-        finally:
-            _host.depth -= 1
+        with recording(), torch.no_grad():
+            outputs = tuple(fn(*pinned))
         held = {a.untyped_storage().data_ptr() for a in pinned if isinstance(a, torch.Tensor)}
         for out in outputs:
             if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in held:
@@ -159,8 +162,8 @@ class CudaGraphEngine:
             try:
                 # thread_local: eager calls other threads make meanwhile (the runner lets
                 # them run) neither fail nor invalidate this capture.
-                with torch.no_grad(), torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream,
-                                                       capture_error_mode="thread_local"):
+                with recording(), torch.no_grad(), torch.cuda.graph(
+                        graph, pool=torch.cuda.graph_pool_handle(), stream=stream, capture_error_mode="thread_local"):
                     outputs = tuple(fn(*args))
             except BaseException as exc:
                 # The frames of the aborted fn still hold tensors from the private pool;

@@ -29,7 +29,7 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion, StrictModeError
-from graphdispatch_backend.runtime.engine import in_host_replay
+from graphdispatch_backend.runtime.engine import in_recording
 from graphdispatch_backend.runtime.entry import scalar_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 
@@ -110,13 +110,13 @@ class ArtifactGate:
                 if key not in self._passed:
                     return self._gate(key, inputs)
                 expected = self._passed[key]
-        replaying = in_host_replay()
+        replaying = in_recording()
         if not replaying:  # unlocked: a lost increment under threads only shifts a re-check
             seen = self._seen[key] = self._seen.get(key, 1) + 1
             if seen & (seen - 1) == 0:  # a power of two: check parity again
                 with self._lock:
                     return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
-        if self._timing.shadow:
+        if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
             return self._shadow(inputs, expected)
         result, exc = self._contain(lambda: self._artifact(*inputs))
         if exc is not None:

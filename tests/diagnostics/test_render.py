@@ -35,7 +35,9 @@ def report_dir(tmp_path_factory, write_mlp_bundle, net_factory, mlp_inputs_facto
     with (root / "mlp-tampered" / "kernel.py").open("a") as f:
         f.write("# edited after hashing\n")
     out = base / "report"
-    options = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1, "max_captures": 1, "timing": "shadow",
+    # warmup=3: an artifact is shadowed on eager calls only (a replay runs no Python), and
+    # its first two calls are its gate and a parity re-check; the third is shadowed
+    options = {"cuda_graphs": "emulate", "warmup": 3, "verify_inputs": 1, "max_captures": 1, "timing": "shadow",
                "artifacts": str(root), "report_dir": str(out)}
     torch._dynamo.reset()
     graphdispatch_backend.reset()
@@ -44,7 +46,7 @@ def report_dir(tmp_path_factory, write_mlp_bundle, net_factory, mlp_inputs_facto
     broken = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
     with torch.no_grad():
         compiled = torch.compile(net, backend="graphdispatch", options=options)
-        for _ in range(4):
+        for _ in range(6):
             compiled(torch.randn(4, 8))  # graph_0: verified, replays
         declined = torch.compile(small, backend="graphdispatch", options=options, dynamic=True)
         for n in (2, 2, 3, 5):
@@ -106,7 +108,7 @@ def test_graphs_table_shows_cuda_graph_state_and_decline_reasons(capsys, report_
     header = _row(graphs, "graph")
     verified = dict(zip(header, _row(graphs, "graph_0")))
     assert verified["kind"] == "inference" and verified["cuda graph"] == "host: verified"
-    assert verified["calls"] == "4" and verified["calls=r+e"] == "ok" and verified["declines"] == "-"
+    assert verified["calls"] == "6" and verified["calls=r+e"] == "ok" and verified["declines"] == "-"
     declined = dict(zip(header, _row(graphs, "graph_1")))
     assert "max_captures=" in declined["eager calls by reason"] and declined["declines"] == "max_captures=1"
     assert declined["calls=r+e"] == "ok"
@@ -157,7 +159,7 @@ def test_timing_phases_and_notes_are_rendered(capsys, report_dir):
                                                   "shadow.native_forward")}
     assert len(names) == 5
     # one per call of graph_0 and graph_1; graph_2 fell back to the plain Dynamo graph, untimed
-    assert int(_row(phases, "validate")[1]) == 4 + 4
+    assert int(_row(phases, "validate")[1]) == 6 + 4
     notes = _section(out, "Notes")
     assert any("cuda_graph_declined" in line and "max_captures" in line for line in notes)
     assert any("demoted to native" in line and "mlp-off" in line for line in notes)
