@@ -23,6 +23,7 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, StrictModeError
+from graphdispatch_backend.runtime.entry import layout_key
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.parity import compare
 from graphdispatch_backend.runtime.scope import mark_entry
@@ -82,8 +83,7 @@ class EagerCheck:
             self._record.called(False, self._declined.value)
             return out
         if self._pending:
-            key = tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else a
-                        for a in map(args.__getitem__, self._keyed))
+            key = layout_key(map(args.__getitem__, self._keyed))
             if key not in self._checked and not self._needs_grad(args):
                 self._checked.add(key)
                 self._pending = len(self._checked) < self._budget

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,11 @@ def scalar_key(value: Any) -> tuple[Any, ...]:
     if type(value) is float:
         return (float, _DOUBLE.pack(value))
     return (type(value), value)
+
+
+def layout_key(values: Iterable[Any]) -> tuple[Any, ...]:
+    """A shape key: each tensor by shape and strides, each scalar by type and value."""
+    return tuple((v.shape, v.stride()) if isinstance(v, torch.Tensor) else scalar_key(v) for v in values)
 
 
 def copy_like(t: torch.Tensor) -> torch.Tensor:

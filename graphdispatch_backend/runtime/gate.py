@@ -30,7 +30,7 @@ from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion, StrictModeError
 from graphdispatch_backend.runtime.engine import in_recording
-from graphdispatch_backend.runtime.entry import scalar_key
+from graphdispatch_backend.runtime.entry import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 
 SPEED_REPEATS = 7
@@ -56,10 +56,6 @@ class ArtifactDemoted(StrictModeError):
 
 def _meta(outs: Sequence[Any]) -> tuple[Any, ...]:
     return tuple((o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs)
-
-
-def _key(inputs: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((a.shape, a.stride()) if isinstance(a, torch.Tensor) else scalar_key(a) for a in inputs)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -101,7 +97,7 @@ class ArtifactGate:
             return self._run_native(inputs)
         if self._tolerant and getattr(_reference, "on", False):
             return self._reference_call(inputs)
-        key = _key(inputs)
+        key = layout_key(inputs)
         expected = self._passed.get(key)
         if expected is None:
             with self._lock:
@@ -138,7 +134,7 @@ class ArtifactGate:
 
     def _reference_call(self, inputs: Sequence[Any]) -> Sequence[Any]:
         """Inside native_regions(): gate as usual if this shape key is new, but answer natively."""
-        key = _key(inputs)
+        key = layout_key(inputs)
         with self._lock:
             if key not in self._passed and not self.demoted:
                 return self._judge(key, inputs, native_answer=True)

@@ -42,7 +42,7 @@ from graphdispatch_backend.runtime.entry import (
     Entry,
     State,
     copy_like,
-    scalar_key,
+    layout_key,
 )
 from graphdispatch_backend.runtime.parity import bitwise_equal, compare
 from graphdispatch_backend.runtime.recording import record
@@ -136,10 +136,7 @@ class GraphRunner:
         positions = self._key_positions
         if positions is None:
             positions = self._positions(args)
-        return tuple(
-            (a.shape, a.stride()) if isinstance(a, torch.Tensor) else scalar_key(a)
-            for a in map(args.__getitem__, positions)
-        )
+        return layout_key(map(args.__getitem__, positions))
 
     def _state_key(self, args: Sequence[Any]) -> Sequence[int]:
         """Parameters and buffers are told apart by address (the identity check then

@@ -211,6 +211,11 @@ class Mutation:
 
 
 NO_PARAMETER_KEY = (GraphRunner, "_state_key", lambda self, args: [])
+
+
+def _tensors_only(values: Any) -> tuple[Any, ...]:
+    """The runner's shape key without its scalars (the mutation of the constants check)."""
+    return tuple((v.shape, v.stride()) for v in values if isinstance(v, torch.Tensor))
 # Through compile, the eager check (runtime/eager_check.py) compares the first call of each
 # new shape key with real eager, and would catch a runner that replays a stale constant on
 # it: a second line of defence (test_eager_check_catches_a_stale_constant). These mutations
@@ -224,8 +229,8 @@ MUTATIONS = [
     Mutation("parameter addresses in the entry lookup", (NO_PARAMETER_KEY,), parameter_moved_through_compile),
     Mutation("parameter layout declines at replay", ((GraphRunner, "_check", _ignoring(Decline.PARAMETER_MOVED)),),
              parameter_restrided_in_place),
-    Mutation("scalar constants in the key", ((runner_mod, "scalar_key", lambda value: ()),), scalar_changed),
-    Mutation("scalar constants in the key, through compile", ((runner_mod, "scalar_key", lambda value: ()),
+    Mutation("scalar constants in the key", ((runner_mod, "layout_key", _tensors_only),), scalar_changed),
+    Mutation("scalar constants in the key, through compile", ((runner_mod, "layout_key", _tensors_only),
                                                               NO_EAGER_CHECK),
              dynamic_int_through_compile),
     Mutation("moving copy-in", ((GraphRunner, "_copy_in", _no_copy_in),), moving_input_changes(verify_inputs=1)),
@@ -264,7 +269,7 @@ def test_eager_check_catches_a_stale_constant(monkeypatch):
     """With the runner's scalar key gone, the new shape key's first call is still compared
     with real eager: the stale replay is caught there, answered eagerly, and the graph runs
     as the Dynamo graph from then on (lowering_mismatch), so no output is wrong."""
-    monkeypatch.setattr(runner_mod, "scalar_key", lambda value: ())
+    monkeypatch.setattr(runner_mod, "layout_key", _tensors_only)
     assert dynamic_int_through_compile() == 0
     (graph,) = graphdispatch_backend.latest_report()["graphs"]
     assert graph["lowering_check"]["status"] == "lowering_mismatch"
