@@ -6,7 +6,8 @@ demotions with reasons, and its measured time against native (speed gate or shad
 
 `status` sums it up: serving (every matched region served by it), pending (matched, never
 called yet), partly_demoted, demoted, rejected (its pattern matched regions but a check
-refused them; see `rejections`), unmatched (its pattern matched no region), not_enabled.
+refused them; see `rejections`), unmatched (its pattern matched no region), not_enabled,
+unused (its graphs run as the Dynamo graph: torch's lowering was not bitwise equal to eager).
 """
 
 from __future__ import annotations
@@ -81,4 +82,6 @@ def _status(entry: dict[str, Any]) -> str:
         return "demoted"
     if demoted:
         return "partly_demoted"
-    return "serving" if entry["calls"] or entry["replays"] else "pending"
+    if entry["calls"] or entry["replays"]:
+        return "serving"
+    return "unused" if set(entry["parity"]) == {"unused"} else "pending"

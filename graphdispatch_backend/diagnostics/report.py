@@ -104,7 +104,7 @@ class SubstitutionRecord:
     region: str
     artifact: str
     capturable: bool = True
-    parity: str = "pending"  # pending | passed | failed
+    parity: str = "pending"  # pending | passed | failed | unused (its graph runs as the Dynamo graph)
     parity_mode: str = "bitwise"
     gates: int = 0  # shape keys gated
     calls: int = 0  # eager calls the artifact served (its Python ran)

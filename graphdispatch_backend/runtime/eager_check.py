@@ -135,6 +135,7 @@ class EagerCheck:
         with self._record.lock:
             self._record.eager_checks += 1
             self._record.lowering = {"status": reason.value, "detail": detail}
+        self._unused(reason)
         if not counted:  # the compiled call raised before it was counted
             self._record.called(False, reason.value)
         message = f"{self._record.name} runs as the Dynamo graph, eagerly: the compiled graph {detail}"
@@ -144,6 +145,15 @@ class EagerCheck:
         self._events.warn_once(f"lowering:{reason.value}", "graphdispatch: %s (%s)", message, reason.value)
         return eager_out
 
+    def _unused(self, reason: Decline) -> None:
+        """The graph's artifacts serve no call from now on (the Dynamo graph runs): say so
+        where their verdicts are read, instead of leaving them `pending`."""
+        for sub in self._record.substitutions:
+            with sub.lock:
+                if sub.parity == "pending":
+                    sub.parity = "unused"
+                    sub.detail = f"the graph runs as the Dynamo graph ({reason.value})"
+
     def _failed_later(self, args: Sequence[Any], exc: RuntimeError) -> Any:
         """The compiled graph raised on a call that was not checked: if eager answers the
         same inputs, the lowering is at fault; else the error is the user's own."""
@@ -151,6 +161,7 @@ class EagerCheck:
         self._declined = Decline.LOWERING_FAILED
         with self._record.lock:
             self._record.lowering = {"status": Decline.LOWERING_FAILED.value, "detail": f"{type(exc).__name__}: {exc}"}
+        self._unused(Decline.LOWERING_FAILED)
         self._record.called(False, Decline.LOWERING_FAILED.value)
         self._events.warn_once("lowering:failed", "graphdispatch: %s runs eagerly: the lowered graph raised %s: %s",
                                self._record.name, type(exc).__name__, exc)
