@@ -131,19 +131,25 @@ class EagerCheck:
         for t, a in zip(mutated, after):
             t.copy_(a)
         _set_rng_state(rng_after)
-        self._declined = reason
         with self._record.lock:
             self._record.eager_checks += 1
-            self._record.lowering = {"status": reason.value, "detail": detail}
-        self._unused(reason)
         if not counted:  # the compiled call raised before it was counted
             self._record.called(False, reason.value)
+        self._give_up(reason, detail)
+        return eager_out
+
+    def _give_up(self, reason: Decline, detail: str) -> None:
+        """From now on the Dynamo graph runs: record why, mark the artifacts unused, say it
+        once (or raise, under strict)."""
+        self._declined = reason
+        with self._record.lock:
+            self._record.lowering = {"status": reason.value, "detail": detail}
+        self._unused(reason)
         message = f"{self._record.name} runs as the Dynamo graph, eagerly: the compiled graph {detail}"
         self._events.decision("decline", {"graph": self._record.name, "reason": reason.value, "detail": detail})
         if self._strict:
             raise StrictModeError(message)
         self._events.warn_once(f"lowering:{reason.value}", "graphdispatch: %s (%s)", message, reason.value)
-        return eager_out
 
     def _unused(self, reason: Decline) -> None:
         """The graph's artifacts serve no call from now on (the Dynamo graph runs): say so
@@ -158,13 +164,6 @@ class EagerCheck:
         """The compiled graph raised on a call that was not checked: if eager answers the
         same inputs, the lowering is at fault; else the error is the user's own."""
         out = self._eager(*args)  # raises the user's own error if there is one
-        self._declined = Decline.LOWERING_FAILED
-        with self._record.lock:
-            self._record.lowering = {"status": Decline.LOWERING_FAILED.value, "detail": f"{type(exc).__name__}: {exc}"}
-        self._unused(Decline.LOWERING_FAILED)
         self._record.called(False, Decline.LOWERING_FAILED.value)
-        self._events.warn_once("lowering:failed", "graphdispatch: %s runs eagerly: the lowered graph raised %s: %s",
-                               self._record.name, type(exc).__name__, exc)
-        if self._strict:
-            raise StrictModeError(f"{self._record.name}: the lowered graph raised {type(exc).__name__}: {exc}") from exc
+        self._give_up(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}")
         return out

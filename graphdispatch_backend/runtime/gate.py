@@ -114,17 +114,24 @@ class ArtifactGate:
                     return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
             return self._shadow(inputs, expected)
-        result, exc = self._contain(lambda: self._artifact(*inputs))
-        if exc is not None:
-            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
-            return self._run_native(inputs)
-        outs = _as_tuple(result)
-        if _meta(outs) != expected:
-            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
+        outs = self._served(inputs, expected)
+        if outs is None:
             return self._run_native(inputs)
         if not replaying:  # a replay is counted once, by the runner (replayed())
             with self._record.lock:
                 self._record.calls += 1
+        return outs
+
+    def _served(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The artifact's outputs, or None after demoting it for raising or a bad output."""
+        result, exc = self._contain(lambda: self._artifact(*inputs))
+        if exc is not None:
+            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
+            return None
+        outs = _as_tuple(result)
+        if _meta(outs) != expected:
+            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
+            return None
         return outs
 
     def replayed(self) -> None:
@@ -216,20 +223,17 @@ class ArtifactGate:
 
     def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
         t0 = self._timing.now()
-        result, exc = self._contain(lambda: self._artifact(*inputs))
+        outs = self._served(inputs, expected)
         t1 = self._timing.now()
-        native = self._native(*inputs)
+        native = self._run_native(inputs)
         t2 = self._timing.now()
         with self._record.lock:
             shadow = self._record.shadow
             shadow["calls"] = shadow.get("calls", 0) + 1
             shadow["artifact_s"] = shadow.get("artifact_s", 0.0) + (t1 - t0)
             shadow["native_s"] = shadow.get("native_s", 0.0) + (t2 - t1)
-        outs = _as_tuple(result) if exc is None else None
-        if exc is not None or _meta(outs) != expected:
-            self._demote(Demotion.RAISED if exc is not None else Demotion.BAD_OUTPUT,
-                         f"{type(exc).__name__}: {exc}" if exc is not None else f"returned {_describe(outs)}")
-            return self._run_native(inputs)
+        if outs is None:  # demoted; the native run above answers (not run a second time)
+            return native
         p = self._parity
         mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
         if mismatch is not None:  # native ran anyway: every call is a parity check
@@ -237,6 +241,7 @@ class ArtifactGate:
             return native
         with self._record.lock:
             self._record.calls += 1
+            self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
         return outs
 
     def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None) -> None:

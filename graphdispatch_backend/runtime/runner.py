@@ -216,14 +216,10 @@ class GraphRunner:
         if exc is not None:
             self._decline(entry, Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
             return expected
-        if self._gates and tuple(g.demoted for g in self._gates) != entry.gate_state:
+        if self._gates_changed(entry):
             # an artifact in this piece failed a parity re-check during this very call: the
             # capture holds it, so capture again without it rather than declining for good
-            if entry.recaptures < MAX_RECAPTURES:
-                entry.recaptures += 1
-                self._recapture(entry, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", set())
-            else:
-                self._decline(entry, Decline.ARTIFACT_DEMOTED, "artifacts in this piece keep being demoted")
+            self._transition(entry, args, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", -1)
             return expected
         mismatch = self._compare(expected, replayed)
         if mismatch is not None:
@@ -274,7 +270,7 @@ class GraphRunner:
         return self._eager(args, Decline.REPLAY_FAILED)
 
     def _check(self, entry: Entry, args: Sequence[Any]) -> tuple[Decline, str, int] | None:
-        if self._gates and tuple(g.demoted for g in self._gates) != entry.gate_state:
+        if self._gates_changed(entry):
             return Decline.ARTIFACT_DEMOTED, "an artifact in this piece was demoted after capture", -1
         pos = entry.identity.mismatch(args) if entry.identity is not None else None
         if pos is None:
@@ -307,7 +303,14 @@ class GraphRunner:
         return [copy_like(o) if t is TENSOR else t for o, t in zip(entry.graph.outputs, entry.template)]
 
     # -- refusals -------------------------------------------------------------------
+    def _gates_changed(self, entry: Entry) -> bool:
+        return bool(self._gates) and tuple(g.demoted for g in self._gates) != entry.gate_state
+
     def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
+        self._transition(entry, args, reason, detail, pos)
+        return self._eager(args, reason)
+
+    def _transition(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> None:
         """Re-capture after a pinned input moved or an artifact was demoted; decline else.
 
         A pinned input that moves (a new prompt's embeddings; an activation the allocator
@@ -325,7 +328,6 @@ class GraphRunner:
             self._recapture(entry, reason, detail, set())
         else:
             self._decline(entry, reason, detail)
-        return self._eager(args, reason)
 
     def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
         with self._scope.replay_lock:  # no thread may be replaying what is released
