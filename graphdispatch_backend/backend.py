@@ -35,6 +35,7 @@ from graphdispatch_backend.errors import (
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
+from graphdispatch_backend.passes.ops import effect_tokens, nondeterministic_suspects
 from graphdispatch_backend.region import Region
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.eager_check import EagerCheck
@@ -143,7 +144,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
         dynamic = any(o.kind == "symbol" for o in origins)
         compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
-                              session.options.strict, keyed, mutated, dynamic, session.timing)
+                              session.options.strict, keyed, mutated, dynamic, session.timing, builder.suspects)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -174,6 +175,7 @@ class _Builder:
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
         self.mutated: list[int] | None = None
+        self.suspects: list[str] = []  # ops that may make eager disagree with itself
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         tracing = torch._guards.TracingContext.try_get()
@@ -194,8 +196,11 @@ class _Builder:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         record.nodes, record.inputs = len(gm.graph.nodes), len(placeholders)
         native = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the original, for contract fallbacks
-        contract = PlaceholderContract.of(gm)
-        engine, reason, device = self._engine_for(placeholders, training)
+        tokens = frozenset(effect_tokens(gm))
+        contract = PlaceholderContract.of(gm, tokens)
+        self.suspects = nondeterministic_suspects(gm)
+        engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens],
+                                                  training)
         record.cuda_graph_mode = engine or "off"
         scope = self.session.scope(engine) if engine else None
         ctx = PassContext(
@@ -278,7 +283,8 @@ class _Builder:
         state = {i: o.name for i, o in enumerate(info.input_origins) if o is not None and o.is_state}
         runner = GraphRunner(piece.forward, f"{self.record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
-                             verify_inputs=opts.verify_inputs, state_names=state, gates=gates)
+                             verify_inputs=opts.verify_inputs, state_names=state, gates=gates,
+                             suspects=self.suspects)
         return _named(runner, f"gd_piece_{info.index}")
 
     def _region_entry(self, region: Region, outcome: MatchOutcome | None) -> dict[str, Any]:

@@ -87,6 +87,8 @@ class Decline(str, enum.Enum):
     VERIFY_NOT_DISTINCT = "verify_inputs_not_distinct"
     ARTIFACT_DEMOTED = "artifact_demoted"
     NO_CAPTURABLE_PIECE = "no_capturable_piece"
+    CHECK_FAILED = "check_failed"  # graphdispatch's own snapshot, copy or comparison raised
+    EAGER_NONDETERMINISTIC = "eager_nondeterministic"  # eager disagrees with itself on the same inputs
 
 
 class SplitReason(str, enum.Enum):
@@ -98,6 +100,7 @@ class SplitReason(str, enum.Enum):
     RANDOM_OP = "random_op"  # replays would not advance the RNG the way eager does
     FOREIGN_DEVICE = "foreign_device"  # e.g. a CPU tensor inside a CUDA graph
     ARTIFACT_NOT_CAPTURABLE = "artifact_not_capturable"
+    EFFECTFUL_OP = "effectful_op"  # with_effects: a side effect (linalg error checks, prints) on every call
 
 
 class Rejection(str, enum.Enum):

@@ -35,3 +35,41 @@ def draws_random(node: fx.Node) -> bool:
         train = _argument(node, "train")  # native_dropout's `bool? train`: None means training
         return (train is None or bool(train)) and _argument(node, "p") not in (0, 0.0)
     return True
+
+
+def is_effectful(node: fx.Node) -> bool:
+    """A `with_effects` call: an op whose side effect (a linalg error check that raises on a
+    singular input, a print) must happen on every call, in order, threaded by a token."""
+    return node.op == "call_function" and node.target is torch.ops.higher_order.with_effects
+
+
+def effect_tokens(gm: fx.GraphModule) -> set[int]:
+    """Placeholder positions that carry effect tokens. aot traces a token as an empty
+    tensor but passes None for it at run time."""
+    return {i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
+            if ph.users and all(is_effectful(u) and u.args and u.args[0] is ph for u in ph.users)}
+
+
+# Ops whose eager kernels may give different bits on the same inputs (atomics, unordered
+# accumulation): the suspects named when eager disagrees with itself.
+_NONDETERMINISTIC = {
+    "aten::index_add", "aten::index_add_", "aten::scatter_add", "aten::scatter_add_", "aten::scatter_reduce",
+    "aten::scatter_reduce_", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::put",
+    "aten::put_", "aten::index_reduce", "aten::index_reduce_", "aten::embedding_bag", "aten::_embedding_bag",
+    "aten::embedding_dense_backward", "aten::bincount", "aten::histc", "aten::cumsum", "aten::kthvalue",
+    "aten::median", "aten::nanmedian", "aten::mode", "aten::_segment_reduce",
+}
+
+
+def nondeterministic_suspects(gm: fx.GraphModule) -> list[str]:
+    """Ops of `gm` that may make eager disagree with itself: known atomics-based aten ops,
+    and every op outside aten (custom kernels), by schema name, first seen first."""
+    seen: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema is not None else None
+        if name is not None and (name in _NONDETERMINISTIC or not name.startswith(("aten::", "prims::"))):
+            seen.setdefault(name)
+    return list(seen)

@@ -2,7 +2,8 @@
 
 A node cannot be captured when it reads a scalar back to the host
 (`aten._local_scalar_dense`), asserts on a scalar, is tagged `cudagraph_unsafe`, draws
-random numbers (a replay would not advance the generator as eager does), produces a tensor
+random numbers (a replay would not advance the generator as eager does), is an effectful
+op (`with_effects`: a linalg error check must raise on every singular input), produces a tensor
 on another device than the graph's (a CPU tensor in a CUDA graph), or is an artifact call
 whose manifest says `"capturable": false`. Such nodes stay inline, in order; each maximal
 run of other nodes with real work becomes one piece, called through `make_piece`.
@@ -33,7 +34,7 @@ from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo
-from graphdispatch_backend.passes.ops import draws_random
+from graphdispatch_backend.passes.ops import draws_random, is_effectful
 from graphdispatch_backend.passes.subgraph import boundary, extract, replace_with_call
 
 _SCHEMA_REASONS = {
@@ -49,6 +50,8 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return None
     if node.meta.get("gd_capturable") is False:
         return SplitReason.ARTIFACT_NOT_CAPTURABLE
+    if is_effectful(node):
+        return SplitReason.EFFECTFUL_OP
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.name in _SCHEMA_REASONS:
         return _SCHEMA_REASONS[schema.name]

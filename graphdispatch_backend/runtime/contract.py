@@ -1,7 +1,8 @@
 """Per-call input checks, frozen once, in O(number of inputs), never by walking a graph.
 
 - PlaceholderContract: what the lowered graph was traced for (tensor dtype, device, rank
-  and static sizes; scalar types). A mismatch runs the original graph eagerly, counted.
+  and static sizes; scalar types; None for effect tokens). A mismatch runs the original
+  graph eagerly, counted.
 - LayoutIdentity: that the tensors at some positions are exactly the ones recorded
   (data_ptr, shape, stride, dtype, device); what a captured graph relies on for pinned
   inputs and parameters. data_ptr alone misses a restrided view of the same block. Each
@@ -47,9 +48,11 @@ class PlaceholderContract:
     """Frozen from the placeholders' metadata; tensor checks compile to TensorGuards on
     the first call that satisfies the metadata (guards need real tensors, not fakes)."""
 
-    def __init__(self, metas: Sequence[Any]) -> None:
+    def __init__(self, metas: Sequence[Any], tokens: frozenset[int] = frozenset()) -> None:
         self._metas = tuple(metas)
-        self._tensor_pos = tuple(i for i, m in enumerate(metas) if isinstance(m, torch.Tensor))
+        # effect tokens are traced as empty tensors, but aot passes None for them
+        self._tokens = tuple(sorted(tokens))
+        self._tensor_pos = tuple(i for i, m in enumerate(metas) if isinstance(m, torch.Tensor) and i not in tokens)
         self._scalar_pos = tuple(
             (i, bool if isinstance(m, (bool, torch.SymBool)) else int if isinstance(m, (int, torch.SymInt)) else float)
             for i, m in enumerate(metas)
@@ -59,8 +62,8 @@ class PlaceholderContract:
         self._guards: TensorGuards | None = None
 
     @classmethod
-    def of(cls, gm: fx.GraphModule) -> PlaceholderContract:
-        return cls([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
+    def of(cls, gm: fx.GraphModule, tokens: frozenset[int] = frozenset()) -> PlaceholderContract:
+        return cls([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")], tokens)
 
     def _tensors(self, args: Sequence[Any]) -> tuple[Any, ...]:
         if self._pick is not None:
@@ -72,6 +75,9 @@ class PlaceholderContract:
             return False
         for i, kind in self._scalar_pos:
             if not isinstance(args[i], kind):
+                return False
+        for i in self._tokens:
+            if args[i] is not None:
                 return False
         guards = self._guards
         if guards is not None:
@@ -93,6 +99,9 @@ class PlaceholderContract:
         for i, kind in self._scalar_pos:
             if not isinstance(args[i], kind):
                 return f"input {i}: {type(args[i]).__name__}, expected {kind.__name__}"
+        for i in self._tokens:
+            if args[i] is not None:
+                return f"input {i}: {type(args[i]).__name__}, expected None (an effect token)"
         for i in self._tensor_pos:
             meta, arg = self._metas[i], args[i]
             if not isinstance(arg, torch.Tensor):

@@ -1,15 +1,26 @@
-"""EagerCheck: prove the lowering against real eager, bit for bit, before trusting it.
+"""EagerCheck: prove the lowering against real eager, bit for bit, again and again.
 
 Everything downstream (artifact gates, CUDA-graph verification) compares against the
 *lowered* ATen graph. The lowering itself (aot) is not always bitwise equal to eager on
 torch 2.13: a Linear after a permuted conv under CPU bf16 autocast is lowered to another
-matmul path, and eval BatchNorm on a transposed input gets fake strides that make a later
-view invalid at run time. So the first inference call per shape key (up to MAX_KEYS) also
-runs the Dynamo graph itself, eagerly, on the same inputs: the inputs the graph mutates
-are snapshotted and restored, and the RNG state is replayed, so both runs see the same
-world. If the compiled outputs (values, strides) or the mutated inputs differ, or the
-compiled graph raises where eager does not, the graph runs as the Dynamo graph, eagerly,
-for the rest of the session (`lowering_mismatch` / `lowering_failed`), counted and said.
+matmul path, eval BatchNorm on a transposed input gets fake strides that make a later view
+invalid at run time, and some lowerings (nuclear `norm`, bf16 bilinear upsampling) differ
+only for some values. So on the 1st, 2nd, 4th, 8th, ... inference call per shape key (the
+schedule artifact parity re-checks follow; the first MAX_KEYS shape keys of a dynamic
+graph) the Dynamo graph itself also runs, eagerly, on the same inputs: the inputs the
+graph mutates are snapshotted and restored and the RNG state is replayed, so both runs see
+the same world. The compiled call on such a call is the one the user gets (a replay, once
+the graph replays), so the check covers the served path end to end.
+
+Verdicts, each for the rest of the session (the graph then runs as the Dynamo graph,
+eagerly, counted and said):
+- `lowering_mismatch`: outputs (values, strides, views) or mutated inputs differ, and a
+  second eager run agrees with the first;
+- `eager_nondeterministic`: eager disagrees with itself (atomics, `index_add_`), so no
+  bitwise promise can be checked; the suspected ops are reported;
+- `lowering_failed`: the compiled graph raises where eager does not;
+- `check_failed`: one of graphdispatch's own steps (a snapshot, a comparison) raised.
+Nothing this check adds raises into the user's call: every step runs inside `contain`.
 """
 
 from __future__ import annotations
@@ -27,23 +38,17 @@ from graphdispatch_backend.runtime.entry import layout_key
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.parity import compare
 from graphdispatch_backend.runtime.scope import mark_entry
+from graphdispatch_backend.runtime.world import World
 
-MAX_KEYS = 4
-
-
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+MAX_KEYS = 16  # shape keys of a dynamic graph that are checked; 0 turns the check off
 
 
 def _flat(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class _CheckFailed(Exception):
+    """One of the check's own steps raised (carried out of `contain` as a verdict)."""
 
 
 class EagerCheck:
@@ -59,6 +64,7 @@ class EagerCheck:
         mutated: Callable[[Sequence[Any]], list[torch.Tensor]],
         dynamic: bool,
         timing: Timing,
+        suspects: Sequence[str] = (),
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -68,10 +74,11 @@ class EagerCheck:
         self._strict = strict
         self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
         self._mutated = mutated  # the tensors among the inputs the graph writes into
-        self._checked: set[tuple[Any, ...]] = set()
-        # A static graph has one shape key (Dynamo guards the shapes): check its first call.
-        self._budget = MAX_KEYS if dynamic else min(1, MAX_KEYS)
-        self._pending = self._budget > 0  # the hot path's one check once the budget is spent
+        self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
+        self._dynamic = dynamic
+        self._counts: dict[tuple[Any, ...], int] = {}  # dynamic graphs: calls per shape key
+        self._calls = 0  # static graphs: one shape key (Dynamo guards the shapes)
+        self._on = MAX_KEYS > 0
         self._declined: Decline | None = None
         self._timing = timing if timing.enabled else None
 
@@ -82,61 +89,96 @@ class EagerCheck:
             out = self._eager(*args)
             self._record.called(False, self._declined.value)
             return out
-        if self._pending:
-            key = layout_key(map(args.__getitem__, self._keyed))
-            if key not in self._checked and not self._needs_grad(args):
-                self._checked.add(key)
-                self._pending = len(self._checked) < self._budget
-                return self._check(args)
+        if self._on and self._due(args) and not self._needs_grad(args):
+            return self._check(args)
         try:
             return self._compiled(*args)
         except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
             return self._failed_later(args, exc)
 
+    def _due(self, args: Sequence[Any]) -> bool:
+        """True on the 1st, 2nd, 4th, 8th, ... call of a shape key."""
+        if not self._dynamic:
+            n = self._calls = self._calls + 1
+            return n & (n - 1) == 0
+        key = layout_key(map(args.__getitem__, self._keyed))
+        n = self._counts.get(key)
+        if n is None:
+            if len(self._counts) >= MAX_KEYS:
+                return False
+            n = 0
+        n = self._counts[key] = n + 1
+        return n & (n - 1) == 0
+
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
+    # -- the check ----------------------------------------------------------------------
     def _check(self, args: Sequence[Any]) -> Any:
         mutated = self._mutated(args)
-        before = [t.clone() for t in mutated]
-        rng = _rng_state()
+        before, exc = self._contain(lambda: World.take(mutated))
+        if exc is not None:  # nothing ran yet
+            return self._abandon(args, f"snapshot of the mutated inputs raised {type(exc).__name__}: {exc}")
         raw, exc = self._contain(lambda: self._eager(*args))
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
-            for t, b in zip(mutated, before):
-                t.copy_(b)
-            _set_rng_state(rng)
+            self._own(before.restore)
             return self._compiled(*args)
         expected = _flat(raw)
-        after = [t.clone() for t in mutated]
-        rng_after = _rng_state()
-        for t, b in zip(mutated, before):
-            t.copy_(b)
-        _set_rng_state(rng)
+        after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
+        if exc is not None:
+            self._record.called(False, Decline.CHECK_FAILED.value)  # the compiled graph never ran
+            return self._verdict(Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}", raw, None)
         with native_regions():  # judge the lowering; each artifact's gate judges the artifact
             out, exc = self._contain(lambda: self._compiled(*args))
         if exc is not None:
-            return self._decline(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}",
-                                 raw, mutated, after, rng_after, counted=False)
-        mismatch = compare(expected, _flat(out), "bitwise") or compare(after, mutated, "bitwise")
-        if mismatch is not None:
-            return self._decline(Decline.LOWERING_MISMATCH, f"differs from eager: {mismatch}", raw, mutated, after,
-                                 rng_after, counted=True)
+            self._record.called(False, Decline.LOWERING_FAILED.value)  # raised before it was counted
+            return self._verdict(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}", raw, after)
+        mismatch, exc = self._contain(lambda: compare(expected, _flat(out)) or after.compare())
+        if exc is not None:
+            return self._verdict(Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}", raw, after)
+        if mismatch is None:
+            with self._record.lock:
+                self._record.eager_checks += 1
+            return out
+        reason, detail = self._blame(args, before, after, expected, f"differs from eager: {mismatch}")
+        return self._verdict(reason, detail, raw, after)
+
+    def _blame(self, args: Sequence[Any], before: World, after: World, expected: list[Any],
+               detail: str) -> tuple[Decline, str]:
+        """Run eager once more from the world before: if eager disagrees with itself, the
+        mismatch is eager's nondeterminism, not the lowering's fault."""
+        def again() -> Any:
+            before.restore()
+            return compare(expected, _flat(self._eager(*args))) or after.compare()
+
+        differs, exc = self._contain(again)
+        if exc is None and differs is not None:
+            suspects = ", ".join(self._suspects) or "no known nondeterministic op (a custom op?)"
+            return Decline.EAGER_NONDETERMINISTIC, f"eager disagrees with itself ({differs}); suspects: {suspects}"
+        return Decline.LOWERING_MISMATCH, detail
+
+    # -- verdicts -----------------------------------------------------------------------
+    def _verdict(self, reason: Decline, detail: str, raw: Any, after: World | None) -> Any:
+        """Answer with eager's result and world, and run the Dynamo graph from now on."""
+        if after is not None:
+            _, exc = self._contain(after.restore)
+            if exc is not None:
+                detail += f"; restoring eager's world raised {type(exc).__name__}: {exc}"
         with self._record.lock:
             self._record.eager_checks += 1
+        self._give_up(reason, detail)
+        return raw
+
+    def _abandon(self, args: Sequence[Any], detail: str) -> Any:
+        self._give_up(Decline.CHECK_FAILED, detail)
+        out = self._eager(*args)
+        self._record.called(False, Decline.CHECK_FAILED.value)
         return out
 
-    def _decline(self, reason: Decline, detail: str, eager_out: Any, mutated: list[torch.Tensor],
-                 after: list[torch.Tensor], rng_after: Any, counted: bool) -> Any:
-        """Answer with eager's result and state, and run the Dynamo graph from now on."""
-        for t, a in zip(mutated, after):
-            t.copy_(a)
-        _set_rng_state(rng_after)
-        with self._record.lock:
-            self._record.eager_checks += 1
-        if not counted:  # the compiled call raised before it was counted
-            self._record.called(False, reason.value)
-        self._give_up(reason, detail)
-        return eager_out
+    def _own(self, step: Callable[[], Any]) -> None:
+        _, exc = self._contain(step)
+        if exc is not None:
+            self._give_up(Decline.CHECK_FAILED, f"restoring the mutated inputs raised {type(exc).__name__}: {exc}")
 
     def _give_up(self, reason: Decline, detail: str) -> None:
         """From now on the Dynamo graph runs: record why, mark the artifacts unused, say it

@@ -81,6 +81,10 @@ class Entry:
     storages: _Storages | None = None
     state: State = State.WARMING
     observations: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    # the storages the first warmup call saw: an input is pinned only if its storage stayed
+    # alive through warmup (the same tensor passed again), not if a new tensor happened to
+    # land at the same address after the last one was freed
+    first_storages: list[StorageWeakRef | None] = dataclasses.field(default_factory=list)
     forced_moving: set[int] = dataclasses.field(default_factory=set)
     graph: CapturedGraph | None = None
     static_args: list[Any] = dataclasses.field(default_factory=list)

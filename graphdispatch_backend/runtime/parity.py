@@ -19,7 +19,7 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
     output: int
-    what: str  # count | type | shape | dtype | device | stride | values | nan_inf
+    what: str  # count | type | shape | dtype | device | stride | view | values | nan_inf
     detail: str
     max_abs_diff: float | None = None
     first_index: tuple[int, ...] | None = None
@@ -42,9 +42,15 @@ class Mismatch:
         return f"output {self.output}: {self.what}: {self.detail}" + (f" ({', '.join(extra)})" if extra else "")
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """The values a tensor reads as: a lazily conjugated or negated view (`a.conj()`,
+    `fft.ifft` on real input) materialized, so its bits can be read and compared."""
+    return t.detach().resolve_conj().resolve_neg()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as integers of the same width (floats), so == compares bits."""
-    flat = t.detach().contiguous().reshape(-1)
+    flat = _resolved(t).contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     if flat.is_floating_point():
@@ -66,7 +72,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> tuple[float
     if a.dtype == torch.bool:
         return None, first
     wide = torch.complex128 if a.is_complex() else torch.float64
-    da, db = a.detach().to(wide), b.detach().to(wide)
+    da, db = _resolved(a).to(wide), _resolved(b).to(wide)
     finite = torch.isfinite(da) & torch.isfinite(db)
     gap = (da - db).abs()[finite]  # complex: the modulus of the difference, not of |a| - |b|
     return (float(gap.max()) if gap.numel() else None), first
@@ -98,6 +104,9 @@ def compare(
                 return Mismatch(i, what, f"{got}, expected {want}")
         if check_strides and e.numel() > 1 and e.stride() != a.stride():
             return Mismatch(i, "stride", f"{a.stride()}, expected {e.stride()}")
+        if (e.is_conj(), e.is_neg()) != (a.is_conj(), a.is_neg()):
+            return Mismatch(i, "view", f"conj={a.is_conj()} neg={a.is_neg()}, expected conj={e.is_conj()} "
+                                       f"neg={e.is_neg()}")
         if e.numel() == 0:
             continue
         mismatch = _values(i, e, a, mode, rtol, atol)
@@ -116,7 +125,7 @@ def _values(i: int, e: torch.Tensor, a: torch.Tensor, mode: str, rtol: float, at
             differ = differ.view(-1, 2).any(dim=1)
         gap, first = _diff(e, a, differ)
         return Mismatch(i, "values", "bits differ", gap, first)
-    ee, aa = e.detach(), a.detach()
+    ee, aa = _resolved(e), _resolved(a)
     for name, fn in (("nan", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         # Complex: per component, so NaN in the real part never stands in for NaN in the imaginary one.
         me = fn(torch.view_as_real(ee)) if e.is_complex() else fn(ee)

@@ -2,9 +2,10 @@
 
 Given an entry's warmup observations and the live inputs of the capture call:
 - scalars are constants (they are in the shape key);
-- tensors whose layout identity never changed are pinned (read in place, checked on
-  every replay); parameters and buffers must be pinned, or the capture is refused
-  (`parameter_moved`);
+- tensors whose layout identity never changed, backed by one storage kept alive through
+  warmup (the same tensor passed again, not a new one the allocator put at the old
+  address), are pinned (read in place, checked on every replay); parameters and buffers
+  must be pinned, or the capture is refused (`parameter_moved`);
 - the rest, and inputs an earlier re-capture found moving, are moving: copied into the
   session's shared static buffers, under the replay lock (another runner may be replaying
   from the same buffers);
@@ -24,13 +25,19 @@ from graphdispatch_backend.runtime.entry import CONSTANT_OUTPUTS, TENSOR, Entry,
 from graphdispatch_backend.runtime.scope import RuntimeScope
 
 
+def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
+    """The tensor at `i` is backed by the storage the first warmup call saw, kept alive since."""
+    ref = entry.first_storages[i] if i < len(entry.first_storages) else None
+    return ref is not None and not ref.expired() and ref.cdata == args[i].untyped_storage()._cdata
+
+
 def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
            state: dict[int, str], gates: Sequence[Any]) -> list[tuple[int, torch.Tensor]]:
     """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
     raise CudaGraphUnavailable with the reason otherwise."""
     first = entry.observations[0]
     stable = {i for i, ident in enumerate(first)
-              if ident is not None and all(o[i] == ident for o in entry.observations)}
+              if ident is not None and all(o[i] == ident for o in entry.observations) and _kept(entry, args, i)}
     for pos, name in state.items():
         if pos not in stable:
             raise CudaGraphUnavailable(Decline.PARAMETER_MOVED, f"{name} changed address or layout during warmup")

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
@@ -44,9 +45,9 @@ from graphdispatch_backend.runtime.entry import (
     copy_like,
     layout_key,
 )
-from graphdispatch_backend.runtime.parity import bitwise_equal, compare
 from graphdispatch_backend.runtime.recording import record
 from graphdispatch_backend.runtime.scope import RuntimeScope, mark_eager
+from graphdispatch_backend.runtime.verify import NO_SET, Verdict, Verifier
 
 __all__ = ["MAX_PARAMETER_SETS", "MAX_RECAPTURES", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
@@ -72,6 +73,7 @@ class GraphRunner:
         verify_inputs: int,
         state_names: dict[int, str],
         gates: Sequence[Any] = (),
+        suspects: Sequence[str] = (),
     ) -> None:
         self._fn = fn
         self.name = name
@@ -81,6 +83,7 @@ class GraphRunner:
         self._verify_inputs = verify_inputs
         self._state = state_names  # position -> parameter/buffer name
         self._gates = tuple(gates)
+        self._verifier = Verifier(fn, scope.contain, suspects=suspects)
         self._book = EntryBook(max_captures, scope, self._report)
         self._slots = self._book.slots  # shape key -> its entries (read on every call)
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
@@ -173,6 +176,9 @@ class GraphRunner:
             return self._verify(entry, args, first=False)
         if entry.state is not State.WARMING:  # another thread moved it on meanwhile
             return self._eager(args, entry.reason or Decline.BUSY)
+        if not entry.observations:
+            entry.first_storages = [StorageWeakRef(a.untyped_storage()) if isinstance(a, torch.Tensor) else None
+                                    for a in args]
         entry.observations.append(self._observe(args))
         if len(entry.observations) <= self._warmup:
             return self._eager(args, Decline.WARMUP)
@@ -201,40 +207,59 @@ class GraphRunner:
             problem = self._check(entry, args)
             if problem is not None:
                 return self._mismatch(entry, args, *problem)
-            if entry.moving and entry.last_inputs is not None and all(
-                bitwise_equal(args[pos], prev) for (pos, _), prev in zip(entry.moving, entry.last_inputs)
-            ):
-                entry.waits += 1
-                if entry.waits > NOT_DISTINCT_LIMIT:
-                    self._decline(entry, Decline.VERIFY_NOT_DISTINCT,
-                                  f"{entry.waits} calls in a row repeated the verified inputs' values")
-                    return self._eager(args, Decline.VERIFY_NOT_DISTINCT)
-                return self._eager(args, Decline.VERIFYING)
-        with self._scope.replay_lock:
-            replayed, exc = self._scope.contain(lambda: self._serve(entry, args))
+            repeats = self._verifier.repeats(entry.moving, args, entry.last_inputs)
+            if repeats is None:
+                return self._refuse(entry, args, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
+            if repeats:
+                return self._verify_derived(entry, args)
+        expected, verdict = self._verifier.live(args, lambda a: self._serve_locked(entry, a),
+                                                lambda a: self._eager(a, Decline.VERIFYING))
+        return self._conclude(entry, args, expected, verdict)
+
+    def _verify_derived(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
+        """The caller repeats the verified values: verify on a set derived from them."""
         expected = self._eager(args, Decline.VERIFYING)
-        if exc is not None:
-            self._decline(entry, Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
+        verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
+                                               salt=entry.verified)
+        if verdict is NO_SET:
+            entry.waits += 1
+            if entry.waits > NOT_DISTINCT_LIMIT:
+                self._decline(entry, Decline.VERIFY_NOT_DISTINCT, (
+                    f"{entry.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
+                    "derived from them (every moving input holds one repeated integer or bool value, or eager raised "
+                    "on the derived values): call once with other values, or pass the same tensor object each call "
+                    "(it is then read in place)"))
             return expected
+        return self._conclude(entry, args, expected, verdict, live=False)
+
+    def _conclude(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any], verdict: Verdict,
+                  live: bool = True) -> Sequence[Any]:
         if self._gates_changed(entry):
             # an artifact in this piece failed a parity re-check during this very call: the
             # capture holds it, so capture again without it rather than declining for good
             self._transition(entry, args, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", -1)
             return expected
-        mismatch = self._compare(expected, replayed)
-        if mismatch is not None:
-            self._decline(entry, Decline.VERIFY_MISMATCH, str(mismatch))
+        if verdict is not None:
+            self._decline(entry, *verdict)
             return expected
         entry.verified, entry.waits = entry.verified + 1, 0
         if entry.verified >= self._verify_inputs:
             entry.state, entry.last_inputs = State.VERIFIED, None
             self._set_state()
-        else:
-            entry.last_inputs = [args[pos].clone() for pos, _ in entry.moving]
+        elif live:
+            last, exc = self._scope.contain(lambda: [args[pos].clone() for pos, _ in entry.moving])
+            if exc is not None:
+                self._decline(entry, Decline.CHECK_FAILED, f"keeping the verified inputs raised {type(exc).__name__}")
+            entry.last_inputs = last
         return expected
 
-    def _compare(self, expected: Sequence[Any], replayed: Sequence[Any]) -> Any:
-        return compare(list(expected), list(replayed), "bitwise")
+    def _refuse(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str) -> Sequence[Any]:
+        self._decline(entry, reason, detail)
+        return self._eager(args, reason)
+
+    def _serve_locked(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
+        with self._scope.replay_lock:
+            return self._serve(entry, args)
 
     # -- replay ---------------------------------------------------------------------
     def _replay(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:

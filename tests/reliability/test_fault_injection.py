@@ -431,8 +431,17 @@ def test_more_shape_keys_than_max_captures(counts):
 
 
 def test_verification_inputs_that_never_change(counts):
+    """The same values in new tensors every call: the runner derives its second set and replays."""
     x = torch.randn(4, 8)
     report = run(make(), dict(EMULATE), calls=14, inputs=lambda i: (x.clone(),))
+    cg = report["graphs"][0]["cuda_graph"]
+    assert declines(report) == {} and cg["replays"] > 0, cg
+    counts["injected_faults"] += 1
+
+
+def test_verification_inputs_with_no_distinct_set(counts):
+    """All zeros every call: no permutation or doubling changes them, so no derived set exists."""
+    report = run(make(), dict(EMULATE), calls=14, inputs=lambda i: (torch.zeros(4, 8),))
     assert declines(report) == {"verify_inputs_not_distinct": 1}, report["graphs"][0]["cuda_graph"]
     counts["injected_faults"] += 1
 

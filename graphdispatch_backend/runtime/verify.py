@@ -1,0 +1,141 @@
+"""Verifier: is a captured entry's replay bit for bit what eager gives, on inputs it was
+not captured with?
+
+- `judge` compares a replay with eager's output on the same live inputs (outputs: values,
+  strides, views; and the tensors the piece writes into). On a mismatch it runs eager a
+  second time from the same world: an eager that disagrees with itself is
+  `eager_nondeterministic` (atomics, `index_add_`), not the capture's fault.
+- `judge_derived` makes its own input set when the caller repeats the values already
+  verified (runtime/derive.py): eager and a replay run on it in the runner's own tensors,
+  never the caller's, the world (mutated inputs, RNG) put back after each, and the two are
+  compared. Eager raising on a derived set (a data-dependent check) means there is none.
+
+A verdict is None (verified) or (Decline, detail); graphdispatch's own steps run inside
+`contain`, and a failure there is the verdict `check_failed`, never an error in the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.runtime.derive import derive
+from graphdispatch_backend.runtime.engine import recording
+from graphdispatch_backend.runtime.parity import bitwise_equal, compare
+from graphdispatch_backend.runtime.world import World
+
+Verdict = tuple[Decline, str] | None
+NO_SET = (Decline.VERIFY_NOT_DISTINCT, "")  # no derived set could be made or run
+
+
+class Verifier:
+    def __init__(self, fn: Callable[..., Sequence[Any]], contain: Contain, mutated: Sequence[int] = (),
+                 suspects: Sequence[str] = ()) -> None:
+        self._fn = fn  # the piece, run eagerly
+        self._contain = contain
+        self._mutated = tuple(mutated)  # positions of inputs the piece writes into
+        self._suspects = ", ".join(suspects) or "no known nondeterministic op (a custom op?)"
+
+    def world(self, args: Sequence[Any]) -> World:
+        return World.take([args[p] for p in self._mutated])
+
+    def repeats(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
+                last: Sequence[torch.Tensor] | None) -> bool | None:
+        """True when the live moving inputs hold the values of the last verified set;
+        None when comparing them raised."""
+        if not moving or last is None:
+            return False
+        same, exc = self._contain(lambda: all(bitwise_equal(args[pos], prev) for (pos, _), prev in zip(moving, last)))
+        return None if exc is not None else bool(same)
+
+    def live(self, args: Sequence[Any], serve: Callable[[Sequence[Any]], Sequence[Any]],
+             eager: Callable[[Sequence[Any]], Sequence[Any]]) -> tuple[Sequence[Any], Verdict]:
+        """A replay on the live inputs, then the user's own eager run (which answers the
+        call and advances the world once); the replay's effect on the world is undone."""
+        before, exc = self._contain(lambda: self.world(args))
+        if exc is not None:
+            return eager(args), (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
+        replayed, failed = self._contain(lambda: serve(args))
+        replay_state, exc = self._contain(before.swap)
+        expected = eager(args)
+        if failed is not None:
+            return expected, (Decline.REPLAY_FAILED, f"{type(failed).__name__}: {failed}")
+        if exc is not None:
+            return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
+        eager_after, exc = self._contain(lambda: self.world(args))
+        if exc is not None:
+            return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
+        return expected, self.judge(args, expected, replayed, replay_state, before, eager_after)
+
+    def judge(self, args: Sequence[Any], expected: Sequence[Any], replayed: Sequence[Any], replay_state: World,
+              before: World, eager_after: World) -> Verdict:
+        """Eager's outputs against the replay's, and eager's world (`eager_after`) against
+        the replay's (`replay_state`); on a mismatch, eager again from `before`. The world
+        is left as eager left it."""
+        def differ() -> Any:
+            return compare(list(expected), list(replayed)) or _states(eager_after, replay_state)
+
+        mismatch, exc = self._contain(differ)
+        if exc is not None:
+            return Decline.CHECK_FAILED, f"comparing the replay raised {type(exc).__name__}: {exc}"
+        if mismatch is None:
+            return None
+
+        def again() -> Any:
+            before.restore()
+            try:
+                with recording():  # an extra run: gates neither count nor re-check it
+                    second = self._fn(*args)
+                return compare(list(expected), list(second)) or eager_after.compare()
+            finally:
+                eager_after.restore()
+
+        differs, exc = self._contain(again)
+        if exc is None and differs is not None:
+            return (Decline.EAGER_NONDETERMINISTIC,
+                    f"eager disagrees with itself ({differs}); suspects: {self._suspects}")
+        return Decline.VERIFY_MISMATCH, str(mismatch)
+
+    def judge_derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any], live: Sequence[Any],
+                      serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int) -> Verdict:
+        """Verify on a set derived from the live moving inputs (see module docstring);
+        NO_SET when none could be made or eager raised on it. The world is left as it was."""
+        verdict, exc = self._contain(lambda: self._derived(moving, args, live, serve, salt))
+        if exc is not None:
+            return Decline.CHECK_FAILED, f"a derived verification set raised {type(exc).__name__}: {exc}"
+        return verdict
+
+    def _derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any], live: Sequence[Any],
+                 serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int) -> Verdict:
+        candidates = derive([args[pos] for pos, _ in moving], salt)
+        for n, values in enumerate(candidates):
+            derived = list(args)
+            for (pos, _), value in zip(moving, values):
+                derived[pos] = value
+            before = self.world(derived)
+            try:
+                with recording():  # an extra run: gates neither count nor re-check it
+                    expected, exc = self._contain(lambda: self._fn(*derived))  # noqa: B023 (run at once)
+                if exc is not None:  # eager rejects these values (a data-dependent check)
+                    return NO_SET
+                if n + 1 < len(candidates) and not _differs(expected, live):
+                    continue  # the outputs ignore this change, so a stale read would hide: try the next
+                eager_after = before.swap()
+                replayed = serve(derived)
+                replay_state = eager_after.swap()
+                return self.judge(derived, expected, replayed, replay_state, before, eager_after)
+            finally:
+                before.restore()
+        return NO_SET
+
+
+def _states(eager_after: World, replay_state: World) -> Any:
+    """The tensors the piece writes into, as the replay left them, against eager's."""
+    return None if eager_after.empty else replay_state.compare_with(eager_after)
+
+
+def _differs(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return compare(list(a), list(b)) is not None
