@@ -57,8 +57,7 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.program import CompiledGraph
-from graphdispatch_backend.runtime.runner import GraphRunner
-from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 
 NODES = (10, 100, 1000)
 INPUTS = (4, 32, 256)

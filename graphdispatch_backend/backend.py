@@ -58,6 +58,7 @@ _DETAILS = {
     Decline.NO_CUDA_DEVICE: "cuda_graphs=True but this machine has no CUDA device",
     Decline.AUTOGRAD: "training graphs run eagerly in v1",
     Decline.NO_CAPTURABLE_PIECE: "every node of the graph must stay outside a CUDA graph",
+    Decline.MULTI_DEVICE: "the graph's tensors are on several CUDA devices; a CUDA graph captures one device",
 }
 
 
@@ -176,6 +177,8 @@ class _Builder:
         # against eager (an input's metadata is mutated, or aot did not say)
         self.mutated: list[int] | None = None
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
+        # sizes may change from call to call (a symbolic input): runners key every call by shape
+        self.dynamic = any(o.kind == "symbol" for o in origins)
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         tracing = torch._guards.TracingContext.try_get()
@@ -207,7 +210,8 @@ class _Builder:
             input_origins=self.origins,
             matcher=None if training else self._match,
             make_call=None if training else self._make_call,
-            pieces_spec=PieceSpec(device, lambda piece, info: self._runner(scope, piece, info)) if scope else None,
+            pieces_spec=PieceSpec(torch.device(device).type,
+                                  lambda piece, info: self._runner(scope, piece, info, device)) if scope else None,
         )
         run_pipeline(gm, ctx)
         record.stripped_assertions = ctx.stripped_assertions
@@ -219,7 +223,7 @@ class _Builder:
         run: Callable[..., Any] = gm.forward
         if scope is not None:
             if not ctx.split_reasons and ctx.pieces:
-                run = self._runner(scope, gm, ctx.pieces[0])
+                run = self._runner(scope, gm, ctx.pieces[0], device)
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
         record.cuda_graph_reason = reason.value if reason else None
@@ -234,20 +238,25 @@ class _Builder:
                              self._contract_mismatch)
 
     def _engine_for(self, placeholders: list[fx.Node], training: bool) -> tuple[str | None, Decline | None, str]:
+        """(engine, why there is none, the device the pieces run on: `cuda:N` or a type)."""
         mode = self.session.options.cuda_graphs
-        devices = {n.meta["val"].device.type for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)}
-        device = "cuda" if "cuda" in devices else (sorted(devices)[0] if devices else "cpu")
+        devices = {n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)}
+        types = {d.type for d in devices}
+        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        device = f"cuda:{cuda[0]}" if cuda else (sorted(types)[0] if types else "cpu")
         if training:
             return None, Decline.AUTOGRAD, device
         if mode is False:
             return None, Decline.DISABLED, device
+        if len(cuda) > 1:  # one graph, one device: a capture cannot span devices
+            return None, Decline.MULTI_DEVICE, device
         if mode == "emulate":
             return "host", None, device
         if mode == "auto":
-            return ("cuda", None, device) if devices == {"cuda"} else (None, Decline.NOT_CUDA, device)
+            return ("cuda", None, device) if types == {"cuda"} else (None, Decline.NOT_CUDA, device)
         if not torch.cuda.is_available():
             return None, Decline.NO_CUDA_DEVICE, device
-        return ("cuda", None, device) if "cuda" in devices else (None, Decline.NOT_CUDA, device)
+        return ("cuda", None, device) if "cuda" in types else (None, Decline.NOT_CUDA, device)
 
     def _match(self, region: Region) -> MatchOutcome:
         reg = self.session.registry
@@ -275,7 +284,7 @@ class _Builder:
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return _named(gate, f"gd_artifact_{artifact.id}")
 
-    def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo) -> GraphRunner:
+    def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str) -> GraphRunner:
         opts = self.session.options
         stats = CudaGraphStats()
         self.record.piece_stats.append(stats)
@@ -284,7 +293,8 @@ class _Builder:
         runner = GraphRunner(piece.forward, f"{self.record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state, gates=gates,
-                             suspects=self.suspects)
+                             suspects=self.suspects, device=device, mutated=info.mutated, wide=info.wide,
+                             guarded=True, static_shapes=not self.dynamic)
         return _named(runner, f"gd_piece_{info.index}")
 
     def _region_entry(self, region: Region, outcome: MatchOutcome | None) -> dict[str, Any]:

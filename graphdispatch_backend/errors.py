@@ -89,6 +89,8 @@ class Decline(str, enum.Enum):
     NO_CAPTURABLE_PIECE = "no_capturable_piece"
     CHECK_FAILED = "check_failed"  # graphdispatch's own snapshot, copy or comparison raised
     EAGER_NONDETERMINISTIC = "eager_nondeterministic"  # eager disagrees with itself on the same inputs
+    OUT_OF_MEMORY = "out_of_memory"  # an allocation failed: eager this call, tried again later
+    MULTI_DEVICE = "multi_device"  # the graph's tensors span several CUDA devices
 
 
 class SplitReason(str, enum.Enum):
@@ -101,6 +103,8 @@ class SplitReason(str, enum.Enum):
     FOREIGN_DEVICE = "foreign_device"  # e.g. a CPU tensor inside a CUDA graph
     ARTIFACT_NOT_CAPTURABLE = "artifact_not_capturable"
     EFFECTFUL_OP = "effectful_op"  # with_effects: a side effect (linalg error checks, prints) on every call
+    DYNAMIC_OUTPUT_SHAPE = "dynamic_output_shape"  # nonzero, masked_select, unique: sizes known after the kernel
+    COLLECTIVE = "collective"  # a collective a CUDA graph cannot hold (gloo, CPU): it runs between pieces
 
 
 class Rejection(str, enum.Enum):

@@ -22,8 +22,9 @@ from graphdispatch_backend.diagnostics.report import SessionReport, write_json_a
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.options import Options
-from graphdispatch_backend.runtime.engine import CudaGraphEngine, HostReplayEngine
-from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
+from graphdispatch_backend.runtime.runner import RuntimeScope
 
 
 class Session:
@@ -65,7 +66,8 @@ class Session:
         with self._lock:
             scopes = dict(self._scopes)
         return {"static_buffers": {name: {"count": len(s.buffers), "bytes": s.buffers.nbytes}
-                                   for name, s in scopes.items()}}
+                                   for name, s in scopes.items()},
+                "pools": {name: {"pool_bytes": s.engine.pool_bytes()} for name, s in scopes.items()}}
 
     def write(self) -> None:
         """Write dispatch.json and timing.json. A report directory that cannot be written

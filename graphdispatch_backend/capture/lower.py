@@ -99,7 +99,10 @@ def lower(
     """aot_module_simplified inside the replayed autocast state.
 
     aot calls `inference_compiler` for graphs that need no autograd, and the forward and
-    backward compilers (partitioned joint graph) for training graphs.
+    backward compilers (partitioned joint graph) for training graphs. Inputs an inference
+    graph writes into stay written in the graph (`copy_`, keep_inference_input_mutations,
+    as Inductor lowers): a captured graph then updates a KV cache in place, instead of
+    returning the whole cache for a copy back.
     """
     with autocast.replay():
         return aot_module_simplified(
@@ -108,4 +111,5 @@ def lower(
             fw_compiler=forward_compiler,
             bw_compiler=backward_compiler,
             inference_compiler=inference_compiler,
+            keep_inference_input_mutations=True,
         )

@@ -65,6 +65,8 @@ class CudaGraphStats:
     decline_details: dict[str, str] = dataclasses.field(default_factory=dict)
     shape_keys: int = 0
     static_bytes: int = 0
+    evictions: int = 0  # shape keys whose captures were evicted (least recently used, past max_captures)
+    copy_bytes: int = 0  # bytes the replays copied: moving inputs in, mutated ones back, outputs out
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def replayed(self) -> None:
@@ -94,6 +96,8 @@ class CudaGraphStats:
                 "decline_details": dict(self.decline_details),
                 "shape_keys": self.shape_keys,
                 "static_bytes": self.static_bytes,
+                "evictions": self.evictions,
+                "copy_bytes": self.copy_bytes,
             }
 
 

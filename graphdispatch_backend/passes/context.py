@@ -40,6 +40,8 @@ class PieceInfo:
     reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     ops: list[str] = dataclasses.field(default_factory=list)
     input_origins: tuple[InputOrigin | None, ...] = ()
+    mutated: tuple[int, ...] = ()  # input positions the piece writes into
+    wide: tuple[int, ...] = ()  # input positions the piece reads with as_strided (whole storage)
 
     def to_dict(self) -> dict[str, Any]:
         return {

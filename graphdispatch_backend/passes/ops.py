@@ -73,3 +73,52 @@ def nondeterministic_suspects(gm: fx.GraphModule) -> list[str]:
         if name is not None and (name in _NONDETERMINISTIC or not name.startswith(("aten::", "prims::"))):
             seen.setdefault(name)
     return list(seen)
+
+
+def _writes(node: fx.Node) -> list[fx.Node]:
+    """The nodes a call writes into (schema arguments marked `(a!)`)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.kwargs.get(arg.name, node.args[index] if index < len(node.args) else None)
+            written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node)]
+    return written
+
+
+def written_inputs(gm: fx.GraphModule) -> set[int]:
+    """Placeholder positions the graph writes into (aot's in-graph `copy_` of a mutated
+    input, kept with keep_inference_input_mutations)."""
+    position = {ph: i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    return {position[n] for node in gm.graph.nodes for n in _writes(node) if n in position}
+
+
+_STORAGE_READERS = {"aten::as_strided", "aten::as_strided_copy", "aten::as_strided_scatter", "aten::set_"}
+
+
+def storage_readers(gm: fx.GraphModule) -> set[int]:
+    """Placeholder positions read through `as_strided` (directly or through views), which
+    may reach outside the view's own extent into the rest of its storage."""
+    found = set()
+    for i, ph in enumerate(gm.graph.find_nodes(op="placeholder")):
+        frontier, seen = [ph], set()
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if user in seen or user.op != "call_function":
+                    continue
+                seen.add(user)
+                schema = getattr(user.target, "_schema", None)
+                if schema is not None and schema.name in _STORAGE_READERS:
+                    found.add(i)
+                elif schema is not None and getattr(user.target, "is_view", False):
+                    frontier.append(user)
+    return found
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A c10d functional collective (all_reduce, all_gather_into_tensor, ..., wait_tensor)."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in (
+        "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")

@@ -3,8 +3,11 @@
 A node cannot be captured when it reads a scalar back to the host
 (`aten._local_scalar_dense`), asserts on a scalar, is tagged `cudagraph_unsafe`, draws
 random numbers (a replay would not advance the generator as eager does), is an effectful
-op (`with_effects`: a linalg error check must raise on every singular input), produces a tensor
-on another device than the graph's (a CPU tensor in a CUDA graph), or is an artifact call
+op (`with_effects`: a linalg error check must raise on every singular input), has a
+dynamic output shape (`nonzero`, `masked_select`, boolean indexing: its sizes are known only
+after it ran), is a collective on a graph that is not on CUDA (gloo work cannot be
+captured; NCCL collectives stay inside, as vLLM captures them), produces a tensor on
+another device than the graph's (a CPU tensor in a CUDA graph), or is an artifact call
 whose manifest says `"capturable": false`. Such nodes stay inline, in order; each maximal
 run of other nodes with real work becomes one piece, called through `make_piece`.
 A graph with no such node is left alone: it is captured whole.
@@ -34,7 +37,13 @@ from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo
-from graphdispatch_backend.passes.ops import draws_random, is_effectful
+from graphdispatch_backend.passes.ops import (
+    draws_random,
+    is_collective,
+    is_effectful,
+    storage_readers,
+    written_inputs,
+)
 from graphdispatch_backend.passes.subgraph import boundary, extract, replace_with_call
 
 _SCHEMA_REASONS = {
@@ -52,12 +61,16 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return SplitReason.ARTIFACT_NOT_CAPTURABLE
     if is_effectful(node):
         return SplitReason.EFFECTFUL_OP
+    if is_collective(node) and graph_device != "cuda":
+        return SplitReason.COLLECTIVE
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.name in _SCHEMA_REASONS:
         return _SCHEMA_REASONS[schema.name]
     tags = getattr(node.target, "tags", ())
     if torch.Tag.cudagraph_unsafe in tags:
         return SplitReason.CUDAGRAPH_UNSAFE_TAG
+    if torch.Tag.dynamic_output_shape in tags:
+        return SplitReason.DYNAMIC_OUTPUT_SHAPE
     if draws_random(node):
         return SplitReason.RANDOM_OP
     # A tensor on another device, produced or read here: a CPU scalar would be baked into
@@ -100,7 +113,8 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     if not reasons:
         origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
-        ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins)]
+        ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins, tuple(sorted(written_inputs(gm))),
+                                tuple(sorted(storage_readers(gm))))]
         return
     runs: list[tuple[bool, list[fx.Node]]] = []
     for node in calls:
@@ -126,6 +140,8 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         info.input_origins = tuple(_origin(ctx, placeholders, n) for n in inputs)
         piece_gm = extract(nodes, inputs, outputs)
+        info.mutated = tuple(sorted(written_inputs(piece_gm)))
+        info.wide = tuple(sorted(storage_readers(piece_gm)))
         target = spec.make_piece(piece_gm, info)
         replace_with_call(gm, nodes, inputs, outputs, target, {"gd_piece": info.index})
         pieces.append(info)

@@ -29,6 +29,12 @@ def layout_identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset())
 
 
+def _modes_active() -> bool:
+    """A TorchDispatchMode is on (aot runs a graph's first call under one; profilers and
+    FlopCounterMode use them): TensorGuards built now would expect its dispatch keys."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def writable_layout(t: torch.Tensor) -> bool:
     """True when a tensor of t's sizes and strides can be allocated and written: no two
     elements share memory (gaps are fine: a chunk of a wider tensor, a slice)."""
@@ -84,6 +90,8 @@ class PlaceholderContract:
             return guards.check(*self._tensors(args))
         if self.explain(args) is not None:
             return False
+        if _modes_active():  # guards would bake in the mode's dispatch keys: build them on a later call
+            return True
         tensors = self._tensors(args)
         self._guards = TensorGuards(
             *tensors,
@@ -140,14 +148,15 @@ class LayoutIdentity:
         self._ptrs = [_data_ptr(args[p]) for p in self.addressed]
         self._pick = operator.itemgetter(*self.positions) if len(self.positions) > 1 else None
         self._pick_addressed = operator.itemgetter(*self.addressed) if len(self.addressed) > 1 else None
-        self._guards = (
-            TensorGuards(
-                *tensors,
-                dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                dynamic_dims_strides=[list(t.stride()) for t in tensors],
-            )
-            if tensors
-            else None
+        self._guards = self._build(tensors) if tensors and not _modes_active() else None
+        self._pending = bool(tensors) and self._guards is None  # built on the first check outside a mode
+
+    @staticmethod
+    def _build(tensors: Sequence[torch.Tensor]) -> TensorGuards:
+        return TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
         )
 
     def _tensors(self, args: Sequence[Any]) -> Sequence[Any]:
@@ -166,6 +175,10 @@ class LayoutIdentity:
 
     def layouts_match(self, tensors: Sequence[Any]) -> bool:
         """`tensors`: the ones at all positions, in order."""
+        if self._pending:
+            if _modes_active() or [layout_identity(t) for t in tensors] != list(self.identities):
+                return [layout_identity(t) for t in tensors] == list(self.identities)
+            self._guards, self._pending = self._build(tensors), False
         return self._guards is None or self._guards.check(*tensors)
 
     def mismatch(self, args: Sequence[Any]) -> int | None:

@@ -18,7 +18,8 @@ eagerly, counted and said):
   second eager run agrees with the first;
 - `eager_nondeterministic`: eager disagrees with itself (atomics, `index_add_`), so no
   bitwise promise can be checked; the suspected ops are reported;
-- `lowering_failed`: the compiled graph raises where eager does not;
+- `lowering_failed`: the compiled graph raises where eager does not (an out-of-memory
+  is no verdict: eager answers that call, `out_of_memory`);
 - `check_failed`: one of graphdispatch's own steps (a snapshot, a comparison) raised.
 Nothing this check adds raises into the user's call: every step runs inside `contain`.
 """
@@ -34,10 +35,11 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, StrictModeError
-from graphdispatch_backend.runtime.entry import layout_key
+from graphdispatch_backend.runtime.calls import mark_entry
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
-from graphdispatch_backend.runtime.parity import compare
-from graphdispatch_backend.runtime.scope import mark_entry
+from graphdispatch_backend.runtime.keys import layout_key
+from graphdispatch_backend.runtime.parity import compare, compare_aliasing
 from graphdispatch_backend.runtime.world import World
 
 MAX_KEYS = 16  # shape keys of a dynamic graph that are checked; 0 turns the check off
@@ -130,10 +132,16 @@ class EagerCheck:
             return self._verdict(Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}", raw, None)
         with native_regions():  # judge the lowering; each artifact's gate judges the artifact
             out, exc = self._contain(lambda: self._compiled(*args))
+        if exc is not None and is_out_of_memory(exc):  # no verdict on the lowering: eager answers
+            self._own(after.restore)
+            self._record.called(False, Decline.OUT_OF_MEMORY.value)
+            return raw
         if exc is not None:
             self._record.called(False, Decline.LOWERING_FAILED.value)  # raised before it was counted
             return self._verdict(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}", raw, after)
-        mismatch, exc = self._contain(lambda: compare(expected, _flat(out)) or after.compare())
+        got = _flat(out)
+        mismatch, exc = self._contain(lambda: compare(expected, got) or compare_aliasing(expected, got, args)
+                                      or after.compare())
         if exc is not None:
             return self._verdict(Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}", raw, after)
         if mismatch is None:
@@ -206,6 +214,9 @@ class EagerCheck:
         """The compiled graph raised on a call that was not checked: if eager answers the
         same inputs, the lowering is at fault; else the error is the user's own."""
         out = self._eager(*args)  # raises the user's own error if there is one
+        if is_out_of_memory(exc):  # memory was short this once: no verdict on the lowering
+            self._record.called(False, Decline.OUT_OF_MEMORY.value)
+            return out
         self._record.called(False, Decline.LOWERING_FAILED.value)
         self._give_up(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}")
         return out

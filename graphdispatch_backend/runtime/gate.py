@@ -29,8 +29,8 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion, StrictModeError
-from graphdispatch_backend.runtime.engine import in_recording
-from graphdispatch_backend.runtime.entry import layout_key
+from graphdispatch_backend.runtime.cudagraph.engine import in_recording
+from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 
 SPEED_REPEATS = 7

@@ -142,3 +142,43 @@ def _values(i: int, e: torch.Tensor, a: torch.Tensor, mode: str, rtol: float, at
         gap, first = _diff(e, a, bad.reshape(-1))
         return Mismatch(i, "values", f"not within rtol={rtol} atol={atol}", gap, first)
     return None
+
+
+def _aliasing(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[tuple[Any, ...] | None]:
+    """Per output: which input or earlier output it shares memory with, and where."""
+    by_ptr: dict[int, tuple[str, int, int]] = {}
+    for j, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            by_ptr.setdefault(t.untyped_storage().data_ptr(), ("input", j, 0))
+    shape: list[tuple[Any, ...] | None] = []
+    for i, t in enumerate(outputs):
+        if not isinstance(t, torch.Tensor) or not t.untyped_storage().nbytes():
+            shape.append(None)
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        hit = by_ptr.get(ptr)
+        if hit is None:
+            by_ptr[ptr] = ("output", i, t.storage_offset())
+            shape.append(("own",))
+        elif hit[0] == "input":
+            shape.append(("input", hit[1], t.storage_offset()))
+        else:
+            shape.append(("output", hit[1], t.storage_offset() - hit[2]))
+    return shape
+
+
+def compare_aliasing(expected: Sequence[Any], actual: Sequence[Any], inputs: Sequence[Any],
+                     actual_inputs: Sequence[Any] | None = None) -> Mismatch | None:
+    """Outputs share memory with the same inputs and outputs, at the same offsets."""
+    want = _aliasing(expected, inputs)
+    got = _aliasing(actual, inputs if actual_inputs is None else actual_inputs)
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w != g:
+            return Mismatch(i, "aliasing", f"{_say(g)}, expected {_say(w)}")
+    return None
+
+
+def _say(alias: tuple[Any, ...] | None) -> str:
+    if alias is None or alias[0] == "own":
+        return "its own memory"
+    return f"a view of {alias[0]} {alias[1]} at offset {alias[2]}"

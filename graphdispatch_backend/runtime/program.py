@@ -13,8 +13,8 @@ from typing import Any
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime.calls import begin_call, end_call, take_entry
 from graphdispatch_backend.runtime.contract import PlaceholderContract
-from graphdispatch_backend.runtime.scope import begin_call, end_call, take_entry
 
 
 class CompiledGraph:

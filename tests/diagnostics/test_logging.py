@@ -12,7 +12,7 @@ import graphdispatch_backend
 import graphdispatch_backend.backend as backend_module
 from graphdispatch_backend.passes import PIPELINE
 from graphdispatch_backend.passes import run_pipeline as real_run_pipeline
-from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1}
 
@@ -66,7 +66,7 @@ def test_each_demotion_reason_gets_its_own_warning(net, make_bundle, gd_log):
 
 
 def test_a_decline_warns_once_per_reason_then_debug(monkeypatch, gd_log):
-    def refuse(self, fn, args):
+    def refuse(self, fn, args, device="cpu"):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(HostReplayEngine, "capture", refuse)

@@ -48,9 +48,10 @@ def report_dir(tmp_path_factory, write_mlp_bundle, net_factory, mlp_inputs_facto
         compiled = torch.compile(net, backend="graphdispatch", options=options)
         for _ in range(6):
             compiled(torch.randn(4, 8))  # graph_0: verified, replays
-        declined = torch.compile(small, backend="graphdispatch", options=options, dynamic=True)
-        for n in (2, 2, 3, 5):
-            declined(torch.randn(n, 8))  # graph_1: a second shape key is over max_captures=1
+        declined = torch.compile(small, backend="graphdispatch", options=options)
+        for _ in range(6):  # graph_1: its weight moves on every call (offload): parameter_moved
+            small[0].weight.data = torch.randn(8, 8)
+            declined(torch.randn(4, 8))
         with pytest.MonkeyPatch.context() as mp:
             def broken_pass(gm, ctx):
                 raise RuntimeError("injected pass failure")
@@ -110,14 +111,14 @@ def test_graphs_table_shows_cuda_graph_state_and_decline_reasons(capsys, report_
     assert verified["kind"] == "inference" and verified["cuda graph"] == "host: verified"
     assert verified["calls"] == "6" and verified["calls=r+e"] == "ok" and verified["declines"] == "-"
     declined = dict(zip(header, _row(graphs, "graph_1")))
-    assert "max_captures=" in declined["eager calls by reason"] and declined["declines"] == "max_captures=1"
+    assert "parameter_moved=" in declined["eager calls by reason"] and declined["declines"] == "parameter_moved=1"
     assert declined["calls=r+e"] == "ok"
     fallback = dict(zip(header, _row(graphs, "graph_2")))
     assert fallback["kind"] == "fallback" and fallback["cuda graph"] == "off: eager"
     assert fallback["eager calls by reason"] == "backend_error=2"
 
     why = _section(out, "Why calls ran eager")
-    assert any(line.strip().startswith("graph_1: max_captures") for line in why)
+    assert any(line.strip().startswith("graph_1: parameter_moved") for line in why)
     assert any("graph_2: backend_error" in line and "injected pass failure" in line for line in why)
 
 
@@ -159,9 +160,9 @@ def test_timing_phases_and_notes_are_rendered(capsys, report_dir):
                                                   "shadow.native_forward")}
     assert len(names) == 5
     # one per call of graph_0 and graph_1; graph_2 fell back to the plain Dynamo graph, untimed
-    assert int(_row(phases, "validate")[1]) == 6 + 4
+    assert int(_row(phases, "validate")[1]) == 6 + 6
     notes = _section(out, "Notes")
-    assert any("cuda_graph_declined" in line and "max_captures" in line for line in notes)
+    assert any("cuda_graph_declined" in line and "parameter_moved" in line for line in notes)
     assert any("demoted to native" in line and "mlp-off" in line for line in notes)
 
 

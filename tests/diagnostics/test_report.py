@@ -20,7 +20,7 @@ import graphdispatch_backend.backend as backend_module
 from graphdispatch_backend.diagnostics.report import SessionReport, write_json_atomic
 from graphdispatch_backend.passes import PIPELINE
 from graphdispatch_backend.passes import run_pipeline as real_run_pipeline
-from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1}
 
@@ -301,7 +301,7 @@ def test_demotion_after_capture_recaptures_counted_and_named(net, make_bundle, a
 
 
 def test_capture_failure_declines_counted_and_named(net, monkeypatch, accounted):
-    def refuse(self, fn, args):
+    def refuse(self, fn, args, device="cpu"):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(HostReplayEngine, "capture", refuse)
@@ -313,14 +313,25 @@ def test_capture_failure_declines_counted_and_named(net, monkeypatch, accounted)
     assert "stream is capturing" in cg["decline_details"]["capture_failed"]
 
 
-def test_max_captures_declines_further_shape_keys_counted_and_named(net, accounted):
-    report = _run(net, {**EMULATE, "max_captures": 1}, calls=6, batch=[2, 2, 2, 3, 4, 3], dynamic=True)
+def test_max_captures_evicts_the_least_recently_used_key_and_counts_it(net, accounted):
+    """warmup=1, verify_inputs=1: a key captures on its 2nd call and replays from its 3rd."""
+    report = _run(net, {**EMULATE, "max_captures": 1}, calls=9, batch=[2, 2, 2, 3, 3, 3, 2, 2, 2], dynamic=True)
     accounted(report)
-    cg = _graph(report)["cuda_graph"]
-    assert cg["replays"] == 1  # the first shape key still captures and replays
-    assert cg["declines"] == {"max_captures": 1}
-    assert cg["eager_by_reason"]["max_captures"] == 3
-    assert "1 shape key" in cg["decline_details"]["max_captures"]
+    graph = _graph(report)
+    cg = graph["cuda_graph"]
+    assert cg["captures"] == 3 and cg["declines"] == {}
+    assert cg["replays"] == 3  # 2 on its 3rd call, 3 on its 3rd, 2 again on its 3rd after coming back
+    assert sum(p["cuda_graph"]["evictions"] for p in graph["pieces"] if "cuda_graph" in p) == 2
+
+
+def test_keys_past_the_warming_bound_forget_the_oldest_warming_key(net, accounted):
+    """max_captures=1 keeps at most 8 keys warming: a 9th forgets the least recently used."""
+    report = _run(net, {**EMULATE, "max_captures": 1}, calls=10, batch=list(range(2, 11)) + [2], dynamic=True)
+    accounted(report)
+    graph = _graph(report)
+    cg = graph["cuda_graph"]
+    assert cg["declines"] == {} and cg["captures"] == 0  # batch 2 was forgotten: it warms up again
+    assert cg["eager_by_reason"] == {"warmup": 10}
 
 
 def test_speed_gate_demotion_is_counted_named_and_timed(net, make_bundle, accounted):

@@ -13,7 +13,7 @@ import torch
 import graphdispatch_backend
 from graphdispatch_backend.diagnostics import timing as timing_module
 from graphdispatch_backend.diagnostics.timing import MAX_NOTES, NOTE_CHARS, Timing
-from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1}
 
@@ -152,7 +152,7 @@ def test_notes_are_bounded_truncated_and_overflow_is_counted():
 
 
 def test_a_decline_is_a_note_in_timing_json(tmp_path, monkeypatch, read_json):
-    def refuse(self, fn, args):
+    def refuse(self, fn, args, device="cpu"):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(HostReplayEngine, "capture", refuse)

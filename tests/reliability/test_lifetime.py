@@ -177,7 +177,7 @@ def test_a_thousand_calls_do_not_grow_live_tensors(tmp_path, counts):
     report = graphdispatch_backend.latest_report()
     balanced(report)
     replays = sum(g["cuda_graph"]["replays"] for g in report["graphs"])
-    assert replays >= 1000, report["graphs"][0]["cuda_graph"]
+    assert replays >= 1000, [(g["calls"], g["cuda_graph"]["eager_by_reason"]) for g in report["graphs"]]
     counts["lifetime:long_run_calls"] += 1030
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.testing import linear_stack, only_graph
 
 CALLS_PER_THREAD = 12
@@ -90,10 +90,10 @@ def test_a_call_that_finds_the_runner_capturing_runs_eager_as_busy(monkeypatch):
     capturing, release = threading.Event(), threading.Event()
     real_capture = HostReplayEngine.capture
 
-    def slow_capture(self, fn, args):
+    def slow_capture(self, fn, args, device="cpu"):
         capturing.set()
         assert release.wait(10)
-        return real_capture(self, fn, args)
+        return real_capture(self, fn, args, device)
 
     monkeypatch.setattr(HostReplayEngine, "capture", slow_capture)
     model = linear_stack()

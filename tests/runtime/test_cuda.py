@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphdispatch_backend.runtime.engine import CudaGraphEngine
+from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine
 from graphdispatch_backend.testing import linear_stack, only_graph
 
 pytestmark = pytest.mark.cuda

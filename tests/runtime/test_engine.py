@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from graphdispatch_backend.runtime.engine import HostReplayEngine
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 
 
 def affine(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:

@@ -5,8 +5,9 @@ scalar constants in the key, moving copy-in, output clone, verify before publish
 scenario is run twice: as shipped, every output is bitwise equal to eager; with that one
 check monkeypatched away, at least one output is stale or poisoned. This is the proof that
 the CPU suite (HostReplayEngine replays against the storages it captured, like a CUDA graph)
-catches a missing check. Each property is checked once per call: parameter addresses by the
-entry lookup, their layout (and pinned inputs' address and layout) by LayoutIdentity.
+catches a missing check. Each property is checked once per call: the addresses of pinned
+inputs and parameters by one pointer comparison; their layouts by Dynamo's guards through
+compile, and by LayoutIdentity for a runner driven directly.
 
 Not covered, and why: the artifact-demotion check (an entry re-captures when a gate in it
 was demoted) cannot fail on CPU, because HostReplayEngine re-runs the gate's Python on every
@@ -31,12 +32,13 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime import eager_check as eager_check_mod
-from graphdispatch_backend.runtime import runner as runner_mod
 from graphdispatch_backend.runtime.contract import LayoutIdentity
-from graphdispatch_backend.runtime.engine import HostReplayEngine
-from graphdispatch_backend.runtime.runner import GraphRunner
-from graphdispatch_backend.runtime.scope import RuntimeScope
-from graphdispatch_backend.runtime.verify import Verifier
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
+from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
+from graphdispatch_backend.runtime.runner import record as record_mod
+from graphdispatch_backend.runtime.runner import runner as runner_mod
+from graphdispatch_backend.runtime.runner.inputs import InputPlan
+from graphdispatch_backend.runtime.runner.verify import Verifier
 
 
 def make_runner(fn: Callable[..., Sequence[Any]], *, warmup: int = 2, verify_inputs: int = 1,
@@ -192,12 +194,18 @@ def _ignoring(reason: Decline) -> Callable[..., Any]:
     return check
 
 
-def _no_copy_in(self: GraphRunner, entry: Any, args: Sequence[Any]) -> None:
+def _no_copy_in(self: InputPlan, args: Sequence[Any]) -> None:
     pass
 
 
-def _static_outputs(self: GraphRunner, entry: Any) -> list[Any]:
+def _serve_static_outputs(entry: Any, args: Sequence[Any], streams: Any) -> list[Any]:
+    """A replay that hands out the static outputs themselves instead of copies."""
+    entry.inputs.copy_in(args)
+    entry.graph.replay()
     return list(entry.graph.outputs)
+
+
+NO_ADDRESS_CHECK = (record_mod, "picker", lambda positions: lambda args: ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +219,6 @@ class Mutation:
             monkeypatch.setattr(owner, name, value)
 
 
-NO_PARAMETER_KEY = (GraphRunner, "_state_key", lambda self, args: [])
-
-
 def _tensors_only(values: Any) -> tuple[Any, ...]:
     """The runner's shape key without its scalars (the mutation of the constants check)."""
     return tuple((v.shape, v.stride()) for v in values if isinstance(v, torch.Tensor))
@@ -224,18 +229,18 @@ def _tensors_only(values: Any) -> tuple[Any, ...]:
 NO_EAGER_CHECK = (eager_check_mod, "MAX_KEYS", 0)
 
 MUTATIONS = [
-    Mutation("pinned address", ((LayoutIdentity, "addresses_match", _always(True)),), pinned_input_replaced),
+    Mutation("pinned address", (NO_ADDRESS_CHECK,), pinned_input_replaced),
+    Mutation("parameter address", (NO_ADDRESS_CHECK,), parameter_moved_through_compile),
     Mutation("pinned layout and strides", ((LayoutIdentity, "layouts_match", _always(True)),),
              parameter_restrided_in_place),
-    Mutation("parameter addresses in the entry lookup", (NO_PARAMETER_KEY,), parameter_moved_through_compile),
     Mutation("parameter layout declines at replay", ((GraphRunner, "_check", _ignoring(Decline.PARAMETER_MOVED)),),
              parameter_restrided_in_place),
     Mutation("scalar constants in the key", ((runner_mod, "layout_key", _tensors_only),), scalar_changed),
     Mutation("scalar constants in the key, through compile", ((runner_mod, "layout_key", _tensors_only),
                                                               NO_EAGER_CHECK),
              dynamic_int_through_compile),
-    Mutation("moving copy-in", ((GraphRunner, "_copy_in", _no_copy_in),), moving_input_changes(verify_inputs=1)),
-    Mutation("output clone", ((GraphRunner, "_clone_outputs", _static_outputs),), outputs_held_across_replays),
+    Mutation("moving copy-in", ((InputPlan, "copy_in", _no_copy_in),), moving_input_changes(verify_inputs=1)),
+    Mutation("output clone", ((runner_mod, "serve", _serve_static_outputs),), outputs_held_across_replays),
     Mutation("verify before publish", ((Verifier, "judge", lambda self, *args: None),),
              kernel_right_only_on_capture_inputs),
 ]
@@ -259,7 +264,7 @@ def test_without_the_check_some_output_is_wrong(mutation: Mutation, monkeypatch:
 def test_verification_catches_a_missing_copy_in(monkeypatch):
     """With verify_inputs=2 the second, distinct input set exposes the missing copy-in
     before the graph serves: it declines (verify_mismatch) and every output stays right."""
-    monkeypatch.setattr(GraphRunner, "_copy_in", _no_copy_in)
+    monkeypatch.setattr(InputPlan, "copy_in", _no_copy_in)
     runner = make_runner(affine, verify_inputs=2)
     w, x = torch.randn(4, 4), fresh(3, 4)
     assert count_wrong(runner, affine, [lambda: (x(), w)] * 7) == 0

@@ -25,10 +25,10 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.examples.dit import DiTConfig, example_inputs, make_model
-from graphdispatch_backend.runtime import book as book_mod
-from graphdispatch_backend.runtime.engine import HostReplayEngine
-from graphdispatch_backend.runtime.runner import MAX_RECAPTURES, GraphRunner, State
-from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
+from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope, State
+from graphdispatch_backend.runtime.runner import book as book_mod
+from graphdispatch_backend.runtime.runner.transitions import MAX_RECAPTURES
 from graphdispatch_backend.testing import LinearBlock, linear_stack, manifest_from_region, region_entry, write_bundle
 
 # -- helpers ---------------------------------------------------------------------------
@@ -401,7 +401,8 @@ def test_several_pinned_inputs_moving_at_once_are_demoted_together():
 # -- shape keys and max_captures ---------------------------------------------------------
 
 
-def test_shape_keys_up_to_max_captures_then_eager_with_counted_reason():
+def test_keys_that_only_warm_do_not_evict_the_captured_ones():
+    """max_captures bounds the keys holding a capture; keys still warming hold no memory."""
     model = linear_stack(depth=1)
     compiled = torch.compile(model, backend="graphdispatch", dynamic=True,
                              options={"cuda_graphs": "emulate", "warmup": 2, "max_captures": 2})
@@ -409,11 +410,11 @@ def test_shape_keys_up_to_max_captures_then_eager_with_counted_reason():
     run_checked(compiled, model, inputs)
     graph = only_graph()
     cg = graph["cuda_graph"]
-    assert cg["captures"] == 2
-    assert cg["declines"] == {"max_captures": 1}
-    assert cg["eager_by_reason"]["max_captures"] == 3  # batch 4 twice and batch 5: never warmed
-    assert cg["replays"] == 4  # batch 2 and 3 go on replaying after the limit
-    assert graph["pieces"][0]["cuda_graph"]["shape_keys"] == 2
+    assert cg["captures"] == 2 and cg["declines"] == {}
+    assert cg["eager_by_reason"]["warmup"] == 2 + 2 + 3  # batch 2, 3, then 4 twice and 5: warming
+    assert cg["replays"] == 4  # batch 2 and 3 go on replaying
+    assert graph["pieces"][0]["cuda_graph"]["shape_keys"] == 4
+    assert graph["pieces"][0]["cuda_graph"]["evictions"] == 0
 
 
 # -- every decline reason, forced ----------------------------------------------------------
@@ -477,13 +478,13 @@ def test_none_and_scalar_outputs_replay_as_constants():
 
 
 class _FailingCapture(HostReplayEngine):
-    def capture(self, fn, args):
+    def capture(self, fn, args, device="cpu"):
         raise RuntimeError("capture exploded")
 
 
 class _FailingReplay(HostReplayEngine):
-    def capture(self, fn, args):
-        graph = super().capture(fn, args)
+    def capture(self, fn, args, device="cpu"):
+        graph = super().capture(fn, args, device)
 
         def boom() -> None:
             raise RuntimeError("replay exploded")
@@ -512,10 +513,11 @@ class _FailsWhenServing(HostReplayEngine):
     """Replays right while verifying, then raises (a device fault after publish)."""
 
     def __init__(self, good_replays: int) -> None:
+        super().__init__()
         self.good = good_replays
 
-    def capture(self, fn, args):
-        graph = super().capture(fn, args)
+    def capture(self, fn, args, device="cpu"):
+        graph = super().capture(fn, args, device)
         inner = graph.replay
 
         def replay() -> None:
@@ -707,7 +709,7 @@ def test_entry_declined_in_one_thread_is_not_released_under_a_replay():
     for _ in range(3):
         runner(x, w)
     assert stats.state == "verified"
-    (entry,) = runner._entries.values()
+    (entry,) = runner._book.entries.values()
     at_mismatch, go_mismatch = threading.Event(), threading.Event()
     in_replay, go_replay = threading.Event(), threading.Event()
 
@@ -716,13 +718,16 @@ def test_entry_declined_in_one_thread_is_not_released_under_a_replay():
         go_mismatch.wait(5)
         return GraphRunner._mismatch(runner, *args)
 
-    def paused_copy_in(e: Any, args: Any) -> None:
+    plan = entry.inputs
+    real_copy_in = plan.copy_in
+
+    def paused_copy_in(args: Any) -> None:
         in_replay.set()
         go_replay.wait(5)
-        GraphRunner._copy_in(runner, e, args)
+        real_copy_in(args)
 
     runner._mismatch = paused_mismatch
-    runner._copy_in = paused_copy_in
+    plan.copy_in = paused_copy_in
     results: dict[str, Any] = {}
 
     def call(name: str, *args: Any) -> None:

@@ -20,10 +20,9 @@ from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.runtime.derive import derive, permuted
-from graphdispatch_backend.runtime.engine import HostReplayEngine
-from graphdispatch_backend.runtime.runner import NOT_DISTINCT_LIMIT, GraphRunner
-from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
+from graphdispatch_backend.runtime.runner import NOT_DISTINCT_LIMIT, GraphRunner, RuntimeScope
+from graphdispatch_backend.runtime.runner.derive import derive, permuted
 
 
 def make_runner(fn: Callable[..., Sequence[Any]], *, warmup: int = 2, verify_inputs: int = 2,
@@ -51,10 +50,11 @@ def run_loop(runner: GraphRunner, ref: Callable[..., Any], make_args: Callable[[
              calls: int) -> list[bool]:
     """Call `calls` times with freshly made arguments; True per call that replayed. Every
     output is compared with eager at the end (a later replay must not change it)."""
-    got, want, replayed = [], [], []
+    got, want, replayed, keep = [], [], [], []
     for _ in range(calls):
         before = runner._stats.replays
         args = make_args()
+        keep.append(args)  # alive: a new tensor is never at an old one's address (PtrMemo keys by address)
         got.append(runner(*args))
         want.append(ref(*args))
         replayed.append(runner._stats.replays > before)

@@ -1,5 +1,5 @@
 """The records a GraphRunner keeps: one Entry per (shape key, parameter set), grouped in
-Slots per shape key; and the small value helpers the runner's key and outputs use.
+Slots per shape key.
 
 A Slot also notices parameters that never stay put. A graph shared by the blocks of a
 stack sees a handful of parameter sets that come back every forward; FSDP2's reshard,
@@ -12,44 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.contract import LayoutIdentity, writable_layout
-from graphdispatch_backend.runtime.engine import CapturedGraph
+from graphdispatch_backend.runtime.contract import LayoutIdentity
+from graphdispatch_backend.runtime.cudagraph.engine import CapturedGraph
+from graphdispatch_backend.runtime.runner.inputs import InputPlan
+from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 
 CHURN_LIMIT = 3  # dead parameter sets per shape key before it declines parameter_moved
-TENSOR = object()  # marks a tensor output in an entry's template (None is a constant output)
-CONSTANT_OUTPUTS = (type(None), bool, int, float)
-_DOUBLE = struct.Struct("<d")
-
-
-def scalar_key(value: Any) -> tuple[Any, ...]:
-    """A non-tensor input's part of the shape key. A float goes by its bits: Python has
-    -0.0 == 0.0 (a replay baked with 0.0 would flip signs that eager keeps) and
-    NaN != NaN (every call would find a new key)."""
-    if type(value) is float:
-        return (float, _DOUBLE.pack(value))
-    return (type(value), value)
-
-
-def layout_key(values: Iterable[Any]) -> tuple[Any, ...]:
-    """A shape key: each tensor by shape and strides, each scalar by type and value."""
-    return tuple((v.shape, v.stride()) if isinstance(v, torch.Tensor) else scalar_key(v) for v in values)
-
-
-def copy_like(t: torch.Tensor) -> torch.Tensor:
-    """A copy with the same strides as the static output (a chunk of a wider tensor keeps
-    its row stride), so replayed outputs match eager's layout, not only its values."""
-    if t.is_contiguous() or not writable_layout(t):
-        return t.clone()
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return out.copy_(t)
 
 
 class State(str, enum.Enum):
@@ -75,7 +50,7 @@ class _Storages:
         return False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Entry:
     key: tuple[Any, ...]
     storages: _Storages | None = None
@@ -89,33 +64,54 @@ class Entry:
     graph: CapturedGraph | None = None
     static_args: list[Any] = dataclasses.field(default_factory=list)
     moving: tuple[tuple[int, torch.Tensor], ...] = ()
-    identity: LayoutIdentity | None = None
-    template: tuple[Any, ...] = ()  # TENSOR for a tensor output, the value for a constant one
+    inputs: InputPlan | None = None
+    outputs: OutputPlan | None = None
+    # the one check per replay: the addresses of the pinned inputs and parameters
+    pinned: tuple[int, ...] = ()
+    pick_pinned: Callable[[Sequence[Any]], Any] = lambda args: ()
+    ptrs: list[int] = dataclasses.field(default_factory=list)
+    identity: LayoutIdentity | None = None  # their layouts too, where no Dynamo guard ensures them
     gate_state: tuple[bool, ...] = ()
     verified: int = 0
     last_inputs: list[torch.Tensor] | None = None
     waits: int = 0
     recaptures: int = 0
+    out_of_memory: int = 0  # failed allocations in a row; the next try waits 2**n calls
+    skip: int = 0  # calls to answer eagerly before trying again after an out-of-memory
     reason: Decline | None = None
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes one replay copies: moving inputs in, mutated moving inputs back, outputs out."""
+        if self.inputs is None or self.outputs is None:
+            return 0
+        return self.inputs.bytes_in + self.inputs.bytes_back + self.outputs.bytes_out
 
     def release(self) -> None:
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.static_args, self.moving, self.identity, self.last_inputs = None, [], (), None, None
+        self.inputs = self.outputs = None
 
 
 class Slot:
     """The entries of one shape key, by parameter addresses. `last` is the (addresses,
     entry) pair found last, one reference so that threads never see half an update: a
-    graph called for one module at a time finds its entry with one list comparison."""
+    graph called for one module at a time finds its entry with one list comparison.
+    `used` orders slots for least-recently-used eviction."""
 
-    __slots__ = ("dead", "declined", "entries", "last")
+    __slots__ = ("dead", "declined", "entries", "last", "used")
 
     def __init__(self) -> None:
         self.entries: dict[tuple[int, ...], Entry] = {}
         self.last: tuple[Sequence[int], Entry | None] = ((), None)
         self.dead = 0  # parameter sets that died before they ever captured
         self.declined: str | None = None  # why this shape key runs eager for good
+        self.used = 0
+
+    @property
+    def captured(self) -> bool:
+        return any(e.graph is not None for e in list(self.entries.values()))
 
     def find(self, ptrs: Sequence[int]) -> Entry | None:
         last = self.last
@@ -128,7 +124,7 @@ class Slot:
 
     def prune(self) -> list[Entry]:
         """Drop entries whose parameters can never be seen again; return them (the caller
-        releases captured ones under its replay lock). Warming ones count toward churn."""
+        releases captured ones under its device lock). Warming ones count toward churn."""
         gone = [k for k, e in self.entries.items() if e.storages is not None and e.storages.dead()]
         dropped = [self.entries.pop(k) for k in gone]
         self.dead += sum(1 for e in dropped if e.state is State.WARMING)

@@ -1,31 +1,28 @@
 """GraphRunner: warmup -> capture -> verify -> replay for one capturable piece.
 
-One entry per shape key (tensor shapes and strides of the non-parameter inputs, plus the
-type and value of every scalar input, a float by its bits: a changed bool, int or float,
--0.0 included, is captured anew under its own key, never replayed stale) and parameter set
-(the addresses of the parameters and buffers). One compiled graph often serves many
-modules: with Dynamo's default `inline_inbuilt_nn_modules`, a block stack with a graph
-break per block, or `block.compile()` on each block, runs every block through one graph
-with that block's parameters as inputs; each block then gets its own capture, and all of
-them share one static buffer set. `max_captures` bounds the shape keys; at most
-MAX_PARAMETER_SETS parameter sets are captured per shape key. Per entry:
+One entry per shape key (shapes and strides of the non-parameter inputs, plus the type and
+value of every scalar input, a float by its bits; a graph without dynamic shapes has one
+key, which Dynamo's guards ensure) and parameter set (the addresses of the parameters and
+buffers: with `inline_inbuilt_nn_modules`, the blocks of a stack share one compiled graph
+and each gets its own capture). Per entry:
 
 1. warming: `warmup` eager calls, each recording every tensor input's layout identity.
-2. capture: scalars are constants (in the key); tensors whose identity never changed are
-   pinned (read in place, checked on every replay); the rest are moving (copied into
-   shared static buffers). Parameters and buffers must be pinned: if one moves, decline.
-3. captured: replay and compare with eager, bit for bit, on `verify_inputs` distinct live
-   input sets (the capture call's own inputs count as the first). Eager answers meanwhile.
-4. verified: check identities, copy in, replay, return clones of the outputs.
+2. capture (runner/record.py): pinned inputs are read in place, moving ones copied into
+   shared static buffers; the least recently used shape key is evicted past max_captures.
+3. captured: replay and compare with eager, bit for bit (values, strides, views, and the
+   inputs the piece writes into), on `verify_inputs` distinct input sets (the capture
+   call's own inputs count as the first; a caller repeating the verified values gets a
+   derived set, runner/verify.py). Eager answers meanwhile.
+4. verified: one check per call (the pinned inputs' addresses), then copy-in, replay and
+   copy-out on the device's streams (runner/serve.py).
 
-A refusal is a CudaGraphUnavailable with a typed Decline: the entry goes eager for good
-(its artifacts stay active), counted and logged once. A pinned *input* that moves (a new
-prompt's embeddings) is re-captured as moving (see _mismatch).
+A refusal is a typed Decline: the entry goes eager for good (its artifacts stay active),
+counted and logged once. A pinned input that moves is re-captured as moving; an
+out-of-memory retries after 2, 4, 8, ... calls; nothing here raises into the call.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -36,31 +33,26 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
-from graphdispatch_backend.runtime.book import MAX_PARAMETER_SETS, EntryBook
+from graphdispatch_backend.runtime.calls import mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
-from graphdispatch_backend.runtime.entry import (
-    TENSOR,
-    Entry,
-    State,
-    copy_like,
-    layout_key,
-)
-from graphdispatch_backend.runtime.recording import record
-from graphdispatch_backend.runtime.scope import RuntimeScope, mark_eager
-from graphdispatch_backend.runtime.verify import NO_SET, Verdict, Verifier
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.keys import layout_key
+from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
+from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.record import record
+from graphdispatch_backend.runtime.runner.scope import RuntimeScope
+from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
+from graphdispatch_backend.runtime.runner.transitions import Transitions
+from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict, Verifier
 
-__all__ = ["MAX_PARAMETER_SETS", "MAX_RECAPTURES", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
+__all__ = ["MAX_PARAMETER_SETS", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
-MAX_RECAPTURES = 2
 NOT_DISTINCT_LIMIT = 8
 _data_ptr = torch.Tensor.data_ptr
+_NO_KEY: tuple[Any, ...] = ()
 
 
-def _reraise(exc: BaseException) -> None:
-    raise exc
-
-
-class GraphRunner:
+class GraphRunner(Transitions):
     def __init__(
         self,
         fn: Callable[..., Sequence[Any]],
@@ -74,6 +66,11 @@ class GraphRunner:
         state_names: dict[int, str],
         gates: Sequence[Any] = (),
         suspects: Sequence[str] = (),
+        device: Any = "cpu",
+        mutated: Sequence[int] = (),
+        wide: Sequence[int] = (),
+        guarded: bool = False,
+        static_shapes: bool = False,
     ) -> None:
         self._fn = fn
         self.name = name
@@ -83,21 +80,35 @@ class GraphRunner:
         self._verify_inputs = verify_inputs
         self._state = state_names  # position -> parameter/buffer name
         self._gates = tuple(gates)
-        self._verifier = Verifier(fn, scope.contain, suspects=suspects)
-        self._book = EntryBook(max_captures, scope, self._report)
+        self._mutated = tuple(mutated)  # positions the piece writes into
+        self._wide = tuple(wide)  # positions the piece reads with as_strided
+        self._guarded = guarded  # inputs come through Dynamo's guards (sizes, strides)
+        self._static_shapes = static_shapes
+        self._device = scope.device(device)
+        self._streams = self._device.streams
+        self._book = EntryBook(max_captures, self._device.lock, self._report)
         self._slots = self._book.slots  # shape key -> its entries (read on every call)
+        self._verifier = Verifier(fn, scope.contain, mutated, suspects)
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
-        if self._timing is not None:  # only then: the untimed hot path pays nothing for it
-            self._key = self._timed(self._key, "shape_key")  # type: ignore[method-assign]
+        self._keyless = False  # one shape key for good: no key is computed per call
+        self._hot: Entry | None = None  # the entry the last replay served (keyless runners)
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
         self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
+        if self._timing is not None:  # only then: the untimed hot path pays nothing for timing
+            self.__class__ = TimedGraphRunner
 
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:
-        key = self._key(args)
+        entry = self._hot
+        if entry is not None and entry.ptrs == list(map(_data_ptr, entry.pick_pinned(args))):
+            return self._replay(entry, args)
+        return self._dispatch(args)
+
+    def _dispatch(self, args: Sequence[Any], key: tuple[Any, ...] | None = None) -> Sequence[Any]:
+        key = self._key(args) if key is None else key
         slot = self._slots.get(key)
         if slot is None:
             entry = None
@@ -108,42 +119,40 @@ class GraphRunner:
         else:  # one entry per shape key
             entry = slot.last[1]
         if entry is not None and entry.state is State.VERIFIED:
-            return self._replay(entry, args)
+            problem = self._check(entry, args)
+            if problem is None:
+                self._book.touch(slot)  # type: ignore[arg-type]  # found through it
+                return self._replay(entry, args)
+            return self._moved(entry, args, problem)
         if entry is None:
             entry, refusal = self._new_entry(key, args)
             if entry is None:
                 return self._eager(args, refusal)
         if entry.state is State.EAGER:
             return self._eager(args, entry.reason or Decline.BUSY)
+        if entry.skip > 0:  # backing off after an out-of-memory
+            entry.skip -= 1
+            return self._eager(args, Decline.OUT_OF_MEMORY)
         if not self._lock.acquire(blocking=False):
             return self._eager(args, Decline.BUSY)
         try:
-            return self._advance(entry, args)
+            return self._advance(entry, key, args)
         finally:
             self._lock.release()
 
-    def _timed(self, fn: Callable[[Sequence[Any]], Any], phase: str) -> Callable[[Sequence[Any]], Any]:
-        timing = self._timing
-        assert timing is not None
-
-        def timed(args: Sequence[Any]) -> Any:
-            start = timing.now()
-            try:
-                return fn(args)
-            finally:
-                timing.add(phase, timing.now() - start)
-
-        return timed
-
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        if self._keyless:
+            return _NO_KEY
         positions = self._key_positions
         if positions is None:
             positions = self._positions(args)
+            if self._keyless:
+                return _NO_KEY
         return layout_key(map(args.__getitem__, positions))
 
     def _state_key(self, args: Sequence[Any]) -> Sequence[int]:
-        """Parameters and buffers are told apart by address (the identity check then
-        compares only their layout): each block that shares this graph gets its own entry."""
+        """Parameters and buffers are told apart by address: each block that shares this
+        graph gets its own entry."""
         return list(map(_data_ptr, self._pick_params(args)))
 
     def _positions(self, args: Sequence[Any]) -> tuple[int, ...]:
@@ -151,6 +160,8 @@ class GraphRunner:
         params = self._param_positions = tuple(sorted(self._state))
         self._pick_params = operator.itemgetter(*params) if len(params) > 1 else lambda a: [a[i] for i in params]
         positions = self._key_positions = tuple(i for i in range(len(args)) if i not in self._state)
+        # shapes Dynamo guards, and no scalar among the inputs: one shape key, never computed
+        self._keyless = self._static_shapes and all(isinstance(args[i], torch.Tensor) for i in positions)
         return positions
 
     def _new_entry(self, key: tuple[Any, ...], args: Sequence[Any]) -> tuple[Entry | None, Decline]:
@@ -161,17 +172,13 @@ class GraphRunner:
             self._set_state()
         return entry, why
 
-    @property
-    def _entries(self) -> dict[tuple[Any, ...], Entry]:
-        return self._book.entries
-
     def _eager(self, args: Sequence[Any], reason: Decline) -> Sequence[Any]:
         mark_eager(reason.value)
         self._stats.eager(reason.value)
         return self._fn(*args)
 
     # -- warming and capture ----------------------------------------------------------
-    def _advance(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
+    def _advance(self, entry: Entry, key: tuple[Any, ...], args: Sequence[Any]) -> Sequence[Any]:
         if entry.state is State.CAPTURED:
             return self._verify(entry, args, first=False)
         if entry.state is not State.WARMING:  # another thread moved it on meanwhile
@@ -179,21 +186,24 @@ class GraphRunner:
         if not entry.observations:
             entry.first_storages = [StorageWeakRef(a.untyped_storage()) if isinstance(a, torch.Tensor) else None
                                     for a in args]
-        entry.observations.append(self._observe(args))
+        entry.observations.append(tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args))
         if len(entry.observations) <= self._warmup:
             return self._eager(args, Decline.WARMUP)
+        if self._book.make_room(key) is not None:
+            with self._stats.lock:
+                self._stats.evictions += 1
         try:
             self._capture(entry, args)
         except CudaGraphUnavailable as refusal:
+            if refusal.reason is Decline.OUT_OF_MEMORY:
+                return self._out_of_memory(entry, args, refusal.detail)
             self._decline(entry, refusal.reason, refusal.detail)
             return self._eager(args, refusal.reason)
         return self._verify(entry, args, first=True)
 
-    def _observe(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args)
-
     def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
-        buffers = record(entry, args, self._fn, self._scope, self._state, self._gates)
+        buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,
+                         self._mutated, self._wide, self._guarded)
         with self._stats.lock:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
@@ -240,7 +250,10 @@ class GraphRunner:
             self._transition(entry, args, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", -1)
             return expected
         if verdict is not None:
-            self._decline(entry, *verdict)
+            if verdict[0] is Decline.OUT_OF_MEMORY:
+                self._backoff(entry, verdict[1])  # the capture stays; verification tries again later
+            else:
+                self._decline(entry, *verdict)
             return expected
         entry.verified, entry.waits = entry.verified + 1, 0
         if entry.verified >= self._verify_inputs:
@@ -253,135 +266,98 @@ class GraphRunner:
             entry.last_inputs = last
         return expected
 
-    def _refuse(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str) -> Sequence[Any]:
-        self._decline(entry, reason, detail)
-        return self._eager(args, reason)
-
     def _serve_locked(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
-        with self._scope.replay_lock:
-            return self._serve(entry, args)
+        with self._device.lock:
+            return serve(entry, args, self._streams)
 
     # -- replay ---------------------------------------------------------------------
     def _replay(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
-        with self._scope.replay_lock:
-            problem = self._check(entry, args)
-            if problem is None and entry.state is State.VERIFIED:
+        failed: BaseException | None = None
+        with self._device.lock:
+            if entry.state is State.VERIFIED and not (self._gates and self._gates_changed(entry)):
                 try:  # free unless it raises; what a replay raises (CUDA errors included) is a RuntimeError
-                    out = self._serve(entry, args)
-                except RuntimeError as exc:
-                    return self._replay_failed(entry, args, exc)
-                self._stats.replayed()
-                for gate, demoted in zip(self._gates, entry.gate_state):
-                    if not demoted:  # captured with the artifact's kernels in it
-                        gate.replayed()
-                return out
+                    if self._timing is None:
+                        out = serve(entry, args, self._streams)
+                    else:
+                        out = serve_timed(entry, args, self._streams, self._timing)
+                except (RuntimeError, MemoryError) as exc:
+                    failed = exc
+                else:
+                    stats = self._stats
+                    stats.replays += 1  # under the device lock: no other replay counts meanwhile
+                    stats.copy_bytes += entry.copy_bytes
+                    for gate, demoted in zip(self._gates, entry.gate_state):
+                        if not demoted:  # captured with the artifact's kernels in it
+                            gate.replayed()
+                    if self._keyless:
+                        self._hot = entry
+                    return out
+        self._hot = None
+        if failed is not None:
+            return self._replay_failed(entry, args, failed)
+        return self._dispatch(args)  # raced with a state change: the slow path decides
+
+    def _moved(self, entry: Entry, args: Sequence[Any], problem: tuple[Decline, str, int]) -> Sequence[Any]:
         # Never block here: another thread may hold the lock for a whole capture.
         if not self._lock.acquire(blocking=False):
-            return self._eager(args, problem[0] if problem else Decline.BUSY)
+            return self._eager(args, problem[0])
         try:
-            if problem is None or entry.state is not State.VERIFIED:
-                # raced with a state change (another thread declined the entry, or already
-                # handled the same mismatch): answer eagerly this once
-                return self._eager(args, problem[0] if problem else entry.reason or Decline.BUSY)
+            if entry.state is not State.VERIFIED:  # another thread already handled it
+                return self._eager(args, problem[0])
             return self._mismatch(entry, args, *problem)
         finally:
             self._lock.release()
 
-    def _replay_failed(self, entry: Entry, args: Sequence[Any], exc: Exception) -> Sequence[Any]:
-        """A verified graph raised on replay: the session's contain() decides (under strict
+    def _replay_failed(self, entry: Entry, args: Sequence[Any], exc: BaseException) -> Sequence[Any]:
+        """A verified graph raised on replay: an allocation failure is transient (this call
+        answers eagerly); anything else goes through the session's contain() (under strict
         it raises), the entry declines and this call is answered eagerly."""
-        _, exc = self._scope.contain(functools.partial(_reraise, exc))
-        self._decline(entry, Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
+        if is_out_of_memory(exc):
+            return self._eager(args, Decline.OUT_OF_MEMORY)
+
+        def reraise() -> None:
+            raise exc
+
+        _, contained = self._scope.contain(reraise)
+        self._decline(entry, Decline.REPLAY_FAILED, f"{type(contained).__name__}: {contained}")
         return self._eager(args, Decline.REPLAY_FAILED)
 
     def _check(self, entry: Entry, args: Sequence[Any]) -> tuple[Decline, str, int] | None:
         if self._gates_changed(entry):
             return Decline.ARTIFACT_DEMOTED, "an artifact in this piece was demoted after capture", -1
-        pos = entry.identity.mismatch(args) if entry.identity is not None else None
+        pos = None
+        if entry.ptrs != list(map(_data_ptr, entry.pick_pinned(args))):
+            pos = next(p for p, ptr in zip(entry.pinned, entry.ptrs) if _data_ptr(args[p]) != ptr)
+        elif entry.identity is not None:
+            pos = entry.identity.mismatch(args)
         if pos is None:
             return None
         if pos in self._state:
             return Decline.PARAMETER_MOVED, f"{self._state[pos]} moved under the captured graph", pos
         return Decline.PINNED_INPUT_MOVED, f"input {pos} is not the tensor the graph was captured with", pos
 
-    def _serve(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
-        timing = self._timing
-        start = timing.now() if timing else 0.0
-        self._copy_in(entry, args)
-        mid = timing.now() if timing else 0.0
-        assert entry.graph is not None
-        entry.graph.replay()
-        end = timing.now() if timing else 0.0
-        out = self._clone_outputs(entry)
-        if timing:
-            timing.add("copy_in", mid - start)
-            timing.add("replay", end - mid)
-            timing.add("unflatten", timing.now() - end)
-        return out
-
-    def _copy_in(self, entry: Entry, args: Sequence[Any]) -> None:
-        for pos, buf in entry.moving:
-            buf.copy_(args[pos])
-
-    def _clone_outputs(self, entry: Entry) -> list[Any]:
-        assert entry.graph is not None
-        return [copy_like(o) if t is TENSOR else t for o, t in zip(entry.graph.outputs, entry.template)]
-
-    # -- refusals -------------------------------------------------------------------
     def _gates_changed(self, entry: Entry) -> bool:
         return bool(self._gates) and tuple(g.demoted for g in self._gates) != entry.gate_state
-
-    def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
-        self._transition(entry, args, reason, detail, pos)
-        return self._eager(args, reason)
-
-    def _transition(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> None:
-        """Re-capture after a pinned input moved or an artifact was demoted; decline else.
-
-        A pinned input that moves (a new prompt's embeddings; an activation the allocator
-        happened to put at the same address during warmup) becomes moving for good, with
-        every other pinned input that moved too: each such re-capture makes progress, so
-        they are bounded by the number of inputs and never end in a decline. Re-captures
-        for demotions are bounded by MAX_RECAPTURES."""
-        if reason is Decline.PINNED_INPUT_MOVED:
-            assert entry.identity is not None
-            moved = {p for p, ident in zip(entry.identity.positions, entry.identity.identities)
-                     if p not in self._state and layout_identity(args[p]) != ident}
-            self._recapture(entry, reason, detail, moved | {pos})
-        elif reason is Decline.ARTIFACT_DEMOTED and entry.recaptures < MAX_RECAPTURES:
-            entry.recaptures += 1
-            self._recapture(entry, reason, detail, set())
-        else:
-            self._decline(entry, reason, detail)
-
-    def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
-        with self._scope.replay_lock:  # no thread may be replaying what is released
-            entry.release()
-            entry.forced_moving |= now_moving
-            entry.state, entry.observations = State.WARMING, []
-        with self._stats.lock:
-            self._stats.recaptures += 1
-        self._scope.timing.note(f"recapture {self.name}: {reason.value}: {detail}")
-        self._set_state()
-
-    def _decline(self, entry: Entry, reason: Decline, detail: str) -> None:
-        with self._scope.replay_lock:  # no thread may be replaying what is released
-            entry.release()
-            entry.state, entry.reason = State.EAGER, reason
-        self._report(reason, detail)
-        self._set_state()
-
-    def _report(self, reason: Decline, detail: str) -> None:
-        self._stats.decline(reason.value, detail)
-        self._scope.timing.note(f"cuda_graph_declined {self.name}: {reason.value}: {detail}")
-        self._scope.events.warn_once(
-            f"decline:{reason.value}",
-            "graphdispatch: CUDA graph declined for %s (%s): %s; that shape key runs eager from now on",
-            self.name, reason.value, detail,
-        )
-        self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
 
     def _set_state(self) -> None:
         order = (State.EAGER, State.WARMING, State.CAPTURED, State.VERIFIED)
         states = self._book.states()
         self._stats.state = max(states, key=order.index).value if states else State.EAGER.value
+
+
+
+class TimedGraphRunner(GraphRunner):
+    """A GraphRunner under `timing`: the lookup (pointer check, shape key) is the
+    `shape_key` phase."""
+
+    def __call__(self, *args: Any) -> Sequence[Any]:
+        timing = self._timing
+        assert timing is not None
+        start = timing.now()
+        entry = self._hot
+        if entry is not None and entry.ptrs == list(map(_data_ptr, entry.pick_pinned(args))):
+            timing.add("shape_key", timing.now() - start)
+            return self._replay(entry, args)
+        key = self._key(args)
+        timing.add("shape_key", timing.now() - start)
+        return self._dispatch(args, key)

@@ -1,6 +1,11 @@
 """EntryBook: a runner's entries, by shape key and then by parameter set, with its bounds.
 
-- `max_captures` bounds the shape keys; a further key runs eager (`max_captures`).
+- `max_captures` bounds the shape keys holding a capture. A key that is about to capture
+  when that many hold one evicts the least recently used of them (its graphs reset, its
+  pool memory released): a server cycling over sizes keeps replaying its hot ones instead
+  of running eager for good after the max_captures-th. Keys still warming hold no memory;
+  at most WARMING_FACTOR * max_captures of them are kept, further keys run eager
+  (`max_captures`).
 - MAX_PARAMETER_SETS bounds the parameter sets per shape key (the blocks sharing one graph).
 - A new parameter set first forgets the sets whose storage was freed or moved (they can
   never come back); after CHURN_LIMIT of those that never captured, the shape key declines
@@ -9,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,26 +22,31 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.entry import CHURN_LIMIT, Entry, Slot, State, _Storages
-from graphdispatch_backend.runtime.scope import RuntimeScope
+from graphdispatch_backend.runtime.runner.entry import CHURN_LIMIT, Entry, Slot, State, _Storages
 
 # Parameter sets (blocks sharing one compiled graph, or parameters that moved) captured per
 # shape key; more run eager as parameter_moved. Bounds the graphs a runner can hold.
 MAX_PARAMETER_SETS = 256
+WARMING_FACTOR = 8
 
 
 class EntryBook:
-    def __init__(self, max_captures: int, scope: RuntimeScope, report: Callable[[Decline, str], None]) -> None:
+    def __init__(self, max_captures: int, lock: threading.RLock, report: Callable[[Decline, str], None]) -> None:
         self.slots: dict[tuple[Any, ...], Slot] = {}  # shape key -> its entries
         self.entries: dict[tuple[Any, ...], Entry] = {}  # (shape key, parameter addresses) -> entry
+        self.evictions = 0
         self._max_captures = max_captures
-        self._scope = scope
+        self._device_lock = lock  # released graphs must not be mid-replay
         self._report = report
         self._limits_hit: set[Decline] = set()
         self._lock = threading.Lock()  # held only to add or forget entries
+        self._tick = itertools.count(1)
 
     def states(self) -> list[State]:
         return [e.state for e in list(self.entries.values())]
+
+    def touch(self, slot: Slot) -> None:
+        slot.used = next(self._tick)
 
     def add(self, key: tuple[Any, ...], ptrs: Sequence[int], params: Sequence[torch.Tensor],
             names: Sequence[str]) -> tuple[Entry | None, Decline]:
@@ -43,12 +54,14 @@ class EntryBook:
         with self._lock:
             slot = self.slots.get(key)
             if slot is None:
-                if len(self.slots) >= self._max_captures:
-                    self._limit(Decline.MAX_CAPTURES, f"more than {self._max_captures} shape keys")
+                if len(self.slots) >= WARMING_FACTOR * self._max_captures and not self._forget_warming():
+                    self._limit(Decline.MAX_CAPTURES,
+                                f"more than {WARMING_FACTOR * self._max_captures} shape keys at once")
                     return None, Decline.MAX_CAPTURES
                 slot = self.slots[key] = Slot()
             elif slot.declined is not None:
                 return None, Decline.PARAMETER_MOVED
+            self.touch(slot)
             entry = slot.entries.get(tuple(ptrs))
             if entry is not None:  # another thread added it meanwhile
                 return entry, Decline.BUSY
@@ -63,6 +76,37 @@ class EntryBook:
             slot.last = (ptrs, entry)
             return entry, Decline.BUSY
 
+    def make_room(self, key: tuple[Any, ...]) -> Slot | None:
+        """Before `key` captures: evict the least recently used other key holding a capture
+        when max_captures already do; return the evicted slot."""
+        with self._lock:
+            holding = [(s.used, k) for k, s in self.slots.items() if k != key and s.captured]
+            if len(holding) < self._max_captures:
+                return None
+            _, victim = min(holding)
+            slot = self.slots.pop(victim)
+            self._release(list(slot.entries.values()))
+            self.evictions += 1
+            return slot
+
+    def _forget_warming(self) -> bool:
+        """Make room for a new key by forgetting the least recently used key that holds no
+        capture (its warmup observations only)."""
+        idle = [(s.used, k) for k, s in self.slots.items() if not s.captured and s.declined is None]
+        if not idle:
+            return False
+        _, victim = min(idle)
+        slot = self.slots.pop(victim)
+        self._release(list(slot.entries.values()))
+        return True
+
+    def _release(self, entries: list[Entry]) -> None:
+        with self._device_lock:  # no thread may be replaying what is released
+            for entry in entries:
+                entry.release()
+                entry.state = State.EAGER if entry.state is State.EAGER else State.WARMING
+                self.entries.pop(entry.key, None)
+
     def _prune(self, slot: Slot, names: Sequence[str]) -> bool:
         """Forget parameter sets that can never come back; False when the shape key declines."""
         dropped = slot.prune()
@@ -74,10 +118,7 @@ class EntryBook:
             dropped += list(slot.entries.values())
             slot.entries.clear()
             slot.last = ((), None)
-        with self._scope.replay_lock:  # no thread may be replaying what is released
-            for entry in dropped:
-                entry.release()
-                self.entries.pop(entry.key, None)
+        self._release(dropped)
         if slot.declined is None:
             return True
         self._report(Decline.PARAMETER_MOVED, slot.declined)

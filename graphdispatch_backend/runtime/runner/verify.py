@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Contain, Decline
-from graphdispatch_backend.runtime.derive import derive
-from graphdispatch_backend.runtime.engine import recording
-from graphdispatch_backend.runtime.parity import bitwise_equal, compare
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
+from graphdispatch_backend.runtime.parity import bitwise_equal, compare, compare_aliasing
+from graphdispatch_backend.runtime.runner.derive import derive
 from graphdispatch_backend.runtime.world import World
 
 Verdict = tuple[Decline, str] | None
@@ -62,7 +62,8 @@ class Verifier:
         replay_state, exc = self._contain(before.swap)
         expected = eager(args)
         if failed is not None:
-            return expected, (Decline.REPLAY_FAILED, f"{type(failed).__name__}: {failed}")
+            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
+            return expected, (reason, f"{type(failed).__name__}: {failed}")
         if exc is not None:
             return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
         eager_after, exc = self._contain(lambda: self.world(args))
@@ -76,7 +77,8 @@ class Verifier:
         the replay's (`replay_state`); on a mismatch, eager again from `before`. The world
         is left as eager left it."""
         def differ() -> Any:
-            return compare(list(expected), list(replayed)) or _states(eager_after, replay_state)
+            return (compare(list(expected), list(replayed)) or compare_aliasing(expected, replayed, args)
+                    or _states(eager_after, replay_state))
 
         mismatch, exc = self._contain(differ)
         if exc is not None:

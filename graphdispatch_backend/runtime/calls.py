@@ -1,0 +1,36 @@
+"""Per-call accounting, thread-local: which piece of a graph call ran eager, and why.
+
+A compiled graph call starts with `begin_call()`; any runner that answers eagerly calls
+`mark_eager(reason)` (first reason wins); `end_call()` returns it, or None when every
+piece replayed. `mark_entry` / `take_entry` carry the time the backend's callable was
+entered to the timing of aot's flattening.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_calls = threading.local()
+
+
+def begin_call() -> None:
+    _calls.reason = None
+
+
+def mark_eager(reason: str) -> None:
+    if getattr(_calls, "reason", None) is None:
+        _calls.reason = reason
+
+
+def end_call() -> str | None:
+    reason, _calls.reason = getattr(_calls, "reason", None), None
+    return reason
+
+
+def mark_entry(when: float) -> None:
+    _calls.entered = when
+
+
+def take_entry() -> float | None:
+    when, _calls.entered = getattr(_calls, "entered", None), None
+    return when

@@ -1,0 +1,1 @@
+"""Capture and replay engines (CUDA, and its CPU model), their memory pools and streams."""

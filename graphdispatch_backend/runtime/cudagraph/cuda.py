@@ -1,0 +1,142 @@
+"""CudaGraphEngine: torch.cuda.CUDAGraph behind the ReplayEngine protocol.
+
+Mechanics follow torch/_inductor/cudagraph_trees.py (torch 2.13) and vLLM's CUDA-graph
+wrapper (vllm/compilation/cuda_graph.py); every decision lives in the runner and is
+tested on CPU through HostReplayEngine.
+
+- One `torch.cuda.MemPool` per device per session, shared by every capture (vLLM's global
+  graph pool; trees keep one pool per device alive with an empty "keeps memory pool alive"
+  capture, a MemPool object holds the same use count). A private pool per capture would
+  keep one peak working set per capture: for 40 per-block captures of a 14B video model,
+  hundreds of GB.
+- Static outputs are not owned: after capture only non-owning tensors over the output
+  addresses are kept (trees' `_construct_storage_from_data_pointer`), so the pool hands
+  that memory to later captures. The runner clones every output right after each replay
+  and serializes replays per device.
+- Capture under the graph's device (`torch.cuda.device`, as trees record), on the device's
+  side stream, `capture_error_mode="thread_local"` (trees: other threads' eager work does
+  not invalidate it), after one warmup run on that stream outside the pool (lazy cuBLAS and
+  cuDNN initialization stays out of the capture; torch.cuda.make_graphed_callables does the
+  same), not counted as an artifact call (recording()).
+- cuBLAS workspaces are cleared before and after warmup and capture (trees'
+  `clear_cublas_manager`): a persistent workspace allocated in the pool would otherwise be
+  in use in two places once another graph reuses that memory.
+- A failed capture resets its graph (releasing its hold on the pool) after the aborted
+  frames' tensors are freed, then synchronizes; the pool survives (the MemPool holds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording
+from graphdispatch_backend.runtime.cudagraph.streams import CudaStreams
+
+
+def _clear_cublas() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not own it (freeing it frees nothing)."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+class _CudaGraph:
+    def __init__(self, graph: Any, outputs: tuple[Any, ...]) -> None:
+        self._graph = graph
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        # cudaGraphLaunch on the current stream: the runner has made it the device's side
+        # stream, ordered with the caller's by events (cudagraph/streams.py)
+        self._graph.replay()
+
+    def reset(self) -> None:
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph, self.outputs = None, ()
+
+
+class CudaGraphEngine:
+    name = "cuda"
+
+    def __init__(self, warmup_iters: int = 1) -> None:
+        self.warmup_iters = warmup_iters
+        self._pools: dict[int, Any] = {}
+        self._streams: dict[int, CudaStreams] = {}
+
+    def _index(self, device: Any) -> int:
+        device = torch.device(device)
+        return device.index if device.index is not None else torch.cuda.current_device()
+
+    def streams(self, device: Any) -> CudaStreams:
+        index = self._index(device)
+        streams = self._streams.get(index)
+        if streams is None:
+            streams = self._streams[index] = CudaStreams(torch.device("cuda", index))
+        return streams
+
+    def pool(self, device: Any) -> Any:
+        index = self._index(device)
+        pool = self._pools.get(index)
+        if pool is None:
+            with torch.cuda.device(index):
+                pool = self._pools[index] = torch.cuda.MemPool()
+        return pool
+
+    def guard(self, device: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self._index(device))
+
+    def pool_bytes(self) -> int:
+        total = 0
+        for pool in self._pools.values():
+            total += sum(seg["total_size"] for seg in pool.snapshot())
+        return total
+
+    def capture(self, fn: Fn, args: Sequence[Any], device: Any) -> _CudaGraph:
+        index = self._index(device)
+        streams = self.streams(index)
+        side = streams.side()
+        pool = self.pool(index)
+        with torch.cuda.device(index):
+            side.wait_stream(torch.cuda.current_stream())
+            _clear_cublas()
+            with recording(), torch.no_grad(), torch.cuda.stream(side):
+                for _ in range(self.warmup_iters):
+                    fn(*args)
+            _clear_cublas()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # The outer stream context restores the caller's stream even when capture_end
+            # raises inside torch.cuda.graph's __exit__ (which then skips its own restore).
+            with torch.cuda.stream(side):
+                try:
+                    with recording(), torch.no_grad(), torch.cuda.graph(
+                            graph, pool=pool.id, stream=side, capture_error_mode="thread_local"):
+                        owned = tuple(fn(*args))
+                except BaseException as exc:
+                    # The aborted frames still hold tensors from the pool: free them, then
+                    # the graph (releasing its hold on the pool), then let the GPU settle.
+                    traceback.clear_frames(exc.__traceback__)
+                    graph.reset()
+                    torch.cuda.synchronize(index)
+                    raise
+                finally:
+                    _clear_cublas()
+            held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            # outputs that view an argument stay as they are (the argument owns the memory);
+            # the rest become non-owning views of pool memory
+            outputs = tuple(_unowned(o) if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in held
+                            else o for o in owned)
+            del owned
+        return _CudaGraph(graph, outputs)

@@ -1,0 +1,73 @@
+"""ReplayEngine: the small protocol every CUDA-graph decision goes through.
+
+An engine owns, per device, one memory pool shared by every capture of the session, the
+streams (cudagraph/streams.py) and a device guard. `capture(fn, args, device)` records
+`fn(*args)` against exactly those tensors, into the device's pool, and returns a
+CapturedGraph whose `replay()` (launched on the current stream) re-runs it, writing into
+the same static `outputs`. Static outputs are not owned beyond the clone that follows each
+replay: later captures reuse their memory, so replays that share a pool must be serialized
+per device and every output cloned before the next replay (the runner does both).
+
+Engines: CudaGraphEngine (cudagraph/cuda.py) wraps torch.cuda.CUDAGraph; HostReplayEngine
+(cudagraph/host.py) is its CPU model for tests and `cuda_graphs="emulate"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from graphdispatch_backend.runtime.cudagraph.streams import Streams
+
+Fn = Callable[..., Sequence[Any]]
+
+
+class CapturedGraph(Protocol):
+    outputs: tuple[Any, ...]  # static outputs (tensors view pool memory), or constants
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class ReplayEngine(Protocol):
+    name: str
+
+    def streams(self, device: torch.device) -> Streams: ...
+
+    def guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]: ...
+
+    def capture(self, fn: Fn, args: Sequence[Any], device: torch.device) -> CapturedGraph: ...
+
+    def pool_bytes(self) -> int: ...
+
+
+_recording = threading.local()
+
+
+def in_recording() -> bool:
+    """True while an engine records a computation (CUDA capture, host capture), re-runs a
+    recorded one (host replay), or the runtime runs a graph for its own checks (a derived
+    verification set, a second eager run). The Python inside stands for kernels that a
+    replay runs without calling Python, and a CUDA capture forbids host syncs: artifact
+    gates neither count these runs as calls nor re-check parity in them."""
+    return getattr(_recording, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    _recording.depth = getattr(_recording, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _recording.depth -= 1
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failed (CUDA's caching allocator, or a host allocation): a transient
+    condition, never a verdict on the graph."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))

@@ -1,0 +1,206 @@
+"""HostReplayEngine: the CPU model of a CUDA graph, faithful enough to fail a test when a
+rule of the runtime is broken (tests, and `cuda_graphs="emulate"`).
+
+- Capture pins the storage of every argument (as a graph pins addresses), runs the
+  computation once, carves the static outputs out of the device's HostPool and poisons
+  them: a CUDA capture computes nothing. Replay re-runs the computation against the same
+  storages and copies the results into the same pool bytes.
+- HostPool: one arena per device, shared by every capture. Each capture carves its outputs
+  from offset 0, as a CUDA pool hands the memory of outputs nobody owns to the next
+  capture: a runner that returns a static output without cloning it, or lets two
+  pool-sharing graphs replay out of order, gives a wrong value on CPU. The arena is sized
+  to each capture's working set (outputs plus the peak of live intermediates, measured
+  while capturing), so `pool_bytes` is what a CUDA pool would reserve.
+- Streams are HostStreams (cudagraph/streams.py): replays, copies and clones run only at
+  synchronization points, in the order that exposes a missing wait.
+- A device guard: a capture must run under `guard(device)` for the graph's device, as a
+  CUDA capture must run on that device's stream; a model on a device other than the
+  current one otherwise fails to capture (a replay needs none: CUDAGraph::replay guards
+  its own device). CPU tensors carry no device index, so tests name the devices
+  (`HostReplayEngine(devices=...)`); emulation accepts any device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording
+from graphdispatch_backend.runtime.cudagraph.streams import HostStreams
+
+_ALIGN = 64  # bytes between carved blocks, so every dtype's element offset is whole
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Peak(TorchDispatchMode):
+    """The peak bytes of live storages created while a computation runs (its working set)."""
+
+    def __init__(self, held: set[int]) -> None:
+        super().__init__()
+        self._held = held  # the arguments' storages: not the computation's own memory
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._held and key not in self._live:
+                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self._live.values()))
+        return out
+
+
+class HostPool:
+    """One arena per device (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._arena: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._arenas: list[tuple[StorageWeakRef, int]] = []
+
+    def arena(self, nbytes: int) -> torch.Tensor:
+        """The arena (uint8), grown to hold at least `nbytes`. A grown arena is a new
+        segment: graphs carved from the old one keep it until they are reset."""
+        with self._lock:
+            if self._arena is None or self._arena.numel() < nbytes:
+                self._arena = torch.empty(_align(max(nbytes, 1)), dtype=torch.uint8)
+                self._arenas.append((StorageWeakRef(self._arena.untyped_storage()), self._arena.numel()))
+            return self._arena
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every arena segment still held (by the pool or by a live graph)."""
+        with self._lock:
+            self._arenas = [(ref, n) for ref, n in self._arenas if not ref.expired()]
+            return sum(n for _, n in self._arenas)
+
+
+class _HostGraph:
+    def __init__(self, fn: Fn, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.Tensor,
+                 blocks: list[tuple[int, int, int]]) -> None:
+        self._fn: Fn | None = fn
+        self._args = args
+        self.outputs = outputs
+        self._arena = arena
+        self._blocks = blocks  # (output index, arena offset, bytes): one per output storage
+
+    def replay(self) -> None:
+        if self._fn is None:
+            raise RuntimeError("replay of a graph that was reset")
+        with recording(), torch.no_grad():
+            fresh = self._fn(*self._args)
+        for index, offset, nbytes in self._blocks:
+            storage = fresh[index].untyped_storage()
+            if storage.nbytes() != nbytes:
+                raise RuntimeError(f"host replay: output {index} has {storage.nbytes()} bytes, captured {nbytes}")
+            self._arena[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+
+    def reset(self) -> None:
+        self._fn, self._args, self.outputs, self._arena, self._blocks = None, (), (), torch.empty(0), []
+
+
+class HostReplayEngine:
+    """The CPU model of a CUDA graph (see module docstring)."""
+
+    name = "host"
+
+    def __init__(self, devices: Sequence[str] | None = None) -> None:
+        """`devices`: the devices a test emulates, the first one current; the guard is then
+        enforced. Without them (emulation) any device is accepted and no guard is needed."""
+        self._devices = tuple(devices) if devices else ()
+        self._pools: dict[str, HostPool] = {}
+        self._streams: dict[str, HostStreams] = {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def _key(self, device: Any) -> str:
+        key = str(device)
+        if self._devices and key not in self._devices:
+            raise RuntimeError(f"host engine: no device {key} (devices: {', '.join(self._devices)})")
+        with self._lock:
+            if key not in self._pools:
+                self._pools[key], self._streams[key] = HostPool(), HostStreams(key)
+        return key
+
+    def streams(self, device: Any) -> HostStreams:
+        return self._streams[self._key(device)]
+
+    def pool(self, device: Any) -> HostPool:
+        return self._pools[self._key(device)]
+
+    def pool_bytes(self) -> int:
+        with self._lock:
+            pools = list(self._pools.values())
+        return sum(p.nbytes for p in pools)
+
+    @contextlib.contextmanager
+    def guard(self, device: Any) -> Iterator[None]:
+        previous = getattr(self._local, "device", None)
+        self._local.device = self._key(device)
+        try:
+            yield
+        finally:
+            self._local.device = previous
+
+    def require(self, device: str, what: str) -> None:
+        """A capture runs on the current device's stream: anything else is an error."""
+        if not self._devices:
+            return
+        current = getattr(self._local, "device", None) or self._devices[0]
+        if current != device:
+            raise RuntimeError(f"host engine: {what} of a graph on {device} while the current device is {current}")
+
+    def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu") -> _HostGraph:
+        key = self._key(device)
+        self.require(key, "capture")
+        # detach() aliases the storage live now; a later `param.data = new` or a new
+        # tensor in the caller leaves this alias on the old storage, like an address.
+        pinned = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        held = {a.untyped_storage().data_ptr() for a in pinned if isinstance(a, torch.Tensor)}
+        peak = _Peak(held)
+        with recording(), torch.no_grad(), peak:
+            fresh = tuple(fn(*pinned))
+        groups: dict[int, list[int]] = {}  # storage -> indices of the outputs viewing it
+        for i, out in enumerate(fresh):
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in held:
+                groups.setdefault(out.untyped_storage().data_ptr(), []).append(i)
+        layout, offset = [], 0
+        for indices in groups.values():
+            layout.append((indices, offset, fresh[indices[0]].untyped_storage().nbytes()))
+            offset = _align(offset + layout[-1][2])
+        arena = self.pool(key).arena(max(offset, peak.peak))
+        outputs = list(fresh)
+        blocks = []
+        for indices, start, nbytes in layout:
+            # each output storage is its own storage over the arena's bytes, not owning
+            # them, as a CUDA graph's static outputs are blocks of its pool
+            block = torch._C._construct_storage_from_data_pointer(arena.data_ptr() + start, arena.device, nbytes)
+            for i in indices:
+                out = fresh[i]
+                outputs[i] = torch.empty(0, dtype=out.dtype).set_(block, out.storage_offset(), out.shape, out.stride())
+                _poison(outputs[i])  # a capture computes nothing
+            blocks.append((indices[0], start, nbytes))
+        return _HostGraph(fn, pinned, tuple(outputs), arena, blocks)

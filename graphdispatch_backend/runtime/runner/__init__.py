@@ -1,0 +1,6 @@
+"""The CUDA-graph runner of one capturable piece: entries, capture, verification, replay."""
+
+from graphdispatch_backend.runtime.runner.runner import NOT_DISTINCT_LIMIT, GraphRunner, State
+from graphdispatch_backend.runtime.runner.scope import RuntimeScope
+
+__all__ = ["NOT_DISTINCT_LIMIT", "GraphRunner", "RuntimeScope", "State"]

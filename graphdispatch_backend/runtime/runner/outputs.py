@@ -1,0 +1,114 @@
+"""Outputs of a captured entry, returned as eager returns them.
+
+Static outputs live in pool memory that the next replay (of this graph, or of another
+graph sharing the pool) overwrites, so after every replay each output is copied out. The
+plan, made once at capture from the static outputs:
+
+- outputs that share a pool storage (`y` and `y.chunk(2)`, `unsafe_split`) form one group:
+  one copy per group of the bytes its outputs reach, and each output rebuilt over the copy
+  with its own sizes, strides and offset, so they alias each other as in eager. Stride-0
+  and overlapping outputs (`expand`, `unfold`) keep their strides the same way. A group of
+  one dense output is copied into a tensor of its own layout (`empty_strided`).
+- an output that views an input (a pinned tensor, or the static buffer of a moving one)
+  is a view of the caller's tensor at the same place, never a copy;
+- None and Python scalars are constants.
+
+`allocate` makes every destination before the replay (an allocation failure then leaves
+nothing half done: no input was copied, no state written), `copy_out` copies into them
+(one `torch._foreach_copy_`), `assemble` returns the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.runtime.contract import writable_layout
+
+_CONSTANT, _GROUP, _VIEW = 0, 1, 2
+
+
+def _bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Bytes [lo, hi) of t's storage, as uint8."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+
+
+def _reach(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range of its storage a tensor reads: [first element, one past the last)."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return t.storage_offset() * size, t.storage_offset() * size
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.storage_offset() * size, (last + 1) * size
+
+
+def _dense(t: torch.Tensor) -> bool:
+    lo, hi = _reach(t)
+    return writable_layout(t) and hi - lo == t.numel() * t.element_size()
+
+
+class OutputPlan:
+    def __init__(self, outputs: Sequence[Any], static_args: Sequence[Any], views: dict[int, int]) -> None:
+        """`views`: storage pointer -> position, for the arguments an output may view
+        (pinned tensors, and the static buffers of moving inputs that keep the caller's layout)."""
+        self._items: list[tuple[Any, ...]] = [(_CONSTANT, out) for out in outputs]
+        groups: dict[int, list[int]] = {}  # pool storage -> indices of the outputs on it
+        for i, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):
+                continue
+            ptr = out.untyped_storage().data_ptr()
+            pos = views.get(ptr) if out.untyped_storage().nbytes() else None
+            if pos is not None and static_args[pos].dtype == out.dtype:
+                delta = out.storage_offset() - static_args[pos].storage_offset()
+                self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), delta)
+            else:
+                groups.setdefault(ptr, []).append(i)
+        self._srcs: list[torch.Tensor] = []
+        self._makers: list[tuple[Any, ...]] = []  # per group: how to allocate its destination
+        for g, indices in enumerate(groups.values()):
+            members = [outputs[i] for i in indices]
+            if len(members) == 1 and _dense(members[0]):
+                t = members[0]
+                self._srcs.append(t)
+                self._makers.append((tuple(t.shape), t.stride(), t.dtype, t.device))
+                self._items[indices[0]] = (_GROUP, g, -1, (), (), t.dtype)
+                continue
+            lo = min(_reach(t)[0] for t in members)
+            hi = max(_reach(t)[1] for t in members)
+            lo -= lo % 64  # keep every member's element offset whole in its dtype
+            self._srcs.append(_bytes(members[0], lo, hi))
+            self._makers.append(((hi - lo,), (1,), torch.uint8, members[0].device))
+            for i, t in zip(indices, members):
+                offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
+                self._items[i] = (_GROUP, g, offset, tuple(t.shape), t.stride(), t.dtype)
+        self.bytes_out = sum(s.nbytes for s in self._srcs)
+
+    def allocate(self) -> list[torch.Tensor]:
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in self._makers]
+
+    def copy_out(self, dsts: list[torch.Tensor]) -> None:
+        if dsts:
+            torch._foreach_copy_(dsts, self._srcs)
+
+    def assemble(self, dsts: list[torch.Tensor], args: Sequence[Any]) -> list[Any]:
+        out: list[Any] = []
+        for item in self._items:
+            kind = item[0]
+            if kind == _GROUP:
+                _, g, offset, shape, stride, dtype = item
+                dst = dsts[g]
+                if offset < 0:
+                    out.append(dst)
+                else:
+                    out.append(torch.empty(0, dtype=dtype, device=dst.device).set_(
+                        dst.untyped_storage(), offset, shape, stride))
+            elif kind == _VIEW:
+                _, pos, shape, stride, delta = item
+                base = args[pos]
+                out.append(base.as_strided(shape, stride, base.storage_offset() + delta))
+            else:
+                out.append(item[1])
+        return out

@@ -1,0 +1,106 @@
+"""Record one runner entry's graph: classify its inputs, bind static buffers, capture.
+
+Given an entry's warmup observations and the live inputs of the capture call:
+- scalars are constants (they are in the shape key);
+- tensors whose layout identity never changed, backed by one storage kept alive through
+  warmup (the same tensor passed again, not a new one the allocator put at the old
+  address), are pinned (read in place, their addresses checked on every replay);
+  parameters and buffers must be pinned, or the capture is refused (`parameter_moved`);
+- the rest, and inputs an earlier re-capture found moving, are moving: copied into the
+  session's shared static buffers, under the device lock (another runner may be
+  replaying from the same buffers);
+- outputs must be tensors (copied out on replay) or None/bool/int/float constants.
+
+The capture itself runs under the device guard and outside the device lock (a replay on
+another thread never waits behind a capture). A capture may run the computation (the
+host model does; CUDA's warmup run does), so the inputs the graph writes into are
+snapshotted before and put back after. An allocation failure is `out_of_memory`, a
+transient decline; anything else raised is `capture_failed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
+from graphdispatch_backend.runtime.contract import LayoutIdentity
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
+from graphdispatch_backend.runtime.runner.outputs import OutputPlan
+from graphdispatch_backend.runtime.runner.scope import DeviceRuntime, RuntimeScope
+from graphdispatch_backend.runtime.world import World
+
+CONSTANT_OUTPUTS = (type(None), bool, int, float)
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
+    """The tensor at `i` is backed by the storage the first warmup call saw, kept alive since."""
+    ref = entry.first_storages[i] if i < len(entry.first_storages) else None
+    return ref is not None and not ref.expired() and ref.cdata == args[i].untyped_storage()._cdata
+
+
+def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
+           device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], mutated: Sequence[int],
+           wide: Sequence[int], guarded: bool) -> list[tuple[int, torch.Tensor]]:
+    """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
+    raise CudaGraphUnavailable with the reason otherwise."""
+    first = entry.observations[0]
+    stable = {i for i, ident in enumerate(first)
+              if ident is not None and all(o[i] == ident for o in entry.observations) and _kept(entry, args, i)}
+    for pos, name in state.items():
+        if pos not in stable:
+            raise CudaGraphUnavailable(Decline.PARAMETER_MOVED, f"{name} changed address or layout during warmup")
+    tensors = [i for i, ident in enumerate(first) if ident is not None]
+    moving = [i for i in tensors if (i not in stable or i in entry.forced_moving) and i not in state]
+    pinned = [i for i in tensors if i not in moving]
+    static_args = list(args)
+    buffers = []
+    for pos in moving:
+        buf = scope.buffers.get(pos, args[pos], wide=pos in wide)
+        static_args[pos] = buf
+        buffers.append((pos, buf))
+    writes = [static_args[p] for p in mutated if p < len(static_args) and isinstance(static_args[p], torch.Tensor)]
+    inputs = InputPlan(buffers, mutated, wide, args)
+    with device.lock:  # the buffers are shared: no other runner may be mid-replay
+        _, exc = scope.contain(lambda: inputs.fill(args))
+    if exc is not None:
+        raise _refusal(exc, "copying the inputs in")
+    before, exc = scope.contain(lambda: World.take(writes))
+    if exc is not None:
+        raise _refusal(exc, "snapshotting the inputs the graph writes")
+    with device.guard():
+        graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device))
+    before.restore()
+    if exc is not None:
+        raise _refusal(exc, "capturing")
+    for i, out in enumerate(graph.outputs):
+        if not isinstance(out, (torch.Tensor, *CONSTANT_OUTPUTS)):
+            graph.reset()
+            raise CudaGraphUnavailable(Decline.NON_TENSOR_OUTPUT, f"output {i} is a {type(out).__name__}")
+    # an output may view a pinned input, or the buffer of a moving one that keeps its layout
+    views = {static_args[p].untyped_storage().data_ptr(): p for p in pinned}
+    for pos, buf in buffers:
+        if buf.stride() == args[pos].stride():
+            views[buf.untyped_storage().data_ptr()] = pos
+    entry.outputs = OutputPlan(graph.outputs, static_args, views)
+    entry.graph, entry.static_args, entry.moving, entry.inputs = graph, static_args, tuple(buffers), inputs
+    entry.pinned = tuple(pinned)
+    entry.pick_pinned = picker(entry.pinned)
+    entry.ptrs = list(map(_data_ptr, entry.pick_pinned(args)))
+    # Dynamo guards every graph input's sizes and strides: only the addresses need a check
+    # then; a runner driven by anything else checks the pinned inputs' layouts too
+    entry.identity = None if guarded else LayoutIdentity(pinned, args, addressed=())
+    entry.gate_state = tuple(g.demoted for g in gates)
+    entry.state, entry.verified, entry.waits, entry.out_of_memory = State.CAPTURED, 0, 0, 0
+    return buffers
+
+
+def _refusal(exc: Exception, doing: str) -> CudaGraphUnavailable:
+    if is_out_of_memory(exc):
+        return CudaGraphUnavailable(Decline.OUT_OF_MEMORY, f"{doing}: {type(exc).__name__}: {exc}")
+    return CudaGraphUnavailable(Decline.CAPTURE_FAILED, f"{type(exc).__name__}: {exc}")

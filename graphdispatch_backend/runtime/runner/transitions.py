@@ -1,0 +1,113 @@
+"""How a runner entry leaves the fast path: re-capture, back off, or decline.
+
+- A pinned input that moves (a new prompt's embeddings; an activation the allocator put at
+  the same address during warmup) becomes moving for good, with every other pinned input
+  that moved too: each such re-capture makes progress, so they are bounded by the number
+  of inputs and never end in a decline.
+- An artifact demoted after capture (its kernels are in the graph) re-captures, at most
+  MAX_RECAPTURES times.
+- An allocation failure backs off: the entry answers 2, 4, 8, ... calls eagerly, then
+  tries again. It is never a verdict on the graph.
+- Anything else declines the entry for the session, counted, logged once at WARNING.
+
+A mixin of GraphRunner: it uses the runner's scope, stats, book, device and state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime.contract import layout_identity
+from graphdispatch_backend.runtime.runner.entry import Entry, State
+
+MAX_RECAPTURES = 2
+MAX_BACKOFF = 1 << 10  # calls
+
+
+class Transitions:
+    # provided by GraphRunner
+    _scope: Any
+    _stats: Any
+    _book: Any
+    _device: Any
+    _state: dict[int, str]
+    name: str
+
+    def _eager(self, args: Sequence[Any], reason: Decline) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def _set_state(self) -> None:
+        raise NotImplementedError
+
+    def _refuse(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str) -> Sequence[Any]:
+        self._decline(entry, reason, detail)
+        return self._eager(args, reason)
+
+    def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
+        self._transition(entry, args, reason, detail, pos)
+        return self._eager(args, reason)
+
+    def _transition(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> None:
+        if reason is Decline.PINNED_INPUT_MOVED:
+            moved = {p for p, ident in zip(entry.pinned, _identities(entry))
+                     if p not in self._state and ident is not None and layout_identity(args[p]) != ident}
+            self._recapture(entry, reason, detail, moved | {pos})
+        elif reason is Decline.ARTIFACT_DEMOTED and entry.recaptures < MAX_RECAPTURES:
+            entry.recaptures += 1
+            self._recapture(entry, reason, detail, set())
+        else:
+            self._decline(entry, reason, detail)
+
+    def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
+        with self._device.lock:  # no thread may be replaying what is released
+            entry.release()
+            entry.forced_moving |= now_moving
+            entry.state, entry.observations = State.WARMING, []
+        with self._stats.lock:
+            self._stats.recaptures += 1
+        self._scope.timing.note(f"recapture {self.name}: {reason.value}: {detail}")
+        self._set_state()
+
+    def _out_of_memory(self, entry: Entry, args: Sequence[Any], detail: str) -> Sequence[Any]:
+        """A capture ran out of memory: warm up again after backing off."""
+        with self._device.lock:
+            entry.release()
+            entry.state, entry.observations = State.WARMING, []
+        self._backoff(entry, detail)
+        return self._eager(args, Decline.OUT_OF_MEMORY)
+
+    def _backoff(self, entry: Entry, detail: str) -> None:
+        entry.out_of_memory += 1
+        entry.skip = min(1 << entry.out_of_memory, MAX_BACKOFF)
+        self._stats.decline(Decline.OUT_OF_MEMORY.value, detail)
+        self._scope.timing.note(f"out_of_memory {self.name}: {detail}; trying again in {entry.skip} calls")
+        self._scope.events.warn_once(
+            f"decline:{Decline.OUT_OF_MEMORY.value}",
+            "graphdispatch: CUDA graph for %s ran out of memory (%s); eager meanwhile, trying again in %d calls",
+            self.name, detail, entry.skip)
+        self._set_state()
+
+    def _decline(self, entry: Entry, reason: Decline, detail: str) -> None:
+        with self._device.lock:  # no thread may be replaying what is released
+            entry.release()
+            entry.state, entry.reason = State.EAGER, reason
+        self._report(reason, detail)
+        self._set_state()
+
+    def _report(self, reason: Decline, detail: str) -> None:
+        self._stats.decline(reason.value, detail)
+        self._scope.timing.note(f"cuda_graph_declined {self.name}: {reason.value}: {detail}")
+        self._scope.events.warn_once(
+            f"decline:{reason.value}",
+            "graphdispatch: CUDA graph declined for %s (%s): %s; that shape key runs eager from now on",
+            self.name, reason.value, detail,
+        )
+        self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
+
+
+def _identities(entry: Entry) -> list[Any]:
+    """The layout identity each pinned position had at capture (the first observation)."""
+    first = entry.observations[0] if entry.observations else ()
+    return [first[p] if p < len(first) else None for p in entry.pinned]
