@@ -197,7 +197,7 @@ SIGNATURE_MISSES = [
     (_input_shape, "input 2 'input0': shape [4, 8], region has [2, 8]"),
     (_input_rank, "input 2 'input0': shape [2, 8, 1], region has [2, 8]"),
     (_output_shape, "output 0: shape [2, 16], region has [2, 8]"),
-    (_output_rank_with_nulls, "output 0: shape [None], region has [2, 8]"),
+    (_output_rank_with_nulls, "output 0: shape [null], region has [2, 8]"),
 ]
 
 
