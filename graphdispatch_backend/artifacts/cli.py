@@ -20,7 +20,11 @@ def verify_command(roots: Sequence[str]) -> int:
         if not path.is_dir():
             rows.append(["-", "rejected", f"missing_root: {root} is not a folder", root])
             continue
-        folders = discover(path)
+        try:
+            folders = discover(path)
+        except OSError as exc:
+            rows.append(["-", "rejected", f"unreadable_root: cannot list {root}: {exc.strerror or exc}", root])
+            continue
         if not folders:  # an empty root is a mistake in CI, not an "ok" with nothing checked
             rows.append(["-", "rejected", f"no_bundles: no artifact.json in {root} or its subfolders", root])
         for folder in folders:
