@@ -58,7 +58,9 @@ def suggest(pattern: str, names: Iterable[str], closest: int = 3) -> Suggestion:
     """
     pool = sorted({n.split("#", 1)[0] for n in names if n})
     near = tuple(difflib.get_close_matches(pattern, pool, n=closest, cutoff=0.0))
-    candidates = [f"*.{pattern}"] + [pattern.split(".", k)[-1] for k in range(1, pattern.count(".") + 1)]
+    # leading parts dropped, unless what is left starts with a wildcard (`*.mlp` names too much)
+    tails = [pattern.split(".", k)[-1] for k in range(1, pattern.count(".") + 1)]
+    candidates = [f"*.{pattern}"] + [t for t in tails if not t.startswith(("*", "?", "["))]
     for candidate in candidates:
         hits = [n for n in pool if matches(candidate, n)]
         if hits:

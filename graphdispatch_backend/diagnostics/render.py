@@ -221,9 +221,10 @@ def _artifacts(report: dict[str, Any]) -> list[str]:
             hint = (a.get("suggestion") or {}).get("text", "")
             unmatched.append(f"  {aid}: pattern `{patterns.get(aid, '?')}` matched no region"
                              + (f"; {hint}" if hint else ""))
-    out = ["", "Artifacts (calls / replays / native: region runs by the artifact eagerly / from a captured graph / "
-               "by the native region, which also counts the runs made to check: gates, re-checks, capture and "
-               "verification; rejections: regions refused, by reason, `module` when the pattern does not name them)",
+    out = ["", "Artifacts (calls / replays: region calls the artifact answered eagerly / from a captured graph; "
+               "native: runs of the native region, every call it answered plus the runs made to check or record "
+               "(a failing gate, a capture, the eager side of verification; under emulate, each replay); "
+               "rejections: regions refused, by reason, `module` where the pattern does not name them)",
            table(["artifact", "status", "regions", "calls", "replays", "native", "parity", "demotions", "rejections",
                   "time vs native (>1.00x: artifact faster)"], rows)]
     if not any(a["speed"] or (a.get("shadow") or {}).get("calls") for a in artifacts.values()):
