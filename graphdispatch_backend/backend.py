@@ -300,7 +300,8 @@ class _Builder:
             entry["artifact"] = outcome.selected.id if outcome.selected is not None else None
             entry["rejections"] = [r.to_dict() for r in outcome.rejections if r.reason is not Rejection.MODULE]
             # the region's graph once per kind, for `artifacts scaffold` to write a kernel from
-            self.record.region_graphs.setdefault(region.fingerprint, region.graph())
+            if region.graph_data is not None:
+                self.record.region_graphs.setdefault(region.fingerprint, region.graph_data)
             for rejection in outcome.rejections:
                 if rejection.reason is Rejection.SIGNATURE:
                     kind = generalize(region.module)

@@ -96,6 +96,9 @@ class Region:
     deterministic: bool = True
     # per size input (by position): its expression and where each symbol is a tensor input's dim
     size_exprs: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # graph() taken when the region was tagged (first region of its fingerprint only):
+    # substitution erases the nodes of the regions it replaces, and of the regions inside them
+    graph_data: dict[str, Any] | None = None
 
     @property
     def kernel_positions(self) -> tuple[int, ...]:

@@ -82,8 +82,12 @@ def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     order = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    kinds: set[str] = set()
     for region in regions.values():
         _describe(region, order, position, placeholders, ctx)
+        if region.fingerprint not in kinds:  # one graph per kind, before substitute erases any node
+            kinds.add(region.fingerprint)
+            region.graph_data = region.graph()
     ctx.regions = list(regions.values())
 
 

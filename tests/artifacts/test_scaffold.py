@@ -82,6 +82,13 @@ def forward(input0, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     assert all(s["parity"] == "passed" and not s["demoted"] and s["calls"] + s["replays"] == 4 for s in subs)
     assert second["artifacts"]["block-mlp"]["status"] == "serving"
 
+    # a report of a compile that substituted the region still holds its graph as tagged
+    # (substitution erases the region's nodes): scaffolding from it writes the same kernel
+    again = scaffold(second, "blocks.*.mlp", tmp_path / "again" / "block-mlp")
+    assert again["signature"] == manifest["signature"]
+    body = (bundle / "kernel.py").read_text().split('"""', 2)[2]
+    assert (tmp_path / "again" / "block-mlp" / "kernel.py").read_text().split('"""', 2)[2] == body
+
 
 def test_casts_are_explicit_under_autocast(tmp_path):
     compile_stack(tmp_path / "first", autocast=True)
