@@ -34,7 +34,8 @@ def verify_command(roots: Sequence[str]) -> int:
                 rows.append([_id_of(folder), "rejected", f"{exc.reason.value}: {exc.detail}", str(folder)])
             else:
                 m = bundle.manifest
-                rows.append([m.id, "ok", f"{m.module} ({len(m.files)} files, parity {m.parity.mode})", str(folder)])
+                files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
+                rows.append([m.id, "ok", f"{m.module} ({files}, parity {m.parity.mode})", str(folder)])
     ids = [r[0] for r in rows if r[1] == "ok"]
     for row in rows:
         if row[1] == "ok" and ids.count(row[0]) > 1:

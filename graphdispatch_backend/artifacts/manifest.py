@@ -1,4 +1,4 @@
-"""Strict parsing of `artifact.json`, schema version 1 (DESIGN.md section 3).
+"""Strict parsing of `artifact.json`, schema version 1 (docs/design.md section 3).
 
 Every field is type-checked; unknown keys anywhere are rejected; every error is a
 ManifestError naming the dotted field (`signature.inputs[1].dtype`). Parsing never

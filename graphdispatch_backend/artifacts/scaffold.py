@@ -226,9 +226,9 @@ def scaffold_command(directory: str, pattern: str, out: str, fingerprint: str | 
         print(f"graphdispatch artifacts scaffold: error: {exc}", file=sys.stderr)
         return 1
     sig = manifest["signature"]
+    counts = ", ".join(f"{len(sig[k])} {k[:-1] if len(sig[k]) == 1 else k}" for k in ("inputs", "outputs"))
     print(f"wrote {Path(out) / KERNEL_NAME} and {Path(out) / MANIFEST_NAME}: artifact {manifest['id']} for "
-          f"`{pattern}` (fingerprint {manifest['region']['fingerprint']}), {len(sig['inputs'])} inputs, "
-          f"{len(sig['outputs'])} outputs, parity bitwise")
+          f"`{pattern}` (fingerprint {manifest['region']['fingerprint']}), {counts}, parity bitwise")
     print(f"next: python -m graphdispatch_backend artifacts verify {out}; then compile with "
           f"options={{'artifacts': {str(Path(out).parent)!r}}}")
     return 0

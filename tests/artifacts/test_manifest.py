@@ -1,4 +1,4 @@
-"""Strict manifest schema v1 (DESIGN.md section 3): every field's type, unknown and missing
+"""Strict manifest schema v1 (docs/design.md section 3): every field's type, unknown and missing
 keys at every level, path rules, parity modes, devices, torch range and dtype names.
 
 Every rejection must be a ManifestError whose `.field` is the dotted path of the bad field,

@@ -1,4 +1,4 @@
-"""Matching regions against manifests (DESIGN.md section 4): every typed Rejection forced on
+"""Matching regions against manifests (docs/design.md section 4): every typed Rejection forced on
 purpose. Regions are real: `tag_regions` over the lowered ATen graph of a small model; the
 manifests start as a copy of the region's report entry, as a new user would write them,
 and then get one thing wrong. `overlap` and `load_failed` happen in the substitute pass,

@@ -1,4 +1,4 @@
-"""The artifact registry (DESIGN.md sections 2 and 3): discovery one level deep, verification
+"""The artifact registry (docs/design.md sections 2 and 3): discovery one level deep, verification
 of every bundle, duplicate ids, the `enable` allowlist and what the report says about it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tag_regions: clean region names, boundaries, convexity, specs and fingerprints (DESIGN section 4)."""
+"""tag_regions: clean region names, boundaries, convexity, specs and fingerprints (docs/design.md section 4)."""
 
 from __future__ import annotations
 
