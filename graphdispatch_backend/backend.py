@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
-from graphdispatch_backend.artifacts.authoring import unmatched
+from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
 from graphdispatch_backend.artifacts.match import MatchOutcome, match_region
 from graphdispatch_backend.artifacts.patterns import generalize
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
@@ -304,11 +304,9 @@ class _Builder:
                 self.record.region_graphs.setdefault(region.fingerprint, region.graph_data)
             for rejection in outcome.rejections:
                 if rejection.reason is Rejection.SIGNATURE:
-                    kind = generalize(region.module)
-                    self._authoring_failure(
-                        AuthoringFailure.SIGNATURE, rejection.artifact, f"{rejection.artifact}:{kind}",
-                        f"artifact {rejection.artifact} does not fit region {region.name} ({region.cls}; once per "
-                        f"kind `{kind}`, every region is in the report): signature: {rejection.detail}")
+                    key, message = signature_failure(rejection.artifact, region.name, region.module, region.cls,
+                                                     rejection.detail)
+                    self._authoring_failure(AuthoringFailure.SIGNATURE, rejection.artifact, key, message)
         return entry
 
     def _authoring_failure(self, failure: AuthoringFailure, artifact: str, key: str, message: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from graphdispatch_backend.artifacts.patterns import Suggestion, matches, suggest
+from graphdispatch_backend.artifacts.patterns import Suggestion, generalize, matches, suggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,3 +43,11 @@ def unmatched(patterns: Mapping[str, str], hits: Mapping[str, int], region_names
             continue
         out.append(Unmatched(artifact, pattern, len(names), suggest(pattern, names or list(model_modules or ()))))
     return out
+
+
+def signature_failure(artifact: str, region: str, module: str, cls: str, detail: str) -> tuple[str, str]:
+    """(key, message) of a signature rejection: one per artifact and region kind
+    (`layers.*.mlp`), so 28 layers refused for one reason are one line."""
+    kind = generalize(module)
+    return f"{artifact}:{kind}", (f"artifact {artifact} does not fit region {region} ({cls}; once per kind `{kind}`, "
+                                  f"every region is in the report): signature: {detail}")
