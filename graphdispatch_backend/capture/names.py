@@ -187,7 +187,7 @@ def _walk(path: str, frame: tuple[dict[str, Any], dict[str, Any]]) -> _Walk | No
             break
         try:
             obj = _step(obj, tokens[i])
-        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError):
             break  # the objects changed since Dynamo read them: what was walked still names it
     if anchor is None or owner is None:
         return None
