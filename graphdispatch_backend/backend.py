@@ -19,12 +19,15 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 
+from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
 from graphdispatch_backend.artifacts.match import MatchOutcome, match_region
+from graphdispatch_backend.artifacts.patterns import generalize
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
 from graphdispatch_backend.errors import (
+    AuthoringFailure,
     Contain,
     Decline,
     GraphDispatchError,
@@ -125,7 +128,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     record.compile_id = str(gm.meta.get("dynamo_compile_id", ""))
     autocast = AutocastState.observe()
     origins = input_origins(gm, example_inputs)
-    builder = _Builder(session, record, origins)
+    builder = _Builder(session, record, origins, gm.meta.get("gd_model_modules"))
     compiled = lower(gm, example_inputs, autocast, inference_compiler=builder.inference,
                      forward_compiler=builder.forward, backward_compiler=builder.backward)
     session.events.decision("compile", {"graph": record.name, "kind": record.kind, "nodes": record.nodes,
@@ -168,11 +171,15 @@ def _named(obj: Any, name: str) -> Any:
 class _Builder:
     """The aot compilers for one Dynamo graph: passes, gates and runners, wired together."""
 
-    def __init__(self, session: Session, record: GraphRecord, origins: tuple[InputOrigin, ...]) -> None:
+    def __init__(self, session: Session, record: GraphRecord, origins: tuple[InputOrigin, ...],
+                 model_modules: Sequence[str] | None = None) -> None:
         self.session = session
         self.record = record
         self.origins = origins
+        self.model_modules = model_modules  # the compiled root's named_modules() (None: unknown)
         self.module_rejections: Counter[str] = Counter()
+        self.pattern_hits: Counter[str] = Counter()  # artifact -> regions its pattern named
+        self.failures: list[str] = []  # authoring failures of this graph, raised together under strict
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
         self.mutated: list[int] | None = None
@@ -217,6 +224,7 @@ class _Builder:
         record.stripped_assertions = ctx.stripped_assertions
         record.regions = [self._region_entry(r, ctx.outcomes.get(r.name)) for r in ctx.regions]
         record.module_rejections = dict(self.module_rejections)
+        self._check_authoring(training)
         record.pieces = [p.to_dict() for p in ctx.pieces]
         record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
         # forward, not __call__: nn.Module's call machinery costs microseconds per call
@@ -261,9 +269,12 @@ class _Builder:
     def _match(self, region: Region) -> MatchOutcome:
         reg = self.session.registry
         outcome = match_region(region, reg.artifacts.values(), reg.excluded.values(), torch.__version__)
-        for rejection in outcome.rejections:
-            if rejection.reason is Rejection.MODULE:
-                self.module_rejections[rejection.artifact] += 1
+        by_name = {r.artifact for r in outcome.rejections if r.reason is Rejection.MODULE}
+        for artifact_id in by_name:
+            self.module_rejections[artifact_id] += 1
+        for artifact_id in reg.artifacts:
+            if artifact_id not in by_name:
+                self.pattern_hits[artifact_id] += 1
         return outcome
 
     def _make_call(self, region: Region, outcome: MatchOutcome, native: fx.GraphModule) -> Callable[..., Any] | None:
@@ -275,11 +286,13 @@ class _Builder:
             session.events.warn_once(f"load:{artifact.id}", "graphdispatch: artifact %s did not load: %s",
                                      artifact.id, exc)
             return None
-        sub = SubstitutionRecord(region.name, artifact.id, capturable=artifact.manifest.capturable)
+        sub = SubstitutionRecord(region.name, artifact.id, capturable=artifact.manifest.capturable,
+                                 kind=generalize(region.module))
         self.record.substitutions.append(sub)
         gate = ArtifactGate(artifact=fn, native=native, record=sub, parity=artifact.manifest.parity,
                             contain=session.contain, events=session.events, timing=session.timing,
-                            speed_gate=session.options.speed_gate, strict=session.options.strict)
+                            speed_gate=session.options.speed_gate, strict=session.options.strict,
+                            kernel_inputs=region.kernel_positions)
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return _named(gate, f"gd_artifact_{artifact.id}")
@@ -302,7 +315,38 @@ class _Builder:
         if outcome is not None:
             entry["artifact"] = outcome.selected.id if outcome.selected is not None else None
             entry["rejections"] = [r.to_dict() for r in outcome.rejections if r.reason is not Rejection.MODULE]
+            # the region's graph once per kind, for `artifacts scaffold` to write a kernel from
+            if region.graph_data is not None:
+                self.record.region_graphs.setdefault(region.fingerprint, region.graph_data)
+            for rejection in outcome.rejections:
+                if rejection.reason is Rejection.SIGNATURE:
+                    key, message = signature_failure(rejection.artifact, region.name, region.module, region.cls,
+                                                     rejection.detail)
+                    self._authoring_failure(AuthoringFailure.SIGNATURE, rejection.artifact, key, message)
         return entry
+
+    def _authoring_failure(self, failure: AuthoringFailure, artifact: str, key: str, message: str) -> None:
+        """An author's mistake: one WARNING per key (artifact and region kind) and one report
+        entry; under `strict` the graph's compile fails once every region was looked at."""
+        self.session.report.add_authoring(failure.value, artifact, key, message)
+        self.session.events.warn_once(f"authoring:{failure.value}:{key}", "graphdispatch: %s", message)
+        self.failures.append(message)
+
+    def _check_authoring(self, training: bool) -> None:
+        """Artifacts that matched nothing (see artifacts/authoring.py), then `strict`."""
+        record, session = self.record, self.session
+        record.pattern_matches = dict(self.pattern_hits)
+        if not training:
+            hits: Counter[str] = Counter()
+            for graph in list(session.report.graphs):
+                hits.update(graph.pattern_matches)
+            names = [r["module"] for g in list(session.report.graphs) for r in g.regions]
+            patterns = {a.id: a.manifest.module for a in session.registry.artifacts.values()}
+            for miss in unmatched(patterns, hits, names, self.model_modules):
+                self._authoring_failure(AuthoringFailure.UNMATCHED, miss.artifact, miss.artifact, miss.message())
+        if self.failures and session.options.strict:
+            raise StrictModeError(f"{record.name}: {len(self.failures)} authoring failure(s): "
+                                  + "; ".join(self.failures))
 
     def _contract_mismatch(self, detail: str) -> None:
         self.session.events.warn_once(f"contract:{self.record.name}",

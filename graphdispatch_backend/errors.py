@@ -147,6 +147,9 @@ class BundleRejection(str, enum.Enum):
     HASH_MISMATCH = "hash_mismatch"
     DUPLICATE_ID = "duplicate_id"
     TAMPERED = "tampered"  # the entry file changed between verification and load
+    MISSING_ROOT = "missing_root"  # a root (not a bundle) that is not a folder
+    UNREADABLE_ROOT = "unreadable_root"  # a root whose folder cannot be listed
+    NO_BUNDLES = "no_bundles"  # a root with no artifact.json in it or its subfolders
 
 
 class BundleRejected(GraphDispatchError):
@@ -156,3 +159,13 @@ class BundleRejected(GraphDispatchError):
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class AuthoringFailure(str, enum.Enum):
+    """An artifact author's mistake found while compiling a graph: logged once at WARNING,
+    listed in the report's `authoring`, raised under `strict`. The others have their own
+    record: a rejected bundle or root (BundleRejection, in `registry.errors`) and a
+    demotion (Demotion, in `substitutions`)."""
+
+    UNMATCHED = "unmatched"  # an enabled artifact whose pattern names no region of the model
+    SIGNATURE = "signature"  # the pattern names a region, the signature does not fit it

@@ -1,8 +1,12 @@
 """The Region record: what `tag_regions` finds, what matching reads and `substitute` rewrites.
 
 A region is the set of ATen nodes whose `nn_module_stack` contains one module instance
-(DESIGN.md section 4). Its boundary (inputs in first-use order, outputs in node order)
-and their tensor metadata are what an artifact author writes a manifest against.
+(docs/design.md section 4). Its boundary (inputs in first-use order, outputs in node
+order) and their tensor metadata are what an artifact author writes a manifest against.
+Under dynamic shapes a region also takes size symbols (`size<k>`, SymInts computed from
+the graph's input sizes): the native region needs them, a kernel never sees them, so the
+report lists them apart (`sizes`, each with its expression over the tensor inputs' dims)
+and a manifest names tensor inputs only.
 """
 
 from __future__ import annotations
@@ -90,6 +94,24 @@ class Region:
     ops: dict[str, int] = dataclasses.field(default_factory=dict)
     convex: bool = True
     deterministic: bool = True
+    # per size input (by position): its expression and where each symbol is a tensor input's dim
+    size_exprs: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # graph() taken when the region was tagged (first region of its fingerprint only):
+    # substitution erases the nodes of the regions it replaces, and of the regions inside them
+    graph_data: dict[str, Any] | None = None
+
+    @property
+    def kernel_positions(self) -> tuple[int, ...]:
+        """Positions of the inputs a kernel receives: every input but the size symbols."""
+        return tuple(i for i, s in enumerate(self.input_specs) if s is None or not s.is_scalar)
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return [self.input_names[i] for i in self.kernel_positions]
+
+    @property
+    def kernel_specs(self) -> list[TensorSpec | None]:
+        return [self.input_specs[i] for i in self.kernel_positions]
 
     @property
     def device_type(self) -> str:
@@ -105,16 +127,72 @@ class Region:
                 for n, s in zip(names, specs)
             ]
 
+        kernel = set(self.kernel_positions)
+        sizes = [{"name": self.input_names[i], "dtype": self.input_specs[i].dtype,  # type: ignore[union-attr]
+                  **self.size_exprs.get(i, {"expr": None, "symbols": {}})}
+                 for i in range(len(self.inputs)) if i not in kernel]
         return {
             "name": self.name,
             "module": self.module,
             "instance": self.instance,
             "class": self.cls,
             "fingerprint": self.fingerprint,
-            "inputs": boundary(self.input_names, self.input_specs),
+            "inputs": boundary(self.kernel_names, self.kernel_specs),
+            "sizes": sizes,
             "outputs": boundary([f"output{i}" for i in range(len(self.outputs))], self.output_specs),
             "nodes": len(self.nodes),
             "ops": dict(sorted(self.ops.items())),
             "convex": self.convex,
             "deterministic": self.deterministic,
         }
+
+    def graph(self) -> dict[str, Any]:
+        """The region's nodes as JSON data (`artifacts scaffold` writes a kernel from it):
+        per node its target (`aten.addmm.default`, `operator.getitem`), arguments with
+        references to inputs and earlier nodes, and its value's dtype and shape."""
+        refs: dict[fx.Node, dict[str, int]] = {n: {"input": k} for k, n in enumerate(self.inputs)}
+        nodes = []
+        for i, node in enumerate(self.nodes):
+            spec = TensorSpec.of(node.meta.get("val"))
+            nodes.append({
+                "name": node.name,
+                "target": target_name(node.target) if node.op == "call_function" else None,
+                "args": [encode_arg(a, refs) for a in node.args],
+                "kwargs": {k: encode_arg(v, refs) for k, v in node.kwargs.items()},
+                **({"dtype": spec.dtype, "shape": list(spec.shape)} if spec is not None else {}),
+            })
+            refs[node] = {"node": i}
+        return {"inputs": list(self.input_names), "nodes": nodes, "outputs": [refs[o] for o in self.outputs]}
+
+
+def target_name(target: Any) -> str | None:
+    """`aten.addmm.default` for an op overload (called as `torch.ops.<name>`), `operator.<f>`
+    for Python's operators; None for anything a kernel could not call by name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    if getattr(target, "__module__", None) in ("_operator", "operator"):
+        return f"operator.{target.__name__}"
+    return None
+
+
+def encode_arg(value: Any, refs: dict[fx.Node, dict[str, int]]) -> Any:
+    """One argument as JSON: references, exact floats and torch constants tagged, so that
+    nothing read back can be mistaken for another type."""
+    if isinstance(value, fx.Node):
+        return refs.get(value, {"unsupported": f"node {value.name} outside the region"})
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return {"float": repr(value)}  # repr round-trips every float, -0.0, inf and nan included
+    if isinstance(value, torch.dtype):
+        return {"dtype": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (torch.layout, torch.memory_format)):
+        kind = "layout" if isinstance(value, torch.layout) else "memory_format"
+        return {kind: str(value).replace("torch.", "")}
+    if isinstance(value, list):
+        return [encode_arg(v, refs) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [encode_arg(v, refs) for v in value]}
+    return {"unsupported": type(value).__qualname__}

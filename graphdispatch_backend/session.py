@@ -20,7 +20,7 @@ from graphdispatch_backend.capture.export import RegionExporter
 from graphdispatch_backend.diagnostics.events import Events, log
 from graphdispatch_backend.diagnostics.report import SessionReport, write_json_atomic
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
@@ -50,9 +50,13 @@ class Session:
         self._lock = threading.Lock()
         for error in self.registry.errors:
             self.events.warn_once(
-                f"bundle:{error['bundle']}", "graphdispatch: bundle %s rejected (%s): %s",
+                f"bundle:{error['bundle']}", "graphdispatch: artifacts: %s rejected (%s): %s",
                 error["bundle"], error["reason"], error["message"],
             )
+        if self.registry.errors and options.strict:
+            # an author's CI must fail on a root or bundle that would silently serve nothing
+            raise StrictModeError("artifact bundles rejected: " + "; ".join(
+                f"{e['bundle']} ({e['reason']}): {e['message']}" for e in self.registry.errors))
 
     def scope(self, engine: str) -> RuntimeScope:
         with self._lock:

@@ -20,7 +20,11 @@ def verify_command(roots: Sequence[str]) -> int:
         if not path.is_dir():
             rows.append(["-", "rejected", f"missing_root: {root} is not a folder", root])
             continue
-        folders = discover(path)
+        try:
+            folders = discover(path)
+        except OSError as exc:
+            rows.append(["-", "rejected", f"unreadable_root: cannot list {root}: {exc.strerror or exc}", root])
+            continue
         if not folders:  # an empty root is a mistake in CI, not an "ok" with nothing checked
             rows.append(["-", "rejected", f"no_bundles: no artifact.json in {root} or its subfolders", root])
         for folder in folders:
@@ -30,7 +34,8 @@ def verify_command(roots: Sequence[str]) -> int:
                 rows.append([_id_of(folder), "rejected", f"{exc.reason.value}: {exc.detail}", str(folder)])
             else:
                 m = bundle.manifest
-                rows.append([m.id, "ok", f"{m.module} ({len(m.files)} files, parity {m.parity.mode})", str(folder)])
+                files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
+                rows.append([m.id, "ok", f"{m.module} ({files}, parity {m.parity.mode})", str(folder)])
     ids = [r[0] for r in rows if r[1] == "ok"]
     for row in rows:
         if row[1] == "ok" and ids.count(row[0]) > 1:

@@ -1,8 +1,10 @@
-"""Strict parsing of `artifact.json`, schema version 1 (DESIGN.md section 3).
+"""Strict parsing of `artifact.json`, schema version 1 (docs/design.md section 3).
 
 Every field is type-checked; unknown keys anywhere are rejected; every error is a
 ManifestError naming the dotted field (`signature.inputs[1].dtype`). Parsing never
-touches the file system and never executes anything.
+touches the file system, never executes anything and does not import torch (the
+`artifacts verify|hash` commands stay fast): dtype names are checked against a table that
+a test keeps equal to torch's own.
 """
 
 from __future__ import annotations
@@ -13,10 +15,7 @@ import posixpath
 import re
 from typing import Any
 
-import torch
-
 from graphdispatch_backend.errors import ManifestError
-from graphdispatch_backend.region import SCALAR_KINDS
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "artifact.json"
@@ -26,6 +25,16 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _VERSION = re.compile(r"^\d+(\.\d+){0,2}$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DEVICES = ("cpu", "cuda")
+# torch's dtype names (`torch.<name>` is a torch.dtype), each to its canonical spelling
+DTYPES: dict[str, str] = {name: name for name in (
+    "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128", "complex32",
+    "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "int1", "int16", "int2", "int3", "int32", "int4", "int5",
+    "int6", "int64", "int7", "int8", "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "uint1", "uint16",
+    "uint2", "uint3", "uint32", "uint4", "uint5", "uint6", "uint64", "uint7", "uint8")}
+DTYPES.update(bit="uint1", cdouble="complex128", cfloat="complex64", chalf="complex32", double="float64",
+              float="float32", half="float16", int="int32", long="int64", short="int16")
+_SIZES = ("symint", "symfloat", "symbool")  # the region report's size inputs: never a kernel's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +116,11 @@ def _int(value: Any, field: str, low: int = 0) -> int:
 
 def _dtype(value: Any, field: str) -> str:
     name = _str(value, field)
-    if name in SCALAR_KINDS or isinstance(getattr(torch, name, None), torch.dtype):
-        return str(getattr(torch, name)).replace("torch.", "") if name not in SCALAR_KINDS else name
+    if name in DTYPES:
+        return DTYPES[name]
+    if name in _SIZES:
+        raise ManifestError(field, f"{name!r} is a size symbol: a kernel receives the region's tensor inputs only "
+                                   "(list the tensors of the region report's `inputs`, not its `sizes`)")
     raise ManifestError(field, f"unknown dtype {name!r}")
 
 

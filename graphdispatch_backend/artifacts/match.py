@@ -9,11 +9,11 @@ dtype bfloat16, region has float32").
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from graphdispatch_backend.artifacts.manifest import Manifest, SignatureEntry, version_tuple
+from graphdispatch_backend.artifacts.patterns import matches
 from graphdispatch_backend.errors import Rejection
 from graphdispatch_backend.region import Region, TensorSpec
 
@@ -53,13 +53,22 @@ def _signature_miss(entries: Sequence[SignatureEntry], names: Sequence[str] | No
         if len(entry.shape) != len(spec.shape) or any(
             want is not None and want != got for want, got in zip(entry.shape, spec.shape)
         ):
-            return f"{label}: shape {list(entry.shape)}, region has {list(spec.shape)}"
+            dynamic = len(entry.shape) == len(spec.shape) and any(
+                want is not None and got is None for want, got in zip(entry.shape, spec.shape))
+            hint = (" (null: a dim Dynamo made dynamic, as when it recompiles for a new batch size;"
+                    " write null there to match it)") if dynamic else ""
+            return f"{label}: shape {_shape(entry.shape)}, region has {_shape(spec.shape)}{hint}"
     return None
 
 
+def _shape(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("null" if d is None else str(d) for d in shape) + "]"
+
+
 def signature_miss(manifest: Manifest, region: Region) -> str | None:
-    """Why the manifest's signature does not fit the region, or None if it does."""
-    return _signature_miss(manifest.inputs, region.input_names, region.input_specs, "inputs") or (
+    """Why the manifest's signature does not fit the region, or None if it does. The
+    region's size inputs (dynamic shapes) are not part of it: a kernel never gets them."""
+    return _signature_miss(manifest.inputs, region.kernel_names, region.kernel_specs, "inputs") or (
         _signature_miss(manifest.outputs, None, region.output_specs, "outputs")
     )
 
@@ -82,12 +91,12 @@ def match_region(
     """`artifacts`/`excluded` are registry Artifacts (anything with `.id` and `.manifest`)."""
     outcome = MatchOutcome(region.name)
     for artifact in sorted(excluded, key=lambda a: a.id):
-        if fnmatch.fnmatchcase(region.module, artifact.manifest.module):
+        if matches(artifact.manifest.module, region.module):
             outcome.reject(artifact.id, Rejection.NOT_ENABLED, "not in the enable allowlist")
     candidates = []
     for artifact in sorted(artifacts, key=lambda a: a.id):
         m: Manifest = artifact.manifest
-        if not fnmatch.fnmatchcase(region.module, m.module):
+        if not matches(m.module, region.module):
             outcome.reject(artifact.id, Rejection.MODULE, f"pattern {m.module!r}")
             continue
         miss = _first_miss(m, region, torch_version)

@@ -90,9 +90,19 @@ class Registry:
         for root in reg.roots:
             path = Path(root)
             if not path.is_dir():
-                reg.errors.append({"bundle": root, "reason": "missing_root", "message": f"{root} is not a folder"})
+                reg.errors.append({"bundle": root, "reason": BundleRejection.MISSING_ROOT.value,
+                                   "message": f"{root} is not a folder"})
                 continue
-            for folder in discover(path):
+            try:
+                folders = discover(path)
+            except OSError as exc:
+                reg.errors.append({"bundle": root, "reason": BundleRejection.UNREADABLE_ROOT.value,
+                                   "message": f"cannot list {root}: {exc.strerror or exc}"})
+                continue
+            if not folders:  # a root with nothing in it is a wrong path, not "no artifacts wanted"
+                reg.errors.append({"bundle": root, "reason": BundleRejection.NO_BUNDLES.value,
+                                   "message": f"no artifact.json in {root} or its subfolders"})
+            for folder in folders:
                 try:
                     bundle = verify_bundle(folder)
                 except BundleRejected as exc:
@@ -136,4 +146,6 @@ class Registry:
             "enabled_filter": list(self.enabled_filter) if self.enabled_filter is not None else None,
             "excluded_ids": sorted(self.excluded),
             "errors": list(self.errors),
+            # id -> region.module, so the report can say what an unmatched artifact asked for
+            "patterns": {a.id: a.manifest.module for a in [*self.artifacts.values(), *self.excluded.values()]},
         }

@@ -19,7 +19,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from graphdispatch_backend.capture.autocast import AutocastState
-from graphdispatch_backend.capture.names import clean_path, root_name
+from graphdispatch_backend.capture.names import access_name, resolve_graph_names
 
 Compiler = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
@@ -47,44 +47,53 @@ class InputOrigin:
 
 def input_origins(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[InputOrigin, ...]:
     """Origins of aot's flat inputs: the Dynamo graph's own parameters and buffers
-    (which aot lifts first), then the Dynamo graph's placeholders in order."""
-    origins: list[InputOrigin] = []
+    (which aot lifts first), then the Dynamo graph's placeholders in order.
+
+    Module state is named as the compiled root module's named_modules() spells it, and the
+    graph's nn_module_stack is rewritten to those names in place (capture/names.py): call
+    this before lowering, so regions and parameters share one spelling."""
     to_source = getattr(gm, "_param_name_to_source", None) or {}
     fqn = gm.meta.get("dynamo_flat_name_to_original_fqn", {})
-    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
-        origins.append(_state_origin(name, to_source, fqn, "parameter"))
-    for name, _ in list(gm.named_buffers(remove_duplicate=False)):
-        origins.append(_state_origin(name, to_source, fqn, "buffer"))
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    for pos, node in enumerate(placeholders):
+    sources = [_source_of(node) for node in placeholders]
+    paths = [s.name for s in to_source.values()] + [s.name for s in sources if s is not None]
+    names = resolve_graph_names(gm, paths)
+    origins: list[InputOrigin] = []
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)):
+        origins.append(_state_origin(name, to_source, fqn, "parameter", names))
+    for name, _ in list(gm.named_buffers(remove_duplicate=False)):
+        origins.append(_state_origin(name, to_source, fqn, "buffer", names))
+    for pos, (node, source) in enumerate(zip(placeholders, sources)):
         example = example_inputs[pos] if pos < len(example_inputs) else node.meta.get("example_value")
-        source = getattr(node, "_dynamo_source", None)
-        if source is None and "grapharg" in node.meta:
-            source = node.meta["grapharg"].source
-        origins.append(_placeholder_origin(node.name, source, example))
+        origins.append(_placeholder_origin(node.name, source, example, names))
     return tuple(origins)
 
 
-def _state_origin(name: str, to_source: dict, fqn: dict, kind: str) -> InputOrigin:
+def _source_of(node: torch.fx.Node) -> Any:
+    source = getattr(node, "_dynamo_source", None)
+    if source is None and "grapharg" in node.meta:
+        source = node.meta["grapharg"].source
+    return source
+
+
+def _state_origin(name: str, to_source: dict, fqn: dict, kind: str, names: dict[str, tuple[str, str]]) -> InputOrigin:
     if name in to_source:
-        path, found = clean_path(to_source[name].name)
+        path, found = names[to_source[name].name]
         return InputOrigin(found if found in STATE_KINDS else kind, path)
     return InputOrigin(kind, fqn.get(name, name))
 
 
-def _placeholder_origin(node_name: str, source: Any, example: Any) -> InputOrigin:
+def _placeholder_origin(node_name: str, source: Any, example: Any, names: dict[str, tuple[str, str]]) -> InputOrigin:
     if isinstance(example, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
         return InputOrigin("symbol", source.name if source is not None else node_name)
     if source is None:
         return InputOrigin("input", node_name)
-    text = source.name
-    path, kind = clean_path(text)
+    path, kind = names[source.name]
     if kind in ("parameter", "buffer"):
         return InputOrigin(kind, path)
     if isinstance(example, torch.nn.Parameter):
         return InputOrigin("parameter", path)
-    root = root_name(text) or node_name
-    return InputOrigin("input", f"{root}.{path}" if path else root)
+    return InputOrigin("input", access_name(source.name) or node_name)
 
 
 def lower(

@@ -4,16 +4,26 @@ Built from the graph records at report time, so a regression (the origin runtime
 run with four artifacts) points at the artifact that caused it: its parity verdicts, its
 demotions with reasons, and its measured time against native (speed gate or shadow).
 
-`status` sums it up: serving (every matched region served by it), pending (matched, never
-called yet), partly_demoted, demoted, rejected (its pattern matched regions but a check
-refused them; see `rejections`), unmatched (its pattern matched no region), not_enabled,
-unused (its graphs run as the Dynamo graph: torch's lowering was not bitwise equal to eager).
+`status` sums it up: serving (every region its pattern named is served by it), pending
+(matched, never called yet), partly_rejected (it serves some regions, a check refused
+others its pattern named: a signature that stopped fitting after Dynamo recompiled with
+dynamic shapes, say; see `rejections`), partly_demoted, demoted, rejected (its pattern
+named regions but a check refused them all), unmatched (its pattern named no region:
+`suggestion` says what would), not_enabled, unused (its graphs run as the Dynamo graph:
+torch's lowering was not bitwise equal to eager).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+
+from graphdispatch_backend.artifacts.patterns import suggest
+
+# Rejections that refuse a region the artifact's pattern named (not another artifact's win,
+# not a larger region's substitution): an artifact serving elsewhere is `partly_rejected`.
+REFUSALS = frozenset({"fingerprint", "signature", "device", "torch_version", "not_convex", "nondeterministic",
+                      "load_failed"})
 
 
 def _blank(enabled: bool) -> dict[str, Any]:
@@ -59,7 +69,9 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
             shadow = sub.get("shadow") or {}
             for key in ("calls", "artifact_s", "native_s"):
                 entry["shadow"][key] += shadow.get(key, 0)
-    for entry in out.values():
+    names = [r.get("module", r["name"]) for g in graphs for r in g["regions"]]
+    patterns = registry.get("patterns") or {}
+    for aid, entry in out.items():
         entry["parity"] = dict(entry["parity"])
         entry["rejections"] = dict(entry["rejections"])
         s = entry["shadow"]
@@ -67,6 +79,10 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
         s["artifact_ms_per_call"] = 1e3 * s["artifact_s"] / s["calls"] if s["calls"] else None
         s["native_ms_per_call"] = 1e3 * s["native_s"] / s["calls"] if s["calls"] else None
         entry["status"] = _status(entry)
+        if entry["status"] == "unmatched" and aid in patterns:
+            hint = suggest(patterns[aid], names)
+            entry["suggestion"] = {"pattern": hint.pattern, "regions": hint.count, "closest": list(hint.closest),
+                                   "text": hint.text()}
     return out
 
 
@@ -83,5 +99,5 @@ def _status(entry: dict[str, Any]) -> str:
     if demoted:
         return "partly_demoted"
     if entry["calls"] or entry["replays"]:
-        return "serving"
+        return "partly_rejected" if REFUSALS & set(entry["rejections"]) else "serving"
     return "unused" if set(entry["parity"]) == {"unused"} else "pending"

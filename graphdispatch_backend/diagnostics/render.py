@@ -208,21 +208,30 @@ def _artifacts(report: dict[str, Any]) -> list[str]:
     artifacts = report.get("artifacts", {})
     if not artifacts:
         return ["", "Artifacts", "  none"]
-    rows, demotions = [], []
+    rows, demotions, unmatched = [], [], []
+    patterns = report.get("registry", {}).get("patterns") or {}
     for aid, a in sorted(artifacts.items()):
         reasons: dict[str, int] = {}
         for d in a["demotions"]:
             reasons[d["reason"]] = reasons.get(d["reason"], 0) + 1
             demotions.append(f"  {aid} on {d['graph']} {d['region']}: {d['reason']}: {d['detail']}")
         rows.append([aid, a.get("status", "-"), len(a["regions_matched"]), a["calls"], a.get("replays", 0),
-                     a["native_calls"],
-                     _counts(a["parity"]), _counts(reasons), _counts(a["rejections"], skip=("module",)), _speed(a)])
-    out = ["", "Artifacts (calls / replays / native: region calls answered by the artifact eagerly / from a "
-               "captured graph / by the native region)",
+                     a["native_calls"], _counts(a["parity"]), _counts(reasons), _counts(a["rejections"]), _speed(a)])
+        if a.get("status") == "unmatched":
+            hint = (a.get("suggestion") or {}).get("text", "")
+            unmatched.append(f"  {aid}: pattern `{patterns.get(aid, '?')}` matched no region"
+                             + (f"; {hint}" if hint else ""))
+    out = ["", "Artifacts (calls / replays: region calls the artifact answered eagerly / from a captured graph; "
+               "native: runs of the native region, every call it answered plus the runs made to check or record "
+               "(a failing gate, a capture, the eager side of verification; under emulate, each replay); "
+               "rejections: regions refused, by reason, `module` where the pattern does not name them)",
            table(["artifact", "status", "regions", "calls", "replays", "native", "parity", "demotions", "rejections",
                   "time vs native (>1.00x: artifact faster)"], rows)]
     if not any(a["speed"] or (a.get("shadow") or {}).get("calls") for a in artifacts.values()):
         out.append("  no timings: set speed_gate=True or timing='shadow' to time each artifact against native")
+    if unmatched:
+        out += ["", "Unmatched artifacts (patterns are fnmatch over the compiled module's named_modules() names, "
+                    "anchored at both ends)"] + unmatched
     if demotions:
         out += ["", "Demotions (the artifact serves no more calls for that region this session)"] + demotions
     return out
@@ -279,10 +288,24 @@ def _timing(timing: dict[str, Any] | None, missing: str | None) -> list[str]:
     return out
 
 
+def _authoring(report: dict[str, Any]) -> list[str]:
+    failures = report.get("authoring") or []
+    errors = report.get("registry", {}).get("errors") or []
+    demoted = [s for g in report["graphs"] for s in g["substitutions"] if s["demoted"]]
+    if not failures and not errors and not demoted:
+        return []
+    out = ["", "Authoring failures (each logged once at WARNING; strict=True fails the compile on each)"]
+    out += [f"  {e.get('reason')}: {e.get('bundle')}: {e.get('message')}" for e in errors]
+    out += [f"  {f['failure']}: {f['message']}" for f in failures]
+    if demoted:
+        out.append(f"  demoted: {_plural(len(demoted), 'substitution')} (see Demotions)")
+    return out
+
+
 def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, source: str = "dispatch.json",
            timing_missing: str | None = None) -> str:
-    out = _header(report, source) + _summary(report) + _registry(report) + _graphs(report) + _pieces(report)
-    out += _artifacts(report) + _regions(report) + _timing(timing, timing_missing)
+    out = _header(report, source) + _summary(report) + _registry(report) + _authoring(report) + _graphs(report)
+    out += _pieces(report) + _artifacts(report) + _regions(report) + _timing(timing, timing_missing)
     return "\n".join(out)
 
 

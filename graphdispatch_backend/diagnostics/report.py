@@ -108,6 +108,7 @@ class SubstitutionRecord:
     region: str
     artifact: str
     capturable: bool = True
+    kind: str = ""  # the region's kind, its name generalized (`layers.*.mlp`): warnings are per kind
     parity: str = "pending"  # pending | passed | failed | unused (its graph runs as the Dynamo graph)
     parity_mode: str = "bitwise"
     gates: int = 0  # shape keys gated
@@ -155,6 +156,8 @@ class GraphRecord:
     cuda_graph_detail: str | None = None
     regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     module_rejections: dict[str, int] = dataclasses.field(default_factory=dict)  # artifact -> regions
+    pattern_matches: dict[str, int] = dataclasses.field(default_factory=dict)  # artifact -> regions its pattern named
+    region_graphs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # fingerprint -> graph
     substitutions: list[SubstitutionRecord] = dataclasses.field(default_factory=list)
     pieces: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     piece_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list)
@@ -239,6 +242,8 @@ class GraphRecord:
             "substitutions": [s.to_dict() for s in self.substitutions],
             "regions": self.regions,
             "module_rejections": dict(self.module_rejections),
+            "pattern_matches": dict(self.pattern_matches),
+            "region_graphs": dict(self.region_graphs),
             "export": self.export,
         }
 
@@ -263,7 +268,17 @@ class SessionReport:
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)
     # runtime-wide figures (static buffers shared by all graphs), supplied by the session
     runtime: Callable[[], dict[str, Any]] | None = None
+    # authoring failures found while compiling (unmatched, signature), once per key
+    authoring: list[dict[str, str]] = dataclasses.field(default_factory=list)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add_authoring(self, failure: str, artifact: str, key: str, message: str) -> bool:
+        """Record one authoring failure per (failure, key); True the first time."""
+        with self.lock:
+            if any(a["failure"] == failure and a["key"] == key for a in self.authoring):
+                return False
+            self.authoring.append({"failure": failure, "artifact": artifact, "key": key, "message": message})
+            return True
 
     def new_graph(self) -> GraphRecord:
         with self.lock:
@@ -275,6 +290,8 @@ class SessionReport:
         from graphdispatch_backend.diagnostics.attribution import attribute
 
         graphs = [g.to_dict() for g in list(self.graphs)]
+        with self.lock:
+            authoring = [dict(a) for a in self.authoring]
         return {
             "schema_version": SCHEMA_VERSION,
             "environment": self.environment,
@@ -282,6 +299,7 @@ class SessionReport:
             "registry": self.registry,
             "totals": {**_totals(graphs), **(self.runtime() if self.runtime else {})},
             "artifacts": attribute(graphs, self.registry),
+            "authoring": authoring,
             "graphs": graphs,
         }
 

@@ -1,10 +1,16 @@
 """tag_regions: find every module instance's nodes and describe its boundary.
 
-Each call node's `nn_module_stack` names the modules it ran inside, as Dynamo access paths
-(`L['self'].blocks.0.ff`); a module called twice gets a second key (`<id>@1`). This pass
-groups nodes by module instance into Regions with clean names (`blocks.0.ff`,
-`blocks.0.ff#1`), their boundary in first-use order, fingerprint, op histogram and
-convexity. The graph itself is not changed; each node gets `meta["gd_regions"]`.
+Each call node's `nn_module_stack` names the modules it ran inside: the clean names
+capture resolved (`blocks.0.ff`; a Dynamo access path such as `L['self'].blocks.0.ff` is
+cleaned as text); a module called twice gets a second key (`<id>@1`). This pass groups
+nodes by module instance into Regions (`blocks.0.ff`, `blocks.0.ff#1`) with their
+boundary in first-use order, fingerprint, op histogram and convexity. The graph itself is
+not changed; each node gets `meta["gd_regions"]`.
+
+Size computations (symbolic scalars computed from the graph's input sizes only, as
+`s0 * 4` under dynamic shapes) belong to no region: aot shares one such node between all
+the modules that need it, and a region holding it would hand a size to its neighbours.
+They enter the regions that use them as size inputs, which a kernel never receives.
 
 Before::
 
@@ -20,7 +26,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch.utils._sympy.printers import PythonPrinter
 
 from graphdispatch_backend.artifacts.fingerprint import fingerprint, node_key
 from graphdispatch_backend.capture.names import clean_module_name, instance_of, region_name
@@ -34,10 +42,29 @@ def _class_name(cls: Any) -> str:
     return getattr(cls, "__qualname__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _size_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Call nodes whose value is a symbolic scalar computed from placeholders (and other
+    such nodes) only: sizes of the graph's inputs, never data."""
+    sizes: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        value = node.meta.get("val", node.meta.get("example_value"))
+        if (node.op == "call_function" and isinstance(value, _SYMBOLIC)
+                and all(a.op == "placeholder" or a in sizes for a in node.all_input_nodes)):
+            sizes.add(node)
+    return sizes
+
+
 def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     regions: dict[str, Region] = {}
+    sizes = _size_nodes(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if node in sizes:
+            node.meta["gd_regions"] = ()
             continue
         names = []
         for key, value in (node.meta.get("nn_module_stack") or {}).items():
@@ -55,8 +82,12 @@ def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     order = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    kinds: set[str] = set()
     for region in regions.values():
         _describe(region, order, position, placeholders, ctx)
+        if region.fingerprint not in kinds:  # one graph per kind, before substitute erases any node
+            kinds.add(region.fingerprint)
+            region.graph_data = region.graph()
     ctx.regions = list(regions.values())
 
 
@@ -68,18 +99,22 @@ def _describe(
     ctx: PassContext,
 ) -> None:
     region.inputs, region.outputs = boundary(region.nodes)
-    k = 0
+    region.input_specs = [TensorSpec.of(n.meta.get("val")) for n in region.inputs]
+    k = j = 0
     prefix = region.module + "."
-    for node in region.inputs:
+    for node, spec in zip(region.inputs, region.input_specs):
         origin = None
         if node in placeholders and placeholders[node] < len(ctx.input_origins):
             origin = ctx.input_origins[placeholders[node]]
-        if origin is not None and origin.is_state and origin.name.startswith(prefix):
+        if spec is not None and spec.is_scalar:
+            region.input_names.append(f"size{j}")
+            j += 1
+        elif origin is not None and origin.is_state and origin.name.startswith(prefix):
             region.input_names.append(origin.name[len(prefix) :])
         else:
             region.input_names.append(f"input{k}")
             k += 1
-    region.input_specs = [TensorSpec.of(n.meta.get("val")) for n in region.inputs]
+    region.size_exprs = _size_exprs(region)
     region.output_specs = [TensorSpec.of(n.meta.get("val")) for n in region.outputs]
     region.ops = dict(Counter(node_key(n) for n in region.nodes))
     region.fingerprint = fingerprint(
@@ -87,6 +122,27 @@ def _describe(
     )
     region.convex = is_convex(region.nodes, order, position)
     region.deterministic = not any(draws_random(n) for n in region.nodes)
+
+
+def _size_exprs(region: Region) -> dict[int, dict[str, Any]]:
+    """For each size input: its expression (Python, over sympy symbols) and, per symbol, a
+    tensor input and dim of that exact size, so a kernel can compute it from its inputs."""
+    dims: dict[Any, tuple[str, int]] = {}
+    for i in region.kernel_positions:
+        value = region.inputs[i].meta.get("val")
+        if isinstance(value, torch.Tensor):
+            for d, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(size.node.expr, (region.input_names[i], d))
+    out: dict[int, dict[str, Any]] = {}
+    for i, node in enumerate(region.inputs):
+        value = node.meta.get("val")
+        if i in region.kernel_positions or not isinstance(value, _SYMBOLIC):
+            continue
+        expr = value.node.expr
+        symbols = {str(s): list(dims[s]) if s in dims else None for s in sorted(expr.free_symbols, key=str)}
+        out[i] = {"expr": PythonPrinter().doprint(expr), "symbols": symbols}
+    return out
 
 
 def is_convex(nodes: list[fx.Node], order: list[fx.Node], position: dict[fx.Node, int]) -> bool:

@@ -12,6 +12,11 @@ An artifact can also go wrong after its gate (state, a cache, a race): parity is
 again at the 2nd, 4th, 8th, ... eager call per shape key (the cost stays logarithmic), and
 on every call under `timing="shadow"`, which runs native anyway. A replay inside a CUDA
 graph calls no Python, so only eager calls are re-checked.
+
+Under dynamic shapes the region also takes size symbols (SymInts, concrete ints at run
+time): the native region gets every input, the artifact its tensor inputs only
+(`kernel_inputs`), so a manifest never names a size; the shape key still includes the
+sizes, so parity is checked per concrete shape.
 """
 
 from __future__ import annotations
@@ -75,8 +80,17 @@ class ArtifactGate:
         timing: Timing,
         speed_gate: bool = False,
         strict: bool = False,
+        kernel_inputs: Sequence[int] | None = None,
     ) -> None:
-        self._artifact = artifact
+        if kernel_inputs is None:
+            self._artifact = artifact
+        else:
+            positions = tuple(kernel_inputs)
+
+            def tensors_only(*inputs: Any) -> Any:
+                return artifact(*(inputs[i] for i in positions))
+
+            self._artifact = tensors_only
         self._native = native
         self._record = record
         self._parity = parity
@@ -261,7 +275,9 @@ class ArtifactGate:
                                            "reason": reason.value, "detail": detail})
         if self._strict:
             raise ArtifactDemoted(message)
-        self._events.warn_once(f"demote:{record.artifact}:{reason.value}",
+        # once per artifact and kind of region (`layers.*.mlp`): 28 layers demoted for one
+        # reason are one line; the report lists every region
+        self._events.warn_once(f"demote:{record.artifact}:{record.kind or record.region}:{reason.value}",
                                "graphdispatch: %s; the run goes on", message)
 
 

@@ -1,4 +1,4 @@
-"""Bundle trust (DESIGN.md section 3): what makes a bundle folder rejected, and proof that a
+"""Bundle trust (docs/design.md section 3): what makes a bundle folder rejected, and proof that a
 rejected bundle's code never runs.
 
 Every kernel here writes a marker file when its module code executes. For each way a bundle

@@ -1,5 +1,5 @@
 """`python -m graphdispatch_backend artifacts verify ROOT...` and `artifacts hash BUNDLE`
-(DESIGN.md section 3): one table row per bundle (id, verdict, reason, folder), exit code 1
+(docs/design.md section 3): one table row per bundle (id, verdict, reason, folder), exit code 1
 when anything is rejected. Called through `__main__.main` (fast), plus one real `python -m`."""
 
 from __future__ import annotations

@@ -49,3 +49,12 @@ def test_demo_shows_both_verdicts_and_stays_bitwise_equal(tmp_path, capsys):
     assert temb["max_abs_diff"] > 0 and temb["first_mismatch_index"] is not None
     assert (temb["calls"], temb["native_calls"]) == (0, steps)
     assert graph["calls"] == graph["cuda_graph"]["replays"] + graph["cuda_graph"]["eager_calls"]
+
+
+@pytest.mark.parametrize("steps, said", [("0", "must be at least 1, got 0"), ("-3", "must be at least 1"),
+                                         ("two", "must be an integer, got 'two'")])
+def test_demo_steps_are_validated(capsys, steps, said):
+    """Zero steps would compare nothing and still print "bitwise equal: YES"."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--steps", steps])
+    assert info.value.code == 2 and said in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Strict manifest schema v1 (DESIGN.md section 3): every field's type, unknown and missing
+"""Strict manifest schema v1 (docs/design.md section 3): every field's type, unknown and missing
 keys at every level, path rules, parity modes, devices, torch range and dtype names.
 
 Every rejection must be a ManifestError whose `.field` is the dotted path of the bad field,
@@ -12,8 +12,9 @@ import re
 from typing import Any
 
 import pytest
+import torch
 
-from graphdispatch_backend.artifacts.manifest import parse_manifest, version_tuple
+from graphdispatch_backend.artifacts.manifest import DTYPES, parse_manifest, version_tuple
 from graphdispatch_backend.errors import GraphDispatchError, ManifestError
 
 SHA = "ab" * 32
@@ -121,11 +122,24 @@ def test_outputs_may_carry_a_name_and_inputs_may_be_empty():
 @pytest.mark.parametrize("name, canonical", [
     ("float32", "float32"), ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16"),
     ("int64", "int64"), ("long", "int64"), ("bool", "bool"), ("complex64", "complex64"),
-    ("uint8", "uint8"), ("symint", "symint"), ("symfloat", "symfloat"), ("symbool", "symbool"),
+    ("uint8", "uint8"), ("float8_e4m3fn", "float8_e4m3fn"), ("cfloat", "complex64"),
 ])
 def test_dtype_names_are_canonicalised(name, canonical):
     m = parse_manifest(edited("signature.inputs[0].dtype", name))
     assert m.inputs[0].dtype == canonical
+
+
+def test_dtype_table_is_torchs_own():
+    """The manifest parser does not import torch; its dtype table must still be torch's."""
+    dtypes = {n: getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    assert {n: str(d).replace("torch.", "") for n, d in dtypes.items()} == DTYPES
+
+
+@pytest.mark.parametrize("kind", ["symint", "symfloat", "symbool"])
+def test_size_symbols_are_no_kernel_input(kind):
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(edited("signature.inputs[0].dtype", kind))
+    assert info.value.field == "signature.inputs[0].dtype" and "tensor inputs only" in str(info.value)
 
 
 @pytest.mark.parametrize("path", ["sub/kernel.py", "a.b/c-d_e.py", "sub/artifact.json", "deep/er/x.bin", ".hidden"])

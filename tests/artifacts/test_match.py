@@ -1,4 +1,4 @@
-"""Matching regions against manifests (DESIGN.md section 4): every typed Rejection forced on
+"""Matching regions against manifests (docs/design.md section 4): every typed Rejection forced on
 purpose. Regions are real: `tag_regions` over the lowered ATen graph of a small model; the
 manifests start as a copy of the region's report entry, as a new user would write them,
 and then get one thing wrong. `overlap` and `load_failed` happen in the substitute pass,
@@ -197,7 +197,7 @@ SIGNATURE_MISSES = [
     (_input_shape, "input 2 'input0': shape [4, 8], region has [2, 8]"),
     (_input_rank, "input 2 'input0': shape [2, 8, 1], region has [2, 8]"),
     (_output_shape, "output 0: shape [2, 16], region has [2, 8]"),
-    (_output_rank_with_nulls, "output 0: shape [None], region has [2, 8]"),
+    (_output_rank_with_nulls, "output 0: shape [null], region has [2, 8]"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The artifact registry (DESIGN.md sections 2 and 3): discovery one level deep, verification
+"""The artifact registry (docs/design.md sections 2 and 3): discovery one level deep, verification
 of every bundle, duplicate ids, the `enable` allowlist and what the report says about it."""
 
 from __future__ import annotations
@@ -169,8 +169,10 @@ def test_enable_naming_a_duplicated_id_says_why(tmp_path):
 
 def test_summary_keys(three):
     summary = Registry.load([str(three)], enable=["b"]).summary()
-    assert set(summary) == {"roots", "loaded", "verified", "enabled_filter", "excluded_ids", "errors"}
+    assert set(summary) == {"roots", "loaded", "verified", "enabled_filter", "excluded_ids", "errors", "patterns"}
     assert summary["roots"] == [str(three)] and summary["verified"] == ["a", "b"]
+    # what each verified artifact asks for, enabled or not, so a report can explain a miss
+    assert set(summary["patterns"]) == {"a", "b"}
     assert summary["errors"][0]["reason"] == "hash_mismatch"
 
 

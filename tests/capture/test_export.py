@@ -1,5 +1,5 @@
 """export_regions: deferred torch.export of every region at flush(), under the replayed autocast
-state, with every kept reference dropped afterwards (DESIGN section 4)."""
+state, with every kept reference dropped afterwards (docs/design.md section 4)."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def test_input_origins_of_parameters_buffers_attributes_and_inputs():
         InputOrigin("buffer", "bn.running_mean"),
         InputOrigin("buffer", "bn.running_var"),
         InputOrigin("buffer", "offset"),
-        # A plain tensor attribute reaches the graph like an argument: DESIGN section 3 names
+        # A plain tensor attribute reaches the graph like an argument: docs/design.md section 3 names
         # only parameters and buffers by their module path, anything else is an input.
         InputOrigin("input", "self.scale"),
         InputOrigin("input", "x"),

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from graphdispatch_backend.capture.names import clean_module_name, clean_path, instance_of, region_name, root_name
+import graphdispatch_backend
+from graphdispatch_backend.capture.lower import input_origins
+from graphdispatch_backend.capture.names import (
+    access_name,
+    clean_module_name,
+    clean_path,
+    instance_of,
+    region_name,
+    resolve_graph_names,
+    root_name,
+)
 from graphdispatch_backend.testing import aten_graph
 
 MODULE_PATHS = [
@@ -90,3 +102,207 @@ def test_real_dynamo_module_stacks_clean_to_named_modules():
                 assert isinstance(modules[name], cls)
                 regions.add(region_name(name, instance_of(key)))
     assert regions == {"layers.0", "layers.0.0", "layers.0.1", "d.k-1", "d.k-1#1"}
+
+
+# -- text cleaning of the roots Dynamo uses for a model reached in other ways ----------------------
+
+ROOTED = [
+    ("L['args'][0].layers.0.mlp", "layers.0.mlp"),  # forward decorated as wrapper(*args, **kwargs)
+    ("L['kwargs']['model'].blocks.1", "blocks.1"),
+    ("G['orig'].__self__.layers.0", "layers.0"),  # an instance forward closing over the original
+    ("getattr(L['self'].d, 'k-1')", "d.k-1"),  # Dynamo's spelling of a non-identifier attribute
+    ("getattr(L['self'].d, 'k-1').net.0", "d.k-1.net.0"),
+    ("L['args'][0]._modules['layers']._modules['0']._parameters['weight']", "layers.0.weight"),
+]
+
+
+@pytest.mark.parametrize(("dynamo", "clean"), ROOTED, ids=[p for p, _ in ROOTED])
+def test_roots_with_subscripts_and_bound_methods_clean_as_text(dynamo, clean):
+    assert clean_path(dynamo)[0] == clean
+
+
+def test_access_name_keeps_every_step_of_an_input():
+    assert access_name("L['kwargs']['input_ids']") == "kwargs.input_ids"
+    assert access_name("L['self'].__dict__['_buffers']['freqs']") == "self.freqs"
+    assert access_name("L['x']") == "x"
+
+
+# -- live resolution: every way a model reaches Dynamo names regions as named_modules() does -------
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8)
+        self.down = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(2))
+        self.d = torch.nn.ModuleDict({"k-1": torch.nn.Linear(4, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.d["k-1"](x)
+
+
+def _args_decorator(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # as transformers decorates LlamaModel.forward
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _self_decorator(fn):
+    @functools.wraps(fn)
+    def wrapper(self, x):
+        return fn(self, x)
+
+    return wrapper
+
+
+class _ArgsForward(_Model):
+    @_args_decorator
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class _SelfForward(_Model):
+    @_self_decorator
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+_GLOBAL = _Model()
+
+
+def _global_caller(x: torch.Tensor) -> torch.Tensor:
+    return _GLOBAL(x) * 2
+
+
+def _plain(model):
+    return torch.compile(model, backend="graphdispatch")
+
+
+def _method(model):
+    model.compile(backend="graphdispatch")
+    return model
+
+
+def _hooked(model):
+    model.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    model.layers[0].register_forward_hook(lambda module, args, out: out + 1)
+    return torch.compile(model, backend="graphdispatch")
+
+
+def _hooked_method(model):
+    model.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    return _method(model)
+
+
+def _instance_closure(model):
+    original = model.forward
+
+    def forward(*args, **kwargs):  # accelerate-style: the instance's forward wraps the original
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    return torch.compile(model, backend="graphdispatch")
+
+
+def _instance_partial(model):
+    model.forward = functools.partial(type(model).forward, model)
+    return torch.compile(model, backend="graphdispatch")
+
+
+WAYS = {
+    "plain_forward": (_Model, _plain),
+    "decorated_args_kwargs": (_ArgsForward, _plain),
+    "functools_wraps_self": (_SelfForward, _plain),
+    "hooks": (_Model, _hooked),
+    "model_compile": (_Model, _method),
+    "model_compile_with_hook": (_Model, _hooked_method),
+    "instance_forward_closure": (_Model, _instance_closure),
+    "instance_forward_partial": (_Model, _instance_partial),
+    "decorated_model_compile": (_ArgsForward, _method),
+}
+
+
+@pytest.mark.parametrize("way", sorted(WAYS))
+def test_every_way_to_reach_dynamo_names_regions_as_named_modules(way):
+    cls, compile_it = WAYS[way]
+    torch.manual_seed(0)
+    model = cls().eval()
+    compiled = compile_it(model)
+    with torch.no_grad():
+        compiled(torch.randn(2, 4))
+    report = graphdispatch_backend.latest_report()
+    regions = [r for g in report["graphs"] for r in g["regions"]]
+    names = {r["name"] for r in regions}
+    assert {"layers.0", "layers.0.mlp", "layers.1.mlp.down", "d.k-1"} <= names, names
+    for region in regions:
+        module = model.get_submodule(region["module"])
+        assert type(module).__qualname__ == region["class"]
+        state = dict(module.named_parameters())
+        assert {i["name"] for i in region["inputs"] if not i["name"].startswith("input")} <= set(state)
+    mlp = next(r for r in regions if r["name"] == "layers.1.mlp")
+    assert [i["name"] for i in mlp["inputs"]] == ["up.weight", "up.bias", "input0", "down.weight", "down.bias"]
+
+
+def test_a_compiled_function_names_a_global_model_from_its_own_root():
+    with torch.no_grad():
+        torch.compile(_global_caller, backend="graphdispatch")(torch.randn(2, 4))
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    names = {r["name"] for r in graph["regions"]}
+    assert "layers.0.mlp" in names and all(_GLOBAL.get_submodule(n.split("#")[0]) is not None for n in names)
+
+
+def test_a_compiled_block_names_regions_from_the_block():
+    model = _Model().eval()
+    model.layers[0].compile(backend="graphdispatch")
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    assert {r["name"] for r in graph["regions"]} == {"mlp", "mlp.up", "mlp.down"}
+
+
+def test_resolution_rewrites_the_graphs_module_stacks_and_lists_the_models_modules():
+    model = _ArgsForward().eval()
+    seen = {}
+
+    def backend(gm, example_inputs):
+        input_origins(gm, example_inputs)
+        seen["paths"] = {p for n in gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
+        seen["modules"] = gm.meta["gd_model_modules"]
+        return gm.forward
+
+    torch.compile(model, backend=backend)(torch.randn(2, 4))
+    assert seen["paths"] == {"layers.0", "layers.0.mlp", "layers.0.mlp.up", "layers.0.mlp.down", "layers.1",
+                             "layers.1.mlp", "layers.1.mlp.up", "layers.1.mlp.down", "d.k-1"}
+    assert set(seen["modules"]) == {n for n, _ in model.named_modules() if n}
+
+
+def test_without_a_frame_names_are_cleaned_as_text():
+    gm = torch.fx.symbolic_trace(_Model())
+    for node in gm.graph.nodes:
+        node.meta["nn_module_stack"] = {"1": ("L['args'][0].layers.0", _Layer)}
+    names = resolve_graph_names(gm, ["L['args'][0]._modules['d']._parameters['weight']"], frame=None)
+    assert names["L['args'][0].layers.0"] == ("layers.0", "attribute")
+    assert names["L['args'][0]._modules['d']._parameters['weight']"] == ("d.weight", "parameter")
+    assert gm.meta["gd_model_modules"] is None

@@ -134,7 +134,8 @@ def test_artifacts_table_shows_status_verdicts_demotions_and_timings(capsys, rep
     off = dict(zip(header, _row(arts, "mlp-off")))
     assert off["status"] == "demoted" and off["parity"] == "failed=1" and off["demotions"] == "parity=1"
     wide = dict(zip(header, _row(arts, "mlp-wide")))
-    assert wide["status"] == "rejected" and wide["rejections"] == "signature=2" and wide["regions"] == "0"
+    # every rejection by reason, `module` too (regions the pattern does not name)
+    assert wide["status"] == "rejected" and wide["rejections"] == "module=10, signature=2" and wide["regions"] == "0"
     demotions = _section(out, "Demotions")
     assert any("mlp-off on graph_0 blocks.1.mlp: parity:" in line and "bits differ" in line for line in demotions)
 

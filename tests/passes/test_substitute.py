@@ -1,4 +1,4 @@
-"""substitute: matched regions become one call node each, behind the native region graph (DESIGN section 5)."""
+"""substitute: matched regions become one call node each, behind the native region graph (docs/design.md section 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tag_regions: clean region names, boundaries, convexity, specs and fingerprints (DESIGN section 4)."""
+"""tag_regions: clean region names, boundaries, convexity, specs and fingerprints (docs/design.md section 4)."""
 
 from __future__ import annotations
 
@@ -247,9 +247,22 @@ def test_symbolic_dims_are_none_under_dynamic():
     assert x.shape == (None, None, 8) and x.stride[2] == 1 and None in x.stride
     assert mlp.output_specs[0].shape == (None, None, 8)
     assert mlp.to_dict()["outputs"][0]["shape"] == [None, None, 8]
-    # sizes Dynamo passes as symbols enter the region as symint inputs, named like any input
+    # sizes Dynamo passes as symbols enter the region as size inputs, apart from the tensors:
+    # `input<k>` counts tensors only, and the report lists sizes with where they come from
     symbols = [(n, s) for n, s in zip(mlp.input_names, mlp.input_specs) if s is not None and s.is_scalar]
-    assert symbols and all(s.dtype == "symint" and n.startswith("input") for n, s in symbols)
+    assert symbols and all(s.dtype == "symint" and n.startswith("size") for n, s in symbols)
+    assert mlp.kernel_names == ["input0", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    entry = mlp.to_dict()
+    assert [i["name"] for i in entry["inputs"]] == mlp.kernel_names
+    assert [s["name"] for s in entry["sizes"]] == [n for n, _ in symbols]
+    # each size is an expression over dims of the tensor inputs: evaluated on x (3, 5, 8) it
+    # gives the sizes the region uses (the flattened 15 for its 2-d matmuls, 3 and 5 to unflatten)
+    shapes = {"input0": (3, 5, 8)}
+    values = sorted(eval(s["expr"], {sym: shapes[where[0]][where[1]] for sym, where in s["symbols"].items()})
+                    for s in entry["sizes"])
+    assert values == [3, 5, 15]
+    # no region holds a size computation: aot shares them between modules
+    assert not any(op.startswith("_operator") for op in mlp.ops)
     # the parameters keep their concrete shapes
     assert mlp.input_specs[mlp.input_names.index("fc1.weight")].shape == (16, 8)
 
