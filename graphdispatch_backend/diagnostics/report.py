@@ -66,6 +66,7 @@ class CudaGraphStats:
     shape_keys: int = 0
     static_bytes: int = 0
     evictions: int = 0  # shape keys whose captures were evicted (least recently used, past max_captures)
+    live_captures: int = 0  # shape keys holding a capture now (at most max_captures)
     copy_bytes: int = 0  # bytes the replays copied: moving inputs in, mutated ones back, outputs out
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -97,6 +98,7 @@ class CudaGraphStats:
                 "shape_keys": self.shape_keys,
                 "static_bytes": self.static_bytes,
                 "evictions": self.evictions,
+                "live_captures": self.live_captures,
                 "copy_bytes": self.copy_bytes,
             }
 

@@ -14,8 +14,10 @@ tested on CPU through HostReplayEngine.
   that memory to later captures. The runner clones every output right after each replay
   and serializes replays per device.
 - Capture under the graph's device (`torch.cuda.device`, as trees record), on the device's
-  side stream, `capture_error_mode="thread_local"` (trees: other threads' eager work does
-  not invalidate it), after one warmup run on that stream outside the pool (lazy cuBLAS and
+  capture stream, `capture_error_mode="thread_local"` (trees: other threads' eager work does
+  not invalidate it). Not the stream replays run on: another thread may replay while this
+  one captures, and work launched on a capturing stream would be captured with it. One
+  warmup run on that stream comes first, outside the pool (lazy cuBLAS and
   cuDNN initialization stays out of the capture; torch.cuda.make_graphed_callables does the
   same), not counted as an artifact call (recording()).
 - cuBLAS workspaces are cleared before and after warmup and capture (trees'
@@ -74,6 +76,7 @@ class CudaGraphEngine:
         self.warmup_iters = warmup_iters
         self._pools: dict[int, Any] = {}
         self._streams: dict[int, CudaStreams] = {}
+        self._capture_streams: dict[int, Any] = {}
 
     def _index(self, device: Any) -> int:
         device = torch.device(device)
@@ -98,15 +101,19 @@ class CudaGraphEngine:
         return torch.cuda.device(self._index(device))
 
     def pool_bytes(self) -> int:
+        """Bytes the device pools hold (their segments), from the allocator's snapshot."""
         total = 0
-        for pool in self._pools.values():
-            total += sum(seg["total_size"] for seg in pool.snapshot())
+        for pool in list(self._pools.values()):
+            snapshot = getattr(pool, "snapshot", None)
+            if snapshot is not None:
+                total += sum(seg.get("total_size", 0) for seg in snapshot())
         return total
 
     def capture(self, fn: Fn, args: Sequence[Any], device: Any) -> _CudaGraph:
         index = self._index(device)
-        streams = self.streams(index)
-        side = streams.side()
+        side = self._capture_streams.get(index)
+        if side is None:
+            side = self._capture_streams[index] = torch.cuda.Stream(index)
         pool = self.pool(index)
         with torch.cuda.device(index):
             side.wait_stream(torch.cuda.current_stream())

@@ -77,17 +77,19 @@ class HostPool:
     """One arena per device (see module docstring)."""
 
     def __init__(self) -> None:
-        self._arena: torch.Tensor | None = None
+        # a storage, not a tensor: no grad mode sticks to it (a tensor made under
+        # inference_mode could not be written by a graph captured under no_grad)
+        self._arena: torch.UntypedStorage | None = None
         self._lock = threading.Lock()
         self._arenas: list[tuple[StorageWeakRef, int]] = []
 
-    def arena(self, nbytes: int) -> torch.Tensor:
-        """The arena (uint8), grown to hold at least `nbytes`. A grown arena is a new
-        segment: graphs carved from the old one keep it until they are reset."""
+    def arena(self, nbytes: int) -> torch.UntypedStorage:
+        """The arena, grown to hold at least `nbytes`. A grown arena is a new segment:
+        graphs carved from the old one keep it until they are reset."""
         with self._lock:
-            if self._arena is None or self._arena.numel() < nbytes:
-                self._arena = torch.empty(_align(max(nbytes, 1)), dtype=torch.uint8)
-                self._arenas.append((StorageWeakRef(self._arena.untyped_storage()), self._arena.numel()))
+            if self._arena is None or self._arena.nbytes() < nbytes:
+                self._arena = torch.UntypedStorage(_align(max(nbytes, 1)))
+                self._arenas.append((StorageWeakRef(self._arena), self._arena.nbytes()))
             return self._arena
 
     @property
@@ -99,27 +101,29 @@ class HostPool:
 
 
 class _HostGraph:
-    def __init__(self, fn: Fn, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.Tensor,
-                 blocks: list[tuple[int, int, int]]) -> None:
+    def __init__(self, fn: Fn, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.UntypedStorage,
+                 blocks: list[tuple[int, torch.Tensor]], inference: bool) -> None:
         self._fn: Fn | None = fn
         self._args = args
         self.outputs = outputs
-        self._arena = arena
-        self._blocks = blocks  # (output index, arena offset, bytes): one per output storage
+        self._arena = arena  # kept alive: the blocks are views of it
+        self._blocks = blocks  # (output index, its storage's bytes in the arena, as uint8)
+        self._inference = inference  # the capture's mode: its pinned inputs may be inference tensors
 
     def replay(self) -> None:
         if self._fn is None:
             raise RuntimeError("replay of a graph that was reset")
-        with recording(), torch.no_grad():
+        with recording(), torch.no_grad(), torch.inference_mode(self._inference):
             fresh = self._fn(*self._args)
-        for index, offset, nbytes in self._blocks:
-            storage = fresh[index].untyped_storage()
-            if storage.nbytes() != nbytes:
-                raise RuntimeError(f"host replay: output {index} has {storage.nbytes()} bytes, captured {nbytes}")
-            self._arena[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            for index, block in self._blocks:
+                storage = fresh[index].untyped_storage()
+                if storage.nbytes() != block.numel():
+                    raise RuntimeError(f"host replay: output {index} has {storage.nbytes()} bytes, "
+                                       f"captured {block.numel()}")
+                block.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
 
     def reset(self) -> None:
-        self._fn, self._args, self.outputs, self._arena, self._blocks = None, (), (), torch.empty(0), []
+        self._fn, self._args, self.outputs, self._arena, self._blocks = None, (), (), None, []
 
 
 class HostReplayEngine:
@@ -202,5 +206,5 @@ class HostReplayEngine:
                 out = fresh[i]
                 outputs[i] = torch.empty(0, dtype=out.dtype).set_(block, out.storage_offset(), out.shape, out.stride())
                 _poison(outputs[i])  # a capture computes nothing
-            blocks.append((indices[0], start, nbytes))
-        return _HostGraph(fn, pinned, tuple(outputs), arena, blocks)
+            blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
+        return _HostGraph(fn, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled())

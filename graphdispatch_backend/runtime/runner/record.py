@@ -66,8 +66,8 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         buffers.append((pos, buf))
     writes = [static_args[p] for p in mutated if p < len(static_args) and isinstance(static_args[p], torch.Tensor)]
     inputs = InputPlan(buffers, mutated, wide, args)
-    with device.lock:  # the buffers are shared: no other runner may be mid-replay
-        _, exc = scope.contain(lambda: inputs.fill(args))
+    with device.lock:  # the buffers are shared: filled in order with every replay on the side stream
+        _, exc = scope.contain(lambda: _fill(inputs, args, device))
     if exc is not None:
         raise _refusal(exc, "copying the inputs in")
     before, exc = scope.contain(lambda: World.take(writes))
@@ -98,6 +98,17 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
     entry.gate_state = tuple(g.demoted for g in gates)
     entry.state, entry.verified, entry.waits, entry.out_of_memory = State.CAPTURED, 0, 0, 0
     return buffers
+
+
+def _fill(inputs: InputPlan, args: Sequence[Any], device: DeviceRuntime) -> None:
+    """The buffers' first values, written on the side stream (as every copy-in is), after
+    the caller's work and before the caller's next (the capture) runs."""
+    streams = device.streams
+    caller, side = streams.current(), streams.side()
+    streams.wait(side, caller)
+    with streams.on(side):
+        streams.launch(inputs.fill, args)
+    streams.wait(caller, side)
 
 
 def _refusal(exc: Exception, doing: str) -> CudaGraphUnavailable:

@@ -343,6 +343,7 @@ class GraphRunner(Transitions):
         order = (State.EAGER, State.WARMING, State.CAPTURED, State.VERIFIED)
         states = self._book.states()
         self._stats.state = max(states, key=order.index).value if states else State.EAGER.value
+        self._stats.live_captures = sum(1 for slot in list(self._slots.values()) if slot.captured)
 
 
 
