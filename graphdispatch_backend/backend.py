@@ -38,8 +38,9 @@ from graphdispatch_backend.errors import (
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
-from graphdispatch_backend.passes.ops import effect_tokens, nondeterministic_suspects
+from graphdispatch_backend.passes.ops import collective_groups, effect_tokens, nondeterministic_suspects
 from graphdispatch_backend.region import Region
+from graphdispatch_backend.runtime.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.eager_check import EagerCheck
 from graphdispatch_backend.runtime.gate import ArtifactGate
@@ -148,7 +149,8 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
         dynamic = any(o.kind == "symbol" for o in origins)
         compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
-                              session.options.strict, keyed, mutated, dynamic, session.timing, builder.suspects)
+                              session.options.strict, keyed, mutated, dynamic, session.timing, builder.suspects,
+                              builder.agreement)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -184,6 +186,7 @@ class _Builder:
         # against eager (an input's metadata is mutated, or aot did not say)
         self.mutated: list[int] | None = None
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
+        self.agreement: Agreement | None = None
         # sizes may change from call to call (a symbolic input): runners key every call by shape
         self.dynamic = any(o.kind == "symbol" for o in origins)
 
@@ -209,6 +212,8 @@ class _Builder:
         tokens = frozenset(effect_tokens(gm))
         contract = PlaceholderContract.of(gm, tokens)
         self.suspects = nondeterministic_suspects(gm)
+        # a graph with collectives: verdicts are agreed over the ranks of its groups
+        self.agreement = agreement_for(collective_groups(gm))
         engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens],
                                                   training)
         record.cuda_graph_mode = engine or "off"
@@ -307,7 +312,8 @@ class _Builder:
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state, gates=gates,
                              suspects=self.suspects, device=device, mutated=info.mutated, wide=info.wide,
-                             guarded=True, static_shapes=not self.dynamic)
+                             guarded=True, static_shapes=not self.dynamic,
+                             agreement=self.agreement if info.collectives else None)
         return _named(runner, f"gd_piece_{info.index}")
 
     def _region_entry(self, region: Region, outcome: MatchOutcome | None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class PieceInfo:
     input_origins: tuple[InputOrigin | None, ...] = ()
     mutated: tuple[int, ...] = ()  # input positions the piece writes into
     wide: tuple[int, ...] = ()  # input positions the piece reads with as_strided (whole storage)
+    collectives: bool = False  # the piece holds collectives (captured inside: NCCL)
 
     def to_dict(self) -> dict[str, Any]:
         return {

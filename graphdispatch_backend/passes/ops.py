@@ -122,3 +122,17 @@ def is_collective(node: fx.Node) -> bool:
     """A c10d functional collective (all_reduce, all_gather_into_tensor, ..., wait_tensor)."""
     return node.op == "call_function" and getattr(node.target, "namespace", None) in (
         "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def collective_groups(gm: fx.GraphModule) -> list[str]:
+    """The process groups (by name) the graph's collectives run on, sorted."""
+    names = set()
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            schema = node.target._schema
+            for index, arg in enumerate(schema.arguments):
+                if arg.name == "group_name":
+                    value = node.kwargs.get("group_name", node.args[index] if index < len(node.args) else None)
+                    if isinstance(value, str):
+                        names.add(value)
+    return sorted(names)

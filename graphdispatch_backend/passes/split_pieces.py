@@ -114,7 +114,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     if not reasons:
         origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
         ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins, tuple(sorted(written_inputs(gm))),
-                                tuple(sorted(storage_readers(gm))))]
+                                tuple(sorted(storage_readers(gm))), any(is_collective(n) for n in calls))]
         return
     runs: list[tuple[bool, list[fx.Node]]] = []
     for node in calls:
@@ -142,6 +142,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         piece_gm = extract(nodes, inputs, outputs)
         info.mutated = tuple(sorted(written_inputs(piece_gm)))
         info.wide = tuple(sorted(storage_readers(piece_gm)))
+        info.collectives = any(is_collective(n) for n in nodes)
         target = spec.make_piece(piece_gm, info)
         replace_with_call(gm, nodes, inputs, outputs, target, {"gd_piece": info.index})
         pieces.append(info)

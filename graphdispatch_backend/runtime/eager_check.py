@@ -35,6 +35,7 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, StrictModeError
+from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
@@ -43,6 +44,15 @@ from graphdispatch_backend.runtime.parity import compare, compare_aliasing
 from graphdispatch_backend.runtime.world import World
 
 MAX_KEYS = 16  # shape keys of a dynamic graph that are checked; 0 turns the check off
+
+Verdict = tuple[Decline, str] | None
+# agreement codes, the worst last: the largest code over the ranks is the agreed verdict
+_CODES: tuple[Decline | None, ...] = (None, Decline.OUT_OF_MEMORY, Decline.LOWERING_MISMATCH,
+                                      Decline.EAGER_NONDETERMINISTIC, Decline.LOWERING_FAILED, Decline.CHECK_FAILED)
+
+
+def _code(verdict: Verdict) -> int:
+    return _CODES.index(verdict[0]) if verdict is not None else 0
 
 
 def _flat(out: Any) -> list[Any]:
@@ -67,6 +77,7 @@ class EagerCheck:
         dynamic: bool,
         timing: Timing,
         suspects: Sequence[str] = (),
+        agreement: Agreement | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -77,6 +88,7 @@ class EagerCheck:
         self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
         self._mutated = mutated  # the tensors among the inputs the graph writes into
         self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
+        self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         self._dynamic = dynamic
         self._counts: dict[tuple[Any, ...], int] = {}  # dynamic graphs: calls per shape key
         self._calls = 0  # static graphs: one shape key (Dynamo guards the shapes)
@@ -132,24 +144,54 @@ class EagerCheck:
             return self._verdict(Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}", raw, None)
         with native_regions():  # judge the lowering; each artifact's gate judges the artifact
             out, exc = self._contain(lambda: self._compiled(*args))
-        if exc is not None and is_out_of_memory(exc):  # no verdict on the lowering: eager answers
-            self._own(after.restore)
-            self._record.called(False, Decline.OUT_OF_MEMORY.value)
-            return raw
-        if exc is not None:
-            self._record.called(False, Decline.LOWERING_FAILED.value)  # raised before it was counted
-            return self._verdict(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}", raw, after)
-        got = _flat(out)
-        mismatch, exc = self._contain(lambda: compare(expected, got) or compare_aliasing(expected, got, args)
-                                      or after.compare())
-        if exc is not None:
-            return self._verdict(Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}", raw, after)
-        if mismatch is None:
+        raised = exc is not None  # then the call was not counted (CompiledGraph counts as it returns)
+        if raised:
+            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(exc) else Decline.LOWERING_FAILED
+            local: Verdict = (reason, f"raised {type(exc).__name__}: {exc}")
+        else:
+            got = _flat(out)
+            mismatch, exc = self._contain(lambda: compare(expected, got) or compare_aliasing(expected, got, args)
+                                          or after.compare())
+            if exc is not None:
+                local = (Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}")
+            else:
+                local = (Decline.LOWERING_MISMATCH, f"differs from eager: {mismatch}") if mismatch else None
+        verdict = self._settle(local, args, before, after, expected)
+        if raised:
+            self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
+        if verdict is None:
             with self._record.lock:
                 self._record.eager_checks += 1
             return out
-        reason, detail = self._blame(args, before, after, expected, f"differs from eager: {mismatch}")
-        return self._verdict(reason, detail, raw, after)
+        if verdict[0] is Decline.OUT_OF_MEMORY:  # memory was short this once: no verdict on the lowering
+            self._own(after.restore)
+            return raw
+        return self._verdict(*verdict, raw, after)
+
+    def _settle(self, local: Verdict, args: Sequence[Any], before: World, after: World,
+                expected: list[Any]) -> Verdict:
+        """This rank's verdict, blamed on eager's nondeterminism where eager disagrees with
+        itself, and agreed with every other rank of the graph's groups: the eager runs a
+        verdict adds happen on every rank, and a rank that found nothing itself takes
+        `rank_disagreement` when another found something."""
+        agreement = self._agreement
+        if agreement is None:
+            if local is not None and local[0] is Decline.LOWERING_MISMATCH:
+                return self._blame(args, before, after, expected, local[1])
+            return local
+        worst = _CODES[agreement.agree(_code(local))]
+        if worst is None:
+            return None
+        if worst is Decline.LOWERING_MISMATCH:  # every rank runs the second eager run
+            blamed = self._blame(args, before, after, expected, local[1] if local else "")
+            if local is not None and local[0] is Decline.LOWERING_MISMATCH:
+                local = blamed
+        worst = _CODES[agreement.agree(_code(local))]
+        if local is None or (worst is Decline.OUT_OF_MEMORY and local[0] is not worst):
+            if worst is Decline.OUT_OF_MEMORY:
+                return worst, "another rank ran out of memory in this check"
+            return Decline.RANK_DISAGREEMENT, f"another rank of the graph's process groups found {worst.value}"
+        return local
 
     def _blame(self, args: Sequence[Any], before: World, after: World, expected: list[Any],
                detail: str) -> tuple[Decline, str]:

@@ -109,7 +109,9 @@ class CudaGraphEngine:
                 total += sum(seg.get("total_size", 0) for seg in snapshot())
         return total
 
-    def capture(self, fn: Fn, args: Sequence[Any], device: Any) -> _CudaGraph:
+    def capture(self, fn: Fn, args: Sequence[Any], device: Any, warmup: bool = True) -> _CudaGraph:
+        """`warmup=False` for a piece that holds collectives: its warmup run would run them
+        on this rank alone (the runner's eager warmup calls, on every rank, did that work)."""
         index = self._index(device)
         side = self._capture_streams.get(index)
         if side is None:
@@ -119,7 +121,7 @@ class CudaGraphEngine:
             side.wait_stream(torch.cuda.current_stream())
             _clear_cublas()
             with recording(), torch.no_grad(), torch.cuda.stream(side):
-                for _ in range(self.warmup_iters):
+                for _ in range(self.warmup_iters if warmup else 0):
                     fn(*args)
             _clear_cublas()
             torch.cuda.current_stream().wait_stream(side)

@@ -2,9 +2,11 @@
 rule of the runtime is broken (tests, and `cuda_graphs="emulate"`).
 
 - Capture pins the storage of every argument (as a graph pins addresses), runs the
-  computation once, carves the static outputs out of the device's HostPool and poisons
-  them: a CUDA capture computes nothing. Replay re-runs the computation against the same
-  storages and copies the results into the same pool bytes.
+  computation once (its collectives stand-ins: a CUDA capture runs no NCCL kernel),
+  carves the static outputs out of the device's HostPool and poisons them: a CUDA
+  capture computes nothing. Replay re-runs the computation (collectives included, as a
+  replay launches the captured NCCL kernels) against the same storages and copies the
+  results into the same pool bytes.
 - HostPool: one arena per device, shared by every capture. Each capture carves its outputs
   from offset 0, as a CUDA pool hands the memory of outputs nobody owns to the next
   capture: a runner that returns a static output without cloning it, or lets two
@@ -51,8 +53,16 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-class _Peak(TorchDispatchMode):
-    """The peak bytes of live storages created while a computation runs (its working set)."""
+_COLLECTIVES = ("_c10d_functional", "c10d_functional")
+
+
+class _Capturing(TorchDispatchMode):
+    """What a capture does besides computing: it measures the peak bytes of live storages
+    created meanwhile (the capture's working set), and it runs no collective. A CUDA
+    capture records NCCL kernels without running them; here a collective returns an
+    uninitialized tensor of its output's shape (vLLM's custom all-reduce does the same
+    while warming up inside its capture context), so a rank whose capture fails early and
+    one whose capture succeeds have run the same collectives: none."""
 
     def __init__(self, held: set[int]) -> None:
         super().__init__()
@@ -61,7 +71,11 @@ class _Peak(TorchDispatchMode):
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) in _COLLECTIVES:
+            out = _stand_in(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
@@ -71,6 +85,16 @@ class _Peak(TorchDispatchMode):
         self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self._live.values()))
         return out
+
+
+def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
+    """A collective's output, shaped by its meta kernel, never communicated."""
+    if func is torch.ops._c10d_functional.wait_tensor.default:
+        return args[0]
+    real = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+    meta = func(*pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
+                **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))
+    return pytree.tree_map_only(torch.Tensor, lambda m: torch.empty(m.shape, dtype=m.dtype, device=real.device), meta)
 
 
 class HostPool:
@@ -177,14 +201,15 @@ class HostReplayEngine:
         if current != device:
             raise RuntimeError(f"host engine: {what} of a graph on {device} while the current device is {current}")
 
-    def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu") -> _HostGraph:
+    def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu", warmup: bool = True) -> _HostGraph:
+        """`warmup` is CUDA's side-stream run before capturing; the host model has none."""
         key = self._key(device)
         self.require(key, "capture")
         # detach() aliases the storage live now; a later `param.data = new` or a new
         # tensor in the caller leaves this alias on the old storage, like an address.
         pinned = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         held = {a.untyped_storage().data_ptr() for a in pinned if isinstance(a, torch.Tensor)}
-        peak = _Peak(held)
+        peak = _Capturing(held)
         with recording(), torch.no_grad(), peak:
             fresh = tuple(fn(*pinned))
         groups: dict[int, list[int]] = {}  # storage -> indices of the outputs viewing it

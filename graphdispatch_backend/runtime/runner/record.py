@@ -46,7 +46,7 @@ def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
 
 def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
            device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], mutated: Sequence[int],
-           wide: Sequence[int], guarded: bool) -> list[tuple[int, torch.Tensor]]:
+           wide: Sequence[int], guarded: bool, lockstep: bool = False) -> list[tuple[int, torch.Tensor]]:
     """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
     raise CudaGraphUnavailable with the reason otherwise."""
     first = entry.observations[0]
@@ -73,8 +73,12 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
     before, exc = scope.contain(lambda: World.take(writes))
     if exc is not None:
         raise _refusal(exc, "snapshotting the inputs the graph writes")
+    if lockstep:  # collectives inside: no warmup run that one rank would make alone
+        capture = lambda: scope.engine.capture(fn, static_args, device.device, warmup=False)
+    else:
+        capture = lambda: scope.engine.capture(fn, static_args, device.device)
     with device.guard():
-        graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device))
+        graph, exc = scope.contain(capture)
     before.restore()
     if exc is not None:
         raise _refusal(exc, "capturing")

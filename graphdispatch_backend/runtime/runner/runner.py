@@ -33,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
+from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.calls import mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
@@ -71,6 +72,7 @@ class GraphRunner(Transitions):
         wide: Sequence[int] = (),
         guarded: bool = False,
         static_shapes: bool = False,
+        agreement: Agreement | None = None,
     ) -> None:
         self._fn = fn
         self.name = name
@@ -97,7 +99,13 @@ class GraphRunner(Transitions):
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
         self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
-        if self._timing is not None:  # only then: the untimed hot path pays nothing for timing
+        # the piece holds collectives (NCCL, captured inside): every rank keeps one schedule
+        self._agreement = agreement
+        self._pending: tuple[Decline, str] | None = None  # a verdict waiting for the next agreement
+        self._calls = 0
+        if agreement is not None:
+            self.__class__ = LockstepGraphRunner
+        elif self._timing is not None:  # only then: the untimed hot path pays nothing for timing
             self.__class__ = TimedGraphRunner
 
     # -- the call -------------------------------------------------------------------
@@ -192,18 +200,23 @@ class GraphRunner(Transitions):
         if self._book.make_room(key) is not None:
             with self._stats.lock:
                 self._stats.evictions += 1
+        refusal: CudaGraphUnavailable | None = None
         try:
             self._capture(entry, args)
-        except CudaGraphUnavailable as refusal:
-            if refusal.reason is Decline.OUT_OF_MEMORY:
-                return self._out_of_memory(entry, args, refusal.detail)
-            self._decline(entry, refusal.reason, refusal.detail)
-            return self._eager(args, refusal.reason)
-        return self._verify(entry, args, first=True)
+        except CudaGraphUnavailable as exc:
+            refusal = exc
+        if self._agree(int(refusal is not None)) and refusal is None:  # another rank failed to capture
+            return self._refuse(entry, args, Decline.RANK_DISAGREEMENT, "another rank's capture failed")
+        if refusal is None:
+            return self._verify(entry, args, first=True)
+        if refusal.reason is Decline.OUT_OF_MEMORY and self._agreement is None:
+            return self._out_of_memory(entry, args, refusal.detail)
+        self._decline(entry, refusal.reason, refusal.detail)
+        return self._eager(args, refusal.reason)
 
     def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
         buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,
-                         self._mutated, self._wide, self._guarded)
+                         self._mutated, self._wide, self._guarded, lockstep=self._agreement is not None)
         with self._stats.lock:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
@@ -220,7 +233,7 @@ class GraphRunner(Transitions):
             repeats = self._verifier.repeats(entry.moving, args, entry.last_inputs)
             if repeats is None:
                 return self._refuse(entry, args, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
-            if repeats:
+            if self._agree(int(repeats)):  # one rank repeating its values: every rank derives a set
                 return self._verify_derived(entry, args)
         expected, verdict = self._verifier.live(args, lambda a: self._serve_locked(entry, a),
                                                 lambda a: self._eager(a, Decline.VERIFYING))
@@ -231,6 +244,8 @@ class GraphRunner(Transitions):
         expected = self._eager(args, Decline.VERIFYING)
         verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
                                                salt=entry.verified)
+        if self._agree(2 if verdict is NO_SET else int(verdict is not None)) == 2:
+            verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
         if verdict is NO_SET:
             entry.waits += 1
             if entry.waits > NOT_DISTINCT_LIMIT:
@@ -244,10 +259,18 @@ class GraphRunner(Transitions):
 
     def _conclude(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any], verdict: Verdict,
                   live: bool = True) -> Sequence[Any]:
-        if self._gates_changed(entry):
+        if self._gates_changed(entry) and self._agreement is None:
             # an artifact in this piece failed a parity re-check during this very call: the
             # capture holds it, so capture again without it rather than declining for good
             self._transition(entry, args, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", -1)
+            return expected
+        if self._gates_changed(entry) and verdict is None:
+            verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
+        if self._agree(int(verdict is not None)) and verdict is None:
+            verdict = Decline.RANK_DISAGREEMENT, "another rank's verification failed"
+        if verdict is not None and self._agreement is not None and verdict[0] is Decline.OUT_OF_MEMORY:
+            verdict = Decline.OUT_OF_MEMORY, verdict[1] + " (in lockstep with other ranks: declined)"
+            self._decline(entry, *verdict)
             return expected
         if verdict is not None:
             if verdict[0] is Decline.OUT_OF_MEMORY:
@@ -298,6 +321,9 @@ class GraphRunner(Transitions):
         return self._dispatch(args)  # raced with a state change: the slow path decides
 
     def _moved(self, entry: Entry, args: Sequence[Any], problem: tuple[Decline, str, int]) -> Sequence[Any]:
+        if self._agreement is not None:  # eager runs the same collectives: decide with the other ranks
+            self._pending = problem[0], problem[1]
+            return self._eager(args, problem[0])
         # Never block here: another thread may hold the lock for a whole capture.
         if not self._lock.acquire(blocking=False):
             return self._eager(args, problem[0])
@@ -314,6 +340,9 @@ class GraphRunner(Transitions):
         it raises), the entry declines and this call is answered eagerly."""
         if is_out_of_memory(exc):
             return self._eager(args, Decline.OUT_OF_MEMORY)
+        if self._agreement is not None:
+            self._pending = Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}"
+            return self._eager(args, Decline.REPLAY_FAILED)
 
         def reraise() -> None:
             raise exc
@@ -335,6 +364,11 @@ class GraphRunner(Transitions):
         if pos in self._state:
             return Decline.PARAMETER_MOVED, f"{self._state[pos]} moved under the captured graph", pos
         return Decline.PINNED_INPUT_MOVED, f"input {pos} is not the tensor the graph was captured with", pos
+
+    def _agree(self, code: int) -> int:
+        """The worst of this rank's `code` and every other rank's (the code itself when the
+        piece holds no collectives: no other rank's schedule depends on this one's)."""
+        return code if self._agreement is None else self._agreement.agree(code)
 
     def _gates_changed(self, entry: Entry) -> bool:
         return bool(self._gates) and tuple(g.demoted for g in self._gates) != entry.gate_state
@@ -362,3 +396,29 @@ class TimedGraphRunner(GraphRunner):
         key = self._key(args)
         timing.add("shape_key", timing.now() - start)
         return self._dispatch(args, key)
+
+
+class LockstepGraphRunner(GraphRunner):
+    """A runner of a piece that holds collectives (NCCL, captured inside, as vLLM does):
+    every rank must capture, verify and replay it on the same calls, or the collectives go
+    out of step. Every decision that would change the schedule is agreed (runner.py's
+    `_agree`); a rank that finds a problem in steady state (a moved input, a failed replay)
+    answers eagerly, which runs the same collectives, and raises it at the next agreement
+    point, the runner's 1st, 2nd, 4th, 8th, ... call: then every rank declines the piece
+    (the rank at fault with its reason, the others `rank_disagreement`)."""
+
+    def __call__(self, *args: Any) -> Sequence[Any]:
+        n = self._calls = self._calls + 1
+        if n & (n - 1) == 0:
+            self._settle_pending()
+        return GraphRunner.__call__(self, *args)
+
+    def _settle_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if not self._agree(int(pending is not None)):
+            return
+        self._hot = None
+        reason, detail = pending or (Decline.RANK_DISAGREEMENT, "another rank could not replay")
+        for entry in list(self._book.entries.values()):
+            if entry.state is not State.EAGER:
+                self._decline(entry, reason, detail)
