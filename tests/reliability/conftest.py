@@ -55,11 +55,14 @@ def opdb_table(records: list[dict[str, Any]]) -> list[str]:
     rows.append(["OpInfos", *(len({r["op"] for r in records if r["dtype"] == d}) for d in dtypes)])
     rows.append(["seconds", *(round(sum(r["seconds"] for r in records if r["dtype"] == d)) for d in dtypes)])
     lines = table(["op_db sample", *dtypes], rows).splitlines()
-    failed = [(r, o) for r in records for o in r["outcomes"] if o["excuse"] is None]
-    if failed:
-        lines.append("failures (graphdispatch differs from eager where aot_eager does not):")
-    for r, o in failed:
-        lines.append(f"  {r['op']} {r['dtype']} sample {r['sample']} call {o['call']}: {o['kind']}: {o['text']}")
+    failed = [(r, [o for o in r["outcomes"] if o["excuse"] is None]) for r in records]
+    if any(outcomes for _, outcomes in failed):
+        lines.append("failures (graphdispatch differs from eager where aot_eager does not), per sample:")
+    for r, outcomes in failed:
+        for kind in sorted({o["kind"] for o in outcomes}):
+            hits = [o for o in outcomes if o["kind"] == kind]
+            calls = ", ".join(str(o["call"]) for o in hits)
+            lines.append(f"  {r['op']} {r['dtype']} sample {r['sample']} calls {calls}: {kind}: {hits[0]['text']}")
     # excused differences: one line per op, dtype and excuse (a full sweep has many)
     excused: defaultdict[tuple[str, str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     for r in records:
