@@ -12,6 +12,9 @@ graph mutates are snapshotted and restored and the RNG state is replayed, so bot
 the same world. The compiled call on such a call is the one the user gets (a replay, once
 the graph replays), so the check covers the served path end to end.
 
+An autograd graph's check also compares the gradients of one backward when the call
+records autograd history (runtime/autograd_check.py); its verdicts are the same.
+
 Verdicts, each for the rest of the session (the graph then runs as the Dynamo graph,
 eagerly, counted and said):
 - `lowering_mismatch`: outputs (values, strides, views) or mutated inputs differ, and a
@@ -35,6 +38,7 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, StrictModeError
+from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
@@ -67,6 +71,7 @@ class EagerCheck:
         dynamic: bool,
         timing: Timing,
         suspects: Sequence[str] = (),
+        gradients: GradientCheck | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -83,6 +88,7 @@ class EagerCheck:
         self._on = MAX_KEYS > 0
         self._declined: Decline | None = None
         self._timing = timing if timing.enabled else None
+        self._gradients = gradients  # an autograd graph's: its backward is checked too
 
     def __call__(self, *args: Any) -> Any:
         if self._timing is not None:
@@ -91,7 +97,7 @@ class EagerCheck:
             out = self._eager(*args)
             self._record.called(False, self._declined.value)
             return out
-        if self._on and self._due(args) and not self._needs_grad(args):
+        if self._on and self._due(args) and (self._gradients is not None or not self._needs_grad(args)):
             return self._check(args)
         try:
             return self._compiled(*args)
@@ -144,6 +150,10 @@ class EagerCheck:
                                       or after.compare())
         if exc is not None:
             return self._verdict(Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}", raw, after)
+        if mismatch is None and self._gradients is not None and self._gradients.needed(args):
+            verdict = self._gradients.judge(args, expected, got)
+            if verdict is not None:
+                return self._verdict(verdict.reason, verdict.detail, raw, after, verdict.gradients)
         if mismatch is None:
             with self._record.lock:
                 self._record.eager_checks += 1
@@ -166,7 +176,8 @@ class EagerCheck:
         return Decline.LOWERING_MISMATCH, detail
 
     # -- verdicts -----------------------------------------------------------------------
-    def _verdict(self, reason: Decline, detail: str, raw: Any, after: World | None) -> Any:
+    def _verdict(self, reason: Decline, detail: str, raw: Any, after: World | None,
+                 gradients: Sequence[str] = ()) -> Any:
         """Answer with eager's result and world, and run the Dynamo graph from now on."""
         if after is not None:
             _, exc = self._contain(after.restore)
@@ -174,7 +185,7 @@ class EagerCheck:
                 detail += f"; restoring eager's world raised {type(exc).__name__}: {exc}"
         with self._record.lock:
             self._record.eager_checks += 1
-        self._give_up(reason, detail)
+        self._give_up(reason, detail, gradients)
         return raw
 
     def _abandon(self, args: Sequence[Any], detail: str) -> Any:
@@ -188,12 +199,14 @@ class EagerCheck:
         if exc is not None:
             self._give_up(Decline.CHECK_FAILED, f"restoring the mutated inputs raised {type(exc).__name__}: {exc}")
 
-    def _give_up(self, reason: Decline, detail: str) -> None:
+    def _give_up(self, reason: Decline, detail: str, gradients: Sequence[str] = ()) -> None:
         """From now on the Dynamo graph runs: record why, mark the artifacts unused, say it
         once (or raise, under strict)."""
         self._declined = reason
         with self._record.lock:
             self._record.lowering = {"status": reason.value, "detail": detail}
+            if gradients:  # the inputs whose gradients differ from eager's
+                self._record.lowering["gradients"] = list(gradients)
         self._unused(reason)
         message = f"{self._record.name} runs as the Dynamo graph, eagerly: the compiled graph {detail}"
         self._events.decision("decline", {"graph": self._record.name, "reason": reason.value, "detail": detail})
