@@ -11,7 +11,8 @@ matched, one backward runs on each side and their gradients are compared:
   stream is never advanced;
 - with respect to every input of the graph that requires grad (parameters by their names,
   other inputs by their access paths), through `torch.autograd.grad`, which never writes
-  `.grad` nor runs the hooks that accumulating into it would;
+  `.grad` nor runs the hooks that accumulating into it would (DDP's, post-accumulate
+  hooks); tensor hooks registered on the inputs do run, on both sides;
 - `retain_graph=True` on both sides: the user's own backward still runs on the outputs
   served (the compiled ones, or eager's when the check gives a verdict).
 
