@@ -275,12 +275,16 @@ class _Builder:
                 run = without_history(run, native.forward, self.session.events, record)
         record.cuda_graph_reason = reason.value if reason else None
         record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
+        # what runs instead: an autograd graph's lowered forward and backward, not the Dynamo graph
+        runs = "the lowered forward and backward run, not captured" if training else "it runs eager"
+        if reason is not None and training:
+            record.cuda_graph_detail = f"{record.cuda_graph_detail}; {runs}"
         asked = self.session.options.cuda_graphs in (True, "emulate")
         if reason is not None and (asked or reason is Decline.NO_CAPTURABLE_PIECE):
             # the user asked for graphs (or a piece could have had one): say why there is none
             self.session.events.warn_once(
-                f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; it runs eager",
-                record.name, reason.value, record.cuda_graph_detail)
+                f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
+                record.name, reason.value, _DETAILS.get(reason), runs)
         return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
                              lambda detail: self._contract_mismatch(record, detail))
 

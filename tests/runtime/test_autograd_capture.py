@@ -306,3 +306,14 @@ def test_an_artifact_serves_inference_graphs_and_autograd_graphs_run_the_region_
     entry = report["artifacts"]["mlp-relu"]
     assert entry["rejections"] == {"autograd": 2, "module": entry["rejections"]["module"]}
     assert entry["status"] == "partly_rejected"
+
+
+def test_without_capture_the_decline_says_what_runs():
+    """Not the Dynamo graph eagerly: aot's lowered forward and backward, not captured."""
+    model = mlp()
+    assert same(train(model, {"cuda_graphs": False}, 2), train(model, None, 2))
+    (g,) = report_graphs()
+    for record in (g, g["backward"]):
+        assert record["cuda_graph"]["eager_by_reason"] == {"disabled": record["calls"]}
+        detail = record["cuda_graph"]["decline_details"]["disabled"]
+        assert detail == "cuda_graphs=False; the lowered forward and backward run, not captured"
