@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the rare machine that has one, in under 8 minutes on one GPU:
-#   1. pytest -m cuda tests/runtime/test_cuda.py  (CudaGraphEngine + the runner on a real device)
+#   1. pytest -m cuda tests/runtime/test_cuda.py tests/runtime/test_autograd_cuda.py
+#      (CudaGraphEngine + the runner on a real device; forward and backward of autograd graphs)
 #   2. python bench/gpu_bench.py                   (latency against the CUDA-graph peers), if present
 # Without a CUDA device it prints "no CUDA device: skipping" and exits 0.
 #
@@ -33,8 +34,9 @@ fi
 
 status=0
 start=$SECONDS
-echo "gpu_check: [1/2] pytest -m cuda tests/runtime/test_cuda.py (limit ${TESTS_S}s)"
-timeout -k 10 "$TESTS_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/runtime/test_cuda.py
+echo "gpu_check: [1/2] pytest -m cuda tests/runtime/test_cuda.py tests/runtime/test_autograd_cuda.py (limit ${TESTS_S}s)"
+timeout -k 10 "$TESTS_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/runtime/test_cuda.py \
+    tests/runtime/test_autograd_cuda.py
 rc=$?
 [ $rc -eq 124 ] && echo "gpu_check: the CUDA tests ran past ${TESTS_S}s"
 [ $rc -ne 0 ] && [ $status -eq 0 ] && status=$rc

@@ -17,14 +17,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from functorch.compile import make_boxed_func
 
 from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
-from graphdispatch_backend.artifacts.match import MatchOutcome, match_region
+from graphdispatch_backend.artifacts.match import MatchOutcome, match_for_autograd, match_region
 from graphdispatch_backend.artifacts.patterns import generalize
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.capture.autocast import AutocastState
-from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
+from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
 from graphdispatch_backend.errors import (
     AuthoringFailure,
@@ -39,8 +38,12 @@ from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.ops import collective_groups, effect_tokens, nondeterministic_suspects
+from graphdispatch_backend.passes.split_pieces import split_pieces
+from graphdispatch_backend.passes.strip_assertions import strip_assertions
 from graphdispatch_backend.region import Region
 from graphdispatch_backend.runtime.agree import Agreement, agreement_for
+from graphdispatch_backend.runtime.autograd import backward_fallback, without_history
+from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.eager_check import EagerCheck
 from graphdispatch_backend.runtime.gate import ArtifactGate
@@ -56,11 +59,14 @@ _DYNAMO_CONTROL = tuple(
 )
 
 
+# A backward graph has no regions to substitute: its pipeline only strips assertions and
+# cuts pieces (random ops, host syncs) for capture.
+BACKWARD_PIPELINE = (strip_assertions, split_pieces)
+
 _DETAILS = {
     Decline.DISABLED: "cuda_graphs=False",
     Decline.NOT_CUDA: "the graph's inputs are not all on CUDA; cuda_graphs='emulate' shows what a GPU would do",
     Decline.NO_CUDA_DEVICE: "cuda_graphs=True but this machine has no CUDA device",
-    Decline.AUTOGRAD: "training graphs run eagerly in v1",
     Decline.NO_CAPTURABLE_PIECE: "every node of the graph must stay outside a CUDA graph",
     Decline.MULTI_DEVICE: "the graph's tensors are on several CUDA devices; a CUDA graph captures one device",
 }
@@ -108,6 +114,7 @@ def _fallback(session: Session, record: GraphRecord, gm: fx.GraphModule, exc: Ex
     """The Dynamo graph, run as is: nothing half-built from this graph is used."""
     record.kind, record.cuda_graph_mode = "fallback", "off"
     record.substitutions.clear()
+    record.backward = None
     record.pieces.clear()
     record.piece_stats.clear()
     record.error = f"{type(exc).__name__}: {exc}"
@@ -140,7 +147,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     lifted = [t for _, t in gm.named_parameters(remove_duplicate=False)] + [
         t for _, t in gm.named_buffers(remove_duplicate=False)]
     n_lifted = len(lifted)
-    if record.kind == "inference" and builder.mutated is not None:
+    if builder.mutated is not None:
         positions = builder.mutated
 
         def mutated(args: Sequence[Any]) -> list[torch.Tensor]:
@@ -148,9 +155,12 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
 
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
         dynamic = any(o.kind == "symbol" for o in origins)
+        # an autograd graph's check also compares the gradients of one backward
+        gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
+            if record.kind == "autograd" else None
         compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
                               session.options.strict, keyed, mutated, dynamic, session.timing, builder.suspects,
-                              builder.agreement)
+                              builder.agreement, gradients)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -191,74 +201,104 @@ class _Builder:
         self.dynamic = any(o.kind == "symbol" for o in origins)
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
-        tracing = torch._guards.TracingContext.try_get()
-        meta = getattr(tracing, "fw_metadata", None) if tracing is not None else None
-        if meta is not None and not any(info.mutates_metadata for info in meta.input_info):
-            self.mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
-        return self._build(gm, training=False)
+        self.mutated = mutated_inputs()
+        return self._build(gm, self.record, "inference")
 
     def forward(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
-        return self._build(gm, training=True)
+        """The forward of an autograd graph: checked, captured and replayed as an inference
+        graph is (aot runs it under no_grad, inside its autograd.Function); every output is
+        copied out of pool memory after a replay, the tensors saved for backward included
+        (the generation rule: see docs/design.md, section 6)."""
+        self.mutated = mutated_inputs()
+        self.record.backward = GraphRecord(self.record.index, kind="backward", role="backward")
+        return self._build(gm, self.record, "forward")
 
     def backward(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-        return make_boxed_func(gm.forward)
+        """The backward, captured like the forward. aot compiles it lazily, inside the
+        user's first backward(): a failure here must not raise there, so the lowered
+        backward then runs as aot made it, counted `backend_error`."""
+        record = self.record.backward
+        if record is None:  # aot compiled a backward without a forward: not expected
+            record = self.record.backward = GraphRecord(self.record.index, kind="backward", role="backward")
+        native = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        try:
+            return self._build(gm, record, "backward")
+        except Exception as exc:
+            if self.session.options.strict:
+                raise StrictModeError(f"compiling the backward of {self.record.name} failed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            return backward_fallback(self.session.events, record, native, exc)
 
-    def _build(self, gm: fx.GraphModule, training: bool) -> CompiledGraph:
-        record = self.record
-        record.kind = "autograd" if training else "inference"
+    def _build(self, gm: fx.GraphModule, record: GraphRecord, role: str) -> CompiledGraph:
+        """role: inference, forward (of an autograd graph) or backward."""
+        training = role != "inference"
+        record.kind = {"inference": "inference", "forward": "autograd"}.get(role, "backward")
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         record.nodes, record.inputs = len(gm.graph.nodes), len(placeholders)
         native = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the original, for contract fallbacks
         tokens = frozenset(effect_tokens(gm))
         contract = PlaceholderContract.of(gm, tokens)
-        self.suspects = nondeterministic_suspects(gm)
+        suspects = nondeterministic_suspects(gm)
         # a graph with collectives: verdicts are agreed over the ranks of its groups
-        self.agreement = agreement_for(collective_groups(gm))
-        engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens],
-                                                  training)
+        agreement = agreement_for(collective_groups(gm))
+        if role != "backward":
+            self.suspects, self.agreement = suspects, agreement
+        engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens])
         record.cuda_graph_mode = engine or "off"
         scope = self.session.scope(engine) if engine else None
         ctx = PassContext(
-            input_origins=self.origins,
-            matcher=None if training else self._match,
-            make_call=None if training else self._make_call,
-            pieces_spec=PieceSpec(torch.device(device).type,
-                                  lambda piece, info: self._runner(scope, piece, info, device)) if scope else None,
+            # a backward's inputs are saved tensors and gradients: no parameter, no region
+            input_origins=self.origins if role != "backward" else (),
+            # an autograd graph substitutes nothing: every artifact its pattern names is refused
+            matcher=self._match if role == "inference" else self._match_autograd,
+            make_call=self._make_call,
+            pieces_spec=PieceSpec(torch.device(device).type, lambda piece, info: self._runner(
+                scope, piece, info, device, record, suspects, agreement))
+            if scope else None,
         )
-        run_pipeline(gm, ctx)
+        if role == "backward":
+            run_pipeline(gm, ctx, BACKWARD_PIPELINE)
+        else:
+            run_pipeline(gm, ctx)
         record.stripped_assertions = ctx.stripped_assertions
-        record.regions = [self._region_entry(r, ctx.outcomes.get(r.name)) for r in ctx.regions]
-        record.module_rejections = dict(self.module_rejections)
-        self._check_authoring(training)
+        if role != "backward":
+            record.regions = [self._region_entry(r, ctx.outcomes.get(r.name), role == "inference")
+                              for r in ctx.regions]
+            record.module_rejections = dict(self.module_rejections)
+            self._check_authoring(training)
         record.pieces = [p.to_dict() for p in ctx.pieces]
         record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
         # forward, not __call__: nn.Module's call machinery costs microseconds per call
         run: Callable[..., Any] = gm.forward
         if scope is not None:
             if not ctx.split_reasons and ctx.pieces:
-                run = self._runner(scope, gm, ctx.pieces[0], device)
+                run = self._runner(scope, gm, ctx.pieces[0], device, record, suspects, agreement)
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
+            if training and reason is None:
+                run = without_history(run, native.forward, self.session.events, record)
         record.cuda_graph_reason = reason.value if reason else None
         record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
+        # what runs instead: an autograd graph's lowered forward and backward, not the Dynamo graph
+        runs = "the lowered forward and backward run, not captured" if training else "it runs eager"
+        if reason is not None and training:
+            record.cuda_graph_detail = f"{record.cuda_graph_detail}; {runs}"
         asked = self.session.options.cuda_graphs in (True, "emulate")
         if reason is not None and (asked or reason is Decline.NO_CAPTURABLE_PIECE):
             # the user asked for graphs (or a piece could have had one): say why there is none
             self.session.events.warn_once(
-                f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; it runs eager",
-                record.name, reason.value, record.cuda_graph_detail)
+                f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
+                record.name, reason.value, _DETAILS.get(reason), runs)
         return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
-                             self._contract_mismatch)
+                             lambda detail: self._contract_mismatch(record, detail))
 
-    def _engine_for(self, placeholders: list[fx.Node], training: bool) -> tuple[str | None, Decline | None, str]:
+    def _engine_for(self, placeholders: list[fx.Node]) -> tuple[str | None, Decline | None, str]:
         """(engine, why there is none, the device the pieces run on: `cuda:N` or a type)."""
         mode = self.session.options.cuda_graphs
         devices = {n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)}
         types = {d.type for d in devices}
         cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
         device = f"cuda:{cuda[0]}" if cuda else (sorted(types)[0] if types else "cpu")
-        if training:
-            return None, Decline.AUTOGRAD, device
         if mode is False:
             return None, Decline.DISABLED, device
         if len(cuda) > 1:  # one graph, one device: a capture cannot span devices
@@ -273,7 +313,14 @@ class _Builder:
 
     def _match(self, region: Region) -> MatchOutcome:
         reg = self.session.registry
-        outcome = match_region(region, reg.artifacts.values(), reg.excluded.values(), torch.__version__)
+        return self._count(match_region(region, reg.artifacts.values(), reg.excluded.values(), torch.__version__))
+
+    def _match_autograd(self, region: Region) -> MatchOutcome:
+        reg = self.session.registry
+        return self._count(match_for_autograd(region, reg.artifacts.values(), reg.excluded.values()))
+
+    def _count(self, outcome: MatchOutcome) -> MatchOutcome:
+        reg = self.session.registry
         by_name = {r.artifact for r in outcome.rejections if r.reason is Rejection.MODULE}
         for artifact_id in by_name:
             self.module_rejections[artifact_id] += 1
@@ -302,27 +349,32 @@ class _Builder:
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return _named(gate, f"gd_artifact_{artifact.id}")
 
-    def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str) -> GraphRunner:
+    def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str, record: GraphRecord,
+                suspects: Sequence[str], agreement: Agreement | None) -> GraphRunner:
         opts = self.session.options
         stats = CudaGraphStats()
-        self.record.piece_stats.append(stats)
+        record.piece_stats.append(stats)
         gates = [n.target for n in piece.graph.nodes if "gd_substitution" in n.meta]
         state = {i: o.name for i, o in enumerate(info.input_origins) if o is not None and o.is_state}
-        runner = GraphRunner(piece.forward, f"{self.record.name}.piece_{info.index}", scope, stats,
+        # A backward's inputs (saved tensors, gradients) pass no Dynamo guard: its runner
+        # keys every call by layout and checks the layouts of what it reads in place.
+        guarded = record.kind != "backward"
+        runner = GraphRunner(piece.forward, f"{record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state, gates=gates,
-                             suspects=self.suspects, device=device, mutated=info.mutated, wide=info.wide,
-                             guarded=True, static_shapes=not self.dynamic,
-                             agreement=self.agreement if info.collectives else None)
+                             suspects=suspects, device=device, mutated=info.mutated, wide=info.wide,
+                             guarded=guarded, static_shapes=guarded and not self.dynamic,
+                             agreement=agreement if info.collectives else None)
         return _named(runner, f"gd_piece_{info.index}")
 
-    def _region_entry(self, region: Region, outcome: MatchOutcome | None) -> dict[str, Any]:
+    def _region_entry(self, region: Region, outcome: MatchOutcome | None, inference: bool) -> dict[str, Any]:
         entry = region.to_dict()
         if outcome is not None:
             entry["artifact"] = outcome.selected.id if outcome.selected is not None else None
             entry["rejections"] = [r.to_dict() for r in outcome.rejections if r.reason is not Rejection.MODULE]
             # the region's graph once per kind, for `artifacts scaffold` to write a kernel from
-            if region.graph_data is not None:
+            # (inference graphs only: a forward graph's regions also hand out saved tensors)
+            if inference and region.graph_data is not None:
                 self.record.region_graphs.setdefault(region.fingerprint, region.graph_data)
             for rejection in outcome.rejections:
                 if rejection.reason is Rejection.SIGNATURE:
@@ -354,7 +406,8 @@ class _Builder:
             raise StrictModeError(f"{record.name}: {len(self.failures)} authoring failure(s): "
                                   + "; ".join(self.failures))
 
-    def _contract_mismatch(self, detail: str) -> None:
-        self.session.events.warn_once(f"contract:{self.record.name}",
+    def _contract_mismatch(self, record: GraphRecord, detail: str) -> None:
+        self.session.events.warn_once(f"contract:{record.name}",
                                       "graphdispatch: %s ran eager: inputs break its contract: %s",
-                                      self.record.name, detail)
+                                      record.name, detail)
+

@@ -122,6 +122,7 @@ class Rejection(str, enum.Enum):
     NOT_SELECTED = "not_selected"  # another artifact won the region
     OVERLAP = "overlap"  # an enclosing or earlier region was already substituted
     LOAD_FAILED = "load_failed"  # entry code would not load (or was tampered with)
+    AUTOGRAD = "autograd"  # the graph needs autograd and manifests declare no backward: the region runs native
 
 
 class Demotion(str, enum.Enum):

@@ -272,7 +272,12 @@ def test_training_step_gradients_match_eager(mode: str) -> None:
     (graph,) = graphdispatch_backend.latest_report()["graphs"]
     assert graph["kind"] == "autograd"
     assert graph["calls"] == steps
-    assert graph["cuda_graph"]["eager_by_reason"] == {"autograd": steps}
+    assert graph["lowering_check"] == {"checked": steps, "status": "bitwise"}
+    if mode == "auto":  # eager on CPU: the lowered forward and backward, not captured
+        assert graph["cuda_graph"]["eager_by_reason"] == {"not_cuda": steps}
+        assert graph["backward"]["cuda_graph"]["eager_by_reason"] == {"not_cuda": 2 * steps}  # the check's, the user's
+    else:  # warmup 1: the second step captures and verifies
+        assert graph["cuda_graph"]["eager_by_reason"] == {"warmup": 1, "verifying": 1}
     assert graph["cuda_graph"]["replays"] == 0
 
 

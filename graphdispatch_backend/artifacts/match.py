@@ -125,3 +125,24 @@ def _first_miss(m: Manifest, region: Region, torch_version: str) -> tuple[Reject
     if not region.deterministic:
         return Rejection.NONDETERMINISTIC, "the region draws random numbers"
     return None
+
+
+AUTOGRAD_DETAIL = ("the graph needs autograd and the manifest declares no backward (artifacts are "
+                   "inference-only): the region runs native")
+
+
+def match_for_autograd(region: Region, artifacts: Iterable[Any], excluded: Iterable[Any]) -> MatchOutcome:
+    """An autograd graph substitutes nothing: a kernel without a backward would cut the
+    gradient at the region. Every artifact whose pattern names the region is refused as
+    `autograd` (so the report says the region runs native, and why); its signature is not
+    judged, since a forward graph's regions also hand out the tensors saved for backward."""
+    outcome = MatchOutcome(region.name)
+    for artifact in sorted(excluded, key=lambda a: a.id):
+        if matches(artifact.manifest.module, region.module):
+            outcome.reject(artifact.id, Rejection.NOT_ENABLED, "not in the enable allowlist")
+    for artifact in sorted(artifacts, key=lambda a: a.id):
+        if matches(artifact.manifest.module, region.module):
+            outcome.reject(artifact.id, Rejection.AUTOGRAD, AUTOGRAD_DETAIL)
+        else:
+            outcome.reject(artifact.id, Rejection.MODULE, f"pattern {artifact.manifest.module!r}")
+    return outcome

@@ -122,3 +122,14 @@ def lower(
             inference_compiler=inference_compiler,
             keep_inference_input_mutations=True,
         )
+
+
+def mutated_inputs() -> list[int] | None:
+    """Inside an aot compiler: the inputs (aot positions) the graph writes into, from aot's
+    metadata; None when the graph cannot be checked against eager (an input's metadata is
+    mutated, or aot did not say)."""
+    tracing = torch._guards.TracingContext.try_get()
+    meta = getattr(tracing, "fw_metadata", None) if tracing is not None else None
+    if meta is None or any(info.mutates_metadata for info in meta.input_info):
+        return None
+    return [i for i, info in enumerate(meta.input_info) if info.mutates_data]

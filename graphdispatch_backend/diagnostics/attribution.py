@@ -21,9 +21,10 @@ from typing import Any
 from graphdispatch_backend.artifacts.patterns import suggest
 
 # Rejections that refuse a region the artifact's pattern named (not another artifact's win,
-# not a larger region's substitution): an artifact serving elsewhere is `partly_rejected`.
+# not a larger region's substitution): an artifact serving elsewhere is `partly_rejected`
+# (`autograd`: the region is in a graph that needs autograd, where artifacts never serve).
 REFUSALS = frozenset({"fingerprint", "signature", "device", "torch_version", "not_convex", "nondeterministic",
-                      "load_failed"})
+                      "load_failed", "autograd"})
 
 
 def _blank(enabled: bool) -> dict[str, Any]:

@@ -126,19 +126,31 @@ def _summary(report: dict[str, Any]) -> list[str]:
             by_reason[k] = by_reason.get(k, 0) + v
     subs = [s for g in graphs for s in g["substitutions"]]
     demoted = sum(1 for s in subs if s["demoted"])
-    broken = [g["name"] for g in graphs if not _balanced(g)]
+    broken = [g["name"] for g in _with_backwards(graphs) if not _balanced(g)]
     fell_back = sum(1 for g in graphs if g["kind"] == "fallback")
+    backwards = [g["backward"] for g in graphs if g.get("backward")]
     out = ["", "Summary",
            f"  {_plural(len(graphs), 'graph')}, {_plural(calls, 'call')}: {replays} replayed from a captured graph, "
            f"{eager} eager" + (f" ({_counts(by_reason)})" if eager else ""),
            f"  {_plural(len(subs), 'substitution')}, {demoted} demoted to native; "
            + (f"{_plural(fell_back, 'graph')} fell back on a compile error" if fell_back
               else "no graph fell back on a compile error")]
+    if backwards:
+        b_calls = sum(b["calls"] for b in backwards)
+        b_replays = sum(b["cuda_graph"]["replays"] for b in backwards)
+        out.append(f"  {_plural(len(backwards), 'backward')} of autograd graphs, {_plural(b_calls, 'run')} "
+                   f"({sum(b['checks'] for b in backwards)} by the lowering check): {b_replays} replayed, "
+                   f"{b_calls - b_replays} eager")
     if broken:
         out.append(f"  ACCOUNTING MISMATCH (calls != replays + eager) in: {', '.join(broken)}")
     else:
         out.append("  every call accounted for: calls == replays + eager on each graph")
     return out
+
+
+def _with_backwards(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each graph, followed by its backward's record when it has one."""
+    return [r for g in graphs for r in (g, g.get("backward")) if r]
 
 
 def _balanced(g: dict[str, Any]) -> bool:
@@ -163,10 +175,10 @@ def _registry(report: dict[str, Any]) -> list[str]:
 
 def _graphs(report: dict[str, Any]) -> list[str]:
     rows, details = [], []
-    for g in report["graphs"]:
+    for g in _with_backwards(report["graphs"]):
         cg = g["cuda_graph"]
         lowering = g.get("lowering_check") or {}
-        rows.append([g["name"], g["kind"], g["nodes"], len(g["substitutions"]), g["calls"], cg["replays"],
+        rows.append([g["name"], g["kind"], g["nodes"], len(g.get("substitutions", ())), g["calls"], cg["replays"],
                      cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", lowering.get("status", "-"),
                      f"{cg['mode']}: {cg['state']}", cg["captures"], _counts(cg["eager_by_reason"]),
                      _counts(cg["declines"])])
@@ -177,7 +189,8 @@ def _graphs(report: dict[str, Any]) -> list[str]:
         if g.get("contract_mismatches"):
             details.append(f"  {g['name']}: contract_mismatch (x{g['contract_mismatches']} calls ran the native "
                            f"graph): {g.get('contract_detail')}")
-    out = ["", "Graphs (vs eager: the lowered graph checked against the Dynamo graph run eagerly, bit for bit; "
+    out = ["", "Graphs (vs eager: the lowered graph checked against the Dynamo graph run eagerly, bit for bit, "
+               "an autograd graph's gradients too; <graph>.backward: its backward's runs, the check's among them; "
                "cuda graph = engine: state; engine host is the CPU emulation, off means no capture)",
            table(["graph", "kind", "nodes", "subst", "calls", "replays", "eager", "calls=r+e", "vs eager",
                   "cuda graph", "captures", "eager calls by reason", "declines"], rows, max_width=CELL)]
@@ -188,7 +201,7 @@ def _graphs(report: dict[str, Any]) -> list[str]:
 
 def _pieces(report: dict[str, Any]) -> list[str]:
     rows = []
-    for g in report["graphs"]:
+    for g in _with_backwards(report["graphs"]):
         pieces = g.get("pieces", [])
         if len(pieces) <= 1:
             continue

@@ -141,7 +141,7 @@ class GraphRecord:
 
     index: int
     compile_id: str = ""
-    kind: str = "inference"  # inference | autograd | fallback
+    kind: str = "inference"  # inference | autograd | fallback; a backward's own record: backward | fallback
     nodes: int = 0
     inputs: int = 0
     stripped_assertions: int = 0
@@ -150,7 +150,7 @@ class GraphRecord:
     eager_calls: int = 0
     eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
     eager_checks: int = 0  # calls on which the lowered graph was compared with real eager
-    lowering: dict[str, str] | None = None  # set when the lowering was found wrong
+    lowering: dict[str, Any] | None = None  # set when the lowering was found wrong
     contract_mismatches: int = 0
     contract_detail: str | None = None
     cuda_graph_mode: str = "off"
@@ -166,11 +166,15 @@ class GraphRecord:
     split_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     error: str | None = None
     export: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # an autograd graph's backward: its own calls, pieces and captures (None: inference)
+    backward: GraphRecord | None = None
+    role: str = ""  # "backward" for an autograd graph's backward record
+    checks: int = 0  # a backward's runs made by the lowering check (counted in `calls` too)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
     def name(self) -> str:
-        return f"graph_{self.index}"
+        return f"graph_{self.index}" + (f".{self.role}" if self.role else "")
 
     def called(self, replayed: bool, reason: str | None) -> None:
         with self.lock:
@@ -247,6 +251,30 @@ class GraphRecord:
             "pattern_matches": dict(self.pattern_matches),
             "region_graphs": dict(self.region_graphs),
             "export": self.export,
+            "backward": self.backward.backward_dict() if self.backward is not None else None,
+        }
+
+    def backward_dict(self) -> dict[str, Any]:
+        """A backward's record: what it ran as, its calls (the lowering check's among
+        them) and its capture, accounted as a graph's are."""
+        counts = self._counts()
+        pieces = [
+            {**info, "cuda_graph": stats.to_dict()} if stats is not None else info
+            for info, stats in zip(self.pieces, self._stats_per_piece())
+        ]
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "nodes": self.nodes,
+            "inputs": self.inputs,
+            "calls": counts[0],
+            "checks": self.checks,
+            "error": self.error,
+            "contract_mismatches": self.contract_mismatches,
+            "contract_detail": self.contract_detail,
+            "cuda_graph": self.cuda_graph(counts),
+            "pieces": pieces,
+            "split_reasons": dict(self.split_reasons),
         }
 
     def _lowering_check(self) -> dict[str, Any]:
@@ -312,6 +340,7 @@ class SessionReport:
 
 
 def _totals(graphs: list[dict[str, Any]]) -> dict[str, Any]:
+    backwards = [g["backward"] for g in graphs if g.get("backward")]
     eager_by_reason: Counter[str] = Counter()
     for g in graphs:
         eager_by_reason.update(g["cuda_graph"]["eager_by_reason"])
@@ -323,4 +352,8 @@ def _totals(graphs: list[dict[str, Any]]) -> dict[str, Any]:
         "eager_by_reason": dict(eager_by_reason),
         "substitutions": sum(len(g["substitutions"]) for g in graphs),
         "demotions": sum(1 for g in graphs for s in g["substitutions"] if s["demoted"]),
+        # the backwards of autograd graphs, accounted apart: a backward is no call of the model
+        "backward_calls": sum(b["calls"] for b in backwards),
+        "backward_replays": sum(b["cuda_graph"]["replays"] for b in backwards),
+        "backward_eager_calls": sum(b["cuda_graph"]["eager_calls"] for b in backwards),
     }

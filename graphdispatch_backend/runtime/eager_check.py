@@ -12,6 +12,9 @@ graph mutates are snapshotted and restored and the RNG state is replayed, so bot
 the same world. The compiled call on such a call is the one the user gets (a replay, once
 the graph replays), so the check covers the served path end to end.
 
+An autograd graph's check also compares the gradients of one backward when the call
+records autograd history (runtime/autograd_check.py); its verdicts are the same.
+
 Verdicts, each for the rest of the session (the graph then runs as the Dynamo graph,
 eagerly, counted and said):
 - `lowering_mismatch`: outputs (values, strides, views) or mutated inputs differ, and a
@@ -36,6 +39,7 @@ from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, StrictModeError
 from graphdispatch_backend.runtime.agree import Agreement
+from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
@@ -78,6 +82,7 @@ class EagerCheck:
         timing: Timing,
         suspects: Sequence[str] = (),
         agreement: Agreement | None = None,
+        gradients: GradientCheck | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -95,6 +100,7 @@ class EagerCheck:
         self._on = MAX_KEYS > 0
         self._declined: Decline | None = None
         self._timing = timing if timing.enabled else None
+        self._gradients = gradients  # an autograd graph's: its backward is checked too
 
     def __call__(self, *args: Any) -> Any:
         if self._timing is not None:
@@ -103,7 +109,7 @@ class EagerCheck:
             out = self._eager(*args)
             self._record.called(False, self._declined.value)
             return out
-        if self._on and self._due(args) and not self._needs_grad(args):
+        if self._on and self._due(args) and (self._gradients is not None or not self._needs_grad(args)):
             return self._check(args)
         try:
             return self._compiled(*args)
@@ -145,6 +151,8 @@ class EagerCheck:
         with native_regions():  # judge the lowering; each artifact's gate judges the artifact
             out, exc = self._contain(lambda: self._compiled(*args))
         raised = exc is not None  # then the call was not counted (CompiledGraph counts as it returns)
+        gradients: Sequence[str] = ()  # the inputs whose gradients differ from eager's
+        forward = False  # the verdict comes from comparing the forward's results and world
         if raised:
             reason = Decline.OUT_OF_MEMORY if is_out_of_memory(exc) else Decline.LOWERING_FAILED
             local: Verdict = (reason, f"raised {type(exc).__name__}: {exc}")
@@ -154,9 +162,15 @@ class EagerCheck:
                                           or after.compare())
             if exc is not None:
                 local = (Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}")
+            elif mismatch is not None:
+                local, forward = (Decline.LOWERING_MISMATCH, f"differs from eager: {mismatch}"), True
+            elif self._gradients is not None and self._gradients.needed(args):
+                judged = self._gradients.judge(args, expected, got)  # blames eager's nondeterminism itself
+                local = None if judged is None else (judged.reason, judged.detail)
+                gradients = () if judged is None else judged.gradients
             else:
-                local = (Decline.LOWERING_MISMATCH, f"differs from eager: {mismatch}") if mismatch else None
-        verdict = self._settle(local, args, before, after, expected)
+                local = None
+        verdict = self._settle(local, args, before, after, expected, forward)
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
         if verdict is None:
@@ -166,17 +180,18 @@ class EagerCheck:
         if verdict[0] is Decline.OUT_OF_MEMORY:  # memory was short this once: no verdict on the lowering
             self._own(after.restore)
             return raw
-        return self._verdict(*verdict, raw, after)
+        return self._verdict(*verdict, raw, after, gradients)
 
     def _settle(self, local: Verdict, args: Sequence[Any], before: World, after: World,
-                expected: list[Any]) -> Verdict:
+                expected: list[Any], forward: bool) -> Verdict:
         """This rank's verdict, blamed on eager's nondeterminism where eager disagrees with
-        itself, and agreed with every other rank of the graph's groups: the eager runs a
-        verdict adds happen on every rank, and a rank that found nothing itself takes
-        `rank_disagreement` when another found something."""
+        itself (`forward`: it compared the forward's results; a gradient verdict is blamed by
+        the gradient check), and agreed with every other rank of the graph's groups: the
+        eager runs a verdict adds happen on every rank, and a rank that found nothing itself
+        takes `rank_disagreement` when another found something."""
         agreement = self._agreement
         if agreement is None:
-            if local is not None and local[0] is Decline.LOWERING_MISMATCH:
+            if local is not None and forward:
                 return self._blame(args, before, after, expected, local[1])
             return local
         worst = _CODES[agreement.agree(_code(local))]
@@ -184,7 +199,7 @@ class EagerCheck:
             return None
         if worst is Decline.LOWERING_MISMATCH:  # every rank runs the second eager run
             blamed = self._blame(args, before, after, expected, local[1] if local else "")
-            if local is not None and local[0] is Decline.LOWERING_MISMATCH:
+            if local is not None and forward:
                 local = blamed
         worst = _CODES[agreement.agree(_code(local))]
         if local is None or (worst is Decline.OUT_OF_MEMORY and local[0] is not worst):
@@ -208,7 +223,8 @@ class EagerCheck:
         return Decline.LOWERING_MISMATCH, detail
 
     # -- verdicts -----------------------------------------------------------------------
-    def _verdict(self, reason: Decline, detail: str, raw: Any, after: World | None) -> Any:
+    def _verdict(self, reason: Decline, detail: str, raw: Any, after: World | None,
+                 gradients: Sequence[str] = ()) -> Any:
         """Answer with eager's result and world, and run the Dynamo graph from now on."""
         if after is not None:
             _, exc = self._contain(after.restore)
@@ -216,7 +232,7 @@ class EagerCheck:
                 detail += f"; restoring eager's world raised {type(exc).__name__}: {exc}"
         with self._record.lock:
             self._record.eager_checks += 1
-        self._give_up(reason, detail)
+        self._give_up(reason, detail, gradients)
         return raw
 
     def _abandon(self, args: Sequence[Any], detail: str) -> Any:
@@ -230,12 +246,14 @@ class EagerCheck:
         if exc is not None:
             self._give_up(Decline.CHECK_FAILED, f"restoring the mutated inputs raised {type(exc).__name__}: {exc}")
 
-    def _give_up(self, reason: Decline, detail: str) -> None:
+    def _give_up(self, reason: Decline, detail: str, gradients: Sequence[str] = ()) -> None:
         """From now on the Dynamo graph runs: record why, mark the artifacts unused, say it
         once (or raise, under strict)."""
         self._declined = reason
         with self._record.lock:
             self._record.lowering = {"status": reason.value, "detail": detail}
+            if gradients:  # the inputs whose gradients differ from eager's
+                self._record.lowering["gradients"] = list(gradients)
         self._unused(reason)
         message = f"{self._record.name} runs as the Dynamo graph, eagerly: the compiled graph {detail}"
         self._events.decision("decline", {"graph": self._record.name, "reason": reason.value, "detail": detail})

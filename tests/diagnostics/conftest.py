@@ -105,7 +105,8 @@ def _accounted(report: dict[str, Any]) -> None:
     """Every call of every graph (and of every captured piece) is a replay or an eager call
     with a named reason; the totals agree with the graphs."""
     assert report["graphs"], "no graph was compiled"
-    for g in report["graphs"]:
+    graphs = report["graphs"] + [g["backward"] for g in report["graphs"] if g.get("backward")]
+    for g in graphs:
         cg = g["cuda_graph"]
         assert g["calls"] == cg["replays"] + cg["eager_calls"], (g["name"], g["calls"], cg)
         assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"], (g["name"], cg)
@@ -114,12 +115,13 @@ def _accounted(report: dict[str, Any]) -> None:
             stats = piece.get("cuda_graph")
             if stats is not None:
                 assert sum(stats["eager_by_reason"].values()) == stats["eager_calls"], (g["name"], piece)
-        for sub in g["substitutions"]:
+        for sub in g.get("substitutions", ()):
             if sub["demoted"]:
                 assert sub["reason"] and sub["detail"], sub
     totals = report["totals"]
     assert totals["calls"] == sum(g["calls"] for g in report["graphs"])
     assert totals["calls"] == totals["replays"] + totals["eager_calls"]
+    assert totals["backward_calls"] == totals["backward_replays"] + totals["backward_eager_calls"]
 
 
 @pytest.fixture

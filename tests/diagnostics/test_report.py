@@ -237,19 +237,26 @@ def test_contract_mismatch_runs_native_counted_and_named(accounted):
     assert "expected 4 at dim 0" in graph["contract_detail"]
 
 
-def test_autograd_graph_runs_eager_counted_and_named(accounted):
+def test_autograd_graph_counts_its_forward_and_its_backward(accounted):
+    """Forward calls are the graph's calls; backward runs have their own record, the
+    lowering check's among them (`checks`), accounted the same way."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     compiled = torch.compile(model, backend="graphdispatch", options=EMULATE)
-    for _ in range(2):
+    for _ in range(4):
         compiled(torch.randn(4, 8)).sum().backward()
     report = graphdispatch_backend.latest_report()
     accounted(report)
     graph = _graph(report)
-    assert graph["kind"] == "autograd"
-    assert graph["cuda_graph"]["eager_by_reason"] == {"autograd": 2}
-    assert graph["cuda_graph"]["declines"] == {"autograd": 1}
-    assert graph["cuda_graph"]["decline_details"]["autograd"]
+    assert graph["kind"] == "autograd" and graph["calls"] == 4
+    assert graph["cuda_graph"]["eager_by_reason"] == {"warmup": 1, "verifying": 1}
+    assert graph["cuda_graph"]["replays"] == 2 and graph["lowering_check"] == {"checked": 3, "status": "bitwise"}
+    backward = graph["backward"]
+    assert backward["name"] == "graph_0.backward" and backward["kind"] == "backward"
+    assert backward["calls"] == 4 + 3 and backward["checks"] == 3  # the user's 4, the check's 3
+    assert backward["cuda_graph"]["replays"] > 0 and backward["cuda_graph"]["declines"] == {}
+    totals = report["totals"]
+    assert totals["backward_calls"] == 7 and totals["calls"] == 4
 
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

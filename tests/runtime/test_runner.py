@@ -441,11 +441,11 @@ def test_no_cuda_device_declines(monkeypatch):
     assert cg["eager_by_reason"] == {"no_cuda_device": 3}
 
 
-def test_training_graph_runs_eager_as_autograd():
+def test_training_graph_captures_its_forward_and_backward():
     model = linear_stack(depth=1).train()
     ref = linear_stack(depth=1).train()
     compiled = emulate(model)
-    for _ in range(4):
+    for _ in range(8):
         x = torch.randn(2, 8)
         out, want = compiled(x), ref(x)
         assert torch.equal(out, want)
@@ -455,7 +455,8 @@ def test_training_graph_runs_eager_as_autograd():
         assert torch.equal(p.grad, q.grad)
     graph = only_graph()
     assert graph["kind"] == "autograd"
-    assert graph["cuda_graph"]["eager_by_reason"] == {"autograd": 4}
+    assert graph["cuda_graph"]["eager_by_reason"] == {"warmup": 3, "verifying": 2}
+    assert graph["cuda_graph"]["replays"] == 3 and graph["backward"]["cuda_graph"]["replays"] > 0
 
 
 def test_non_tensor_output_declines():

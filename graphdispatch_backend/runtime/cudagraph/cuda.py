@@ -144,8 +144,9 @@ class CudaGraphEngine:
                     _clear_cublas()
             held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             # outputs that view an argument stay as they are (the argument owns the memory);
-            # the rest become non-owning views of pool memory
-            outputs = tuple(_unowned(o) if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in held
-                            else o for o in owned)
+            # the rest become non-owning views of pool memory, a tensor returned twice once
+            made: dict[int, Any] = {}
+            outputs = tuple(made.setdefault(id(o), _unowned(o)) if isinstance(o, torch.Tensor)
+                            and o.untyped_storage().data_ptr() not in held else o for o in owned)
             del owned
         return _CudaGraph(graph, outputs)

@@ -227,9 +227,13 @@ class HostReplayEngine:
             # each output storage is its own storage over the arena's bytes, not owning
             # them, as a CUDA graph's static outputs are blocks of its pool
             block = torch._C._construct_storage_from_data_pointer(arena.data_ptr() + start, arena.device, nbytes)
+            made: dict[int, torch.Tensor] = {}  # a tensor returned twice stays one tensor, as on CUDA
             for i in indices:
                 out = fresh[i]
-                outputs[i] = torch.empty(0, dtype=out.dtype).set_(block, out.storage_offset(), out.shape, out.stride())
-                _poison(outputs[i])  # a capture computes nothing
+                if id(out) not in made:
+                    made[id(out)] = torch.empty(0, dtype=out.dtype).set_(block, out.storage_offset(), out.shape,
+                                                                         out.stride())
+                    _poison(made[id(out)])  # a capture computes nothing
+                outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
         return _HostGraph(fn, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled())

@@ -6,11 +6,20 @@ plan, made once at capture from the static outputs:
 
 - outputs that share a pool storage (`y` and `y.chunk(2)`, `unsafe_split`) form one group:
   one copy per group of the bytes its outputs reach, and each output rebuilt over the copy
-  with its own sizes, strides and offset, so they alias each other as in eager. Stride-0
-  and overlapping outputs (`expand`, `unfold`) keep their strides the same way. A group of
-  one dense output is copied into a tensor of its own layout (`empty_strided`).
+  with its own sizes, strides and offset, so they alias each other as in eager. When they
+  share a dtype they are views of one tensor, the first output dense over the group's
+  reach when there is one (a group of one dense output is just that, `empty_strided`), so
+  they share its version counter, as eager's views do: aot saves `detach(y)` for backward
+  next to the output `y`, and writing into `y` must fail the backward's version check.
+  Stride-0 and overlapping outputs (`expand`, `unfold`) keep their strides the same way.
 - an output that views an input (a pinned tensor, or the static buffer of a moving one)
-  is a view of the caller's tensor at the same place, never a copy;
+  is a view of the caller's tensor at the same place, never a copy; an output that is
+  the whole input (same offset, sizes and strides) is the caller's tensor itself, as the
+  graph run eagerly returns it (aot's forward hands parameters and inputs on to the
+  backward so: a fresh view would differ in type, `Parameter`, and `requires_grad`);
+- a tensor the graph returns twice (aot's forward returns a tensor it saves for backward
+  once as an output, once as a saved tensor; engines keep static outputs' identity) is one
+  object, as eager returns it: autograd then knows the saved tensor is the output;
 - None and Python scalars are constants.
 
 `allocate` makes every destination before the replay (an allocation failure then leaves
@@ -27,7 +36,7 @@ import torch
 
 from graphdispatch_backend.runtime.contract import writable_layout
 
-_CONSTANT, _GROUP, _VIEW = 0, 1, 2
+_CONSTANT, _GROUP, _VIEW, _SAME = 0, 1, 2, 3
 
 
 def _bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -61,28 +70,43 @@ class OutputPlan:
             ptr = out.untyped_storage().data_ptr()
             pos = views.get(ptr) if out.untyped_storage().nbytes() else None
             if pos is not None and static_args[pos].dtype == out.dtype:
-                delta = out.storage_offset() - static_args[pos].storage_offset()
-                self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), delta)
+                base = static_args[pos]
+                delta = out.storage_offset() - base.storage_offset()
+                whole = delta == 0 and out.shape == base.shape and out.stride() == base.stride()
+                self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), None if whole else delta)
             else:
                 groups.setdefault(ptr, []).append(i)
         self._srcs: list[torch.Tensor] = []
         self._makers: list[tuple[Any, ...]] = []  # per group: how to allocate its destination
         for g, indices in enumerate(groups.values()):
             members = [outputs[i] for i in indices]
-            if len(members) == 1 and _dense(members[0]):
-                t = members[0]
-                self._srcs.append(t)
-                self._makers.append((tuple(t.shape), t.stride(), t.dtype, t.device))
-                self._items[indices[0]] = (_GROUP, g, -1, (), (), t.dtype)
-                continue
             lo = min(_reach(t)[0] for t in members)
             hi = max(_reach(t)[1] for t in members)
+            # the first member dense over the group's whole reach is the base, as in eager
+            # (`y` before `y.chunk(2)`, `tanh` before the `detach(tanh)` aot saves): copied
+            # into a tensor of its own layout, and the others views of it
+            base = next((t for t in members if _dense(t) and _reach(t) == (lo, hi)), None)
+            if base is not None and all(t.dtype == base.dtype for t in members):
+                self._srcs.append(base)
+                self._makers.append((tuple(base.shape), base.stride(), base.dtype, base.device))
+                for i, t in zip(indices, members):
+                    self._items[i] = (_GROUP, g, -1, (), (), t.dtype) if t is base else (
+                        _GROUP, g, t.storage_offset() - base.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                continue
             lo -= lo % 64  # keep every member's element offset whole in its dtype
-            self._srcs.append(_bytes(members[0], lo, hi))
-            self._makers.append(((hi - lo,), (1,), torch.uint8, members[0].device))
+            src = _bytes(members[0], lo, hi)
+            if len({t.dtype for t in members}) == 1:  # one dtype: the copy in it, members views of it
+                # (of a base eager did not return)
+                src = src.view(members[0].dtype)
+            self._srcs.append(src)
+            self._makers.append(((src.numel(),), (1,), src.dtype, members[0].device))
             for i, t in zip(indices, members):
                 offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
                 self._items[i] = (_GROUP, g, offset, tuple(t.shape), t.stride(), t.dtype)
+        first: dict[int, int] = {}
+        for i, out in enumerate(outputs):
+            if isinstance(out, torch.Tensor) and first.setdefault(id(out), i) != i:
+                self._items[i] = (_SAME, first[id(out)])
         self.bytes_out = sum(s.nbytes for s in self._srcs)
 
     def allocate(self) -> list[torch.Tensor]:
@@ -102,13 +126,17 @@ class OutputPlan:
                 dst = dsts[g]
                 if offset < 0:
                     out.append(dst)
+                elif dst.dtype == dtype:
+                    out.append(dst.as_strided(shape, stride, offset))
                 else:
                     out.append(torch.empty(0, dtype=dtype, device=dst.device).set_(
                         dst.untyped_storage(), offset, shape, stride))
             elif kind == _VIEW:
                 _, pos, shape, stride, delta = item
                 base = args[pos]
-                out.append(base.as_strided(shape, stride, base.storage_offset() + delta))
+                out.append(base if delta is None else base.as_strided(shape, stride, base.storage_offset() + delta))
+            elif kind == _SAME:
+                out.append(out[item[1]])
             else:
                 out.append(item[1])
         return out

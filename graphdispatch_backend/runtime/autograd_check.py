@@ -1,0 +1,163 @@
+"""GradientCheck: the gradients of an autograd graph's lowering, against eager's, bit for bit.
+
+EagerCheck (runtime/eager_check.py) runs the Dynamo graph eagerly next to the compiled
+graph on the 1st, 2nd, 4th, 8th, ... call per shape key and compares the outputs. When
+the call records autograd history (grad mode on, an input that requires grad), the
+outputs are not all the user gets: aot's backward will run on them. So, once the outputs
+matched, one backward runs on each side and their gradients are compared:
+
+- the outputs that require grad are differentiated, each against a fixed pseudo-random
+  cotangent of its dtype and layout, drawn from a private generator: the user's random
+  stream is never advanced;
+- with respect to every input of the graph that requires grad (parameters by their names,
+  other inputs by their access paths), through `torch.autograd.grad`, which never writes
+  `.grad` nor runs the hooks that accumulating into it would (DDP's, post-accumulate
+  hooks); tensor hooks registered on the inputs do run, on both sides;
+- `retain_graph=True` on both sides: the user's own backward still runs on the outputs
+  served (the compiled ones, or eager's when the check gives a verdict).
+
+Values are compared bit for bit; strides too for inputs that are not leaves (a gradient
+flowing on into another graph), not for leaves, whose `.grad` AccumulateGrad lays out as
+the parameter is, whatever layout the backward produced. Verdicts (EagerCheck applies
+them: the graph then runs as the Dynamo graph, with eager autograd, for the session):
+
+- `lowering_mismatch`: an output records history on one side only, or the gradients
+  differ while eager's backward agrees with itself; the inputs whose gradients differ are
+  named (aot traces some backward formulas otherwise than eager runs them: `prod`'s, which
+  eager picks by whether the input holds a zero, a value a trace cannot see);
+- `eager_nondeterministic`: eager's backward, run twice, disagrees with itself;
+- `lowering_failed`: the lowered backward raises where eager's does not;
+- `check_failed`: a cotangent or a comparison raised.
+An out-of-memory in the lowered backward is no verdict; eager's backward raising means
+the user's would too, and leaves nothing to compare. Everything runs inside `contain`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from graphdispatch_backend.diagnostics.report import GraphRecord
+from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.parity import Mismatch, compare
+
+COTANGENT_SEED = 0x6D15  # the private generator's seed: the same cotangents on every check
+NAMED = 3  # gradients described in full in a verdict's detail; the rest are counted
+
+
+class GradientVerdict(NamedTuple):
+    reason: Decline
+    detail: str
+    gradients: tuple[str, ...] = ()  # the inputs whose gradients differ
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def cotangents(outputs: Sequence[torch.Tensor], seed: int = COTANGENT_SEED) -> list[torch.Tensor]:
+    """One tensor per output, of its shape, dtype, device and (when dense) strides, with
+    standard-normal values from a generator of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in outputs:
+        wide = torch.complex128 if t.is_complex() else torch.float64
+        values = torch.randn(t.shape, generator=gen, dtype=wide)
+        out.append(torch.empty_like(t, memory_format=torch.preserve_format).copy_(values))
+    return out
+
+
+def _say(name: str, m: Mismatch) -> str:
+    extra = []
+    if m.max_abs_diff is not None:
+        extra.append(f"max abs diff {m.max_abs_diff:.3g}")
+    if m.first_index is not None:
+        extra.append(f"first at {list(m.first_index)}")
+    return f"{name}: {m.what}: {m.detail}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+class GradientCheck:
+    def __init__(self, lifted: Sequence[torch.Tensor], names: Sequence[str], contain: Contain,
+                 record: GraphRecord) -> None:
+        self._lifted = tuple(lifted)  # the Dynamo graph's own parameters and buffers (aot lifts them first)
+        self._names = tuple(names)  # per aot input: parameter names, inputs' access paths
+        self._contain = contain
+        self._record = record
+
+    def needed(self, args: Sequence[Any]) -> bool:
+        """The call records autograd history: its gradients are what the user gets too."""
+        return torch.is_grad_enabled() and any(_differentiable(t) for t in (*self._lifted, *args))
+
+    def judge(self, args: Sequence[Any], expected: Sequence[Any], got: Sequence[Any]) -> GradientVerdict | None:
+        """Eager's flat outputs against the compiled graph's (see module docstring)."""
+        flat = (*self._lifted, *args)
+        wrt = [(self._name(i), t) for i, t in enumerate(flat) if _differentiable(t)]
+        want_diff = [i for i, t in enumerate(expected) if _differentiable(t)]
+        have_diff = [i for i, t in enumerate(got) if _differentiable(t)]
+        if want_diff != have_diff:
+            return GradientVerdict(Decline.LOWERING_MISMATCH, (
+                f"differs from eager in which outputs record autograd history: outputs {have_diff}, "
+                f"eager's {want_diff}"))
+        if not want_diff or not wrt:
+            return None
+        cots, exc = self._contain(lambda: cotangents([expected[i] for i in want_diff]))
+        if exc is not None:
+            return GradientVerdict(Decline.CHECK_FAILED, f"making cotangents raised {type(exc).__name__}: {exc}")
+        inputs = [t for _, t in wrt]
+
+        def grads(outputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+            return torch.autograd.grad([outputs[i] for i in want_diff], inputs, cots, retain_graph=True,
+                                       allow_unused=True, materialize_grads=True)
+
+        want, exc = self._contain(lambda: grads(expected))
+        if exc is not None:  # eager's own backward raises: so would the user's; nothing to compare
+            return None
+        have, exc = self._contain(lambda: _lowered(lambda: grads(got)))
+        if exc is not None:
+            if is_out_of_memory(exc):  # memory was short this once: no verdict on the lowering
+                return None
+            return GradientVerdict(Decline.LOWERING_FAILED, f"raised in its backward: {type(exc).__name__}: {exc}")
+        backward = self._record.backward
+        if backward is not None:
+            with backward.lock:
+                backward.checks += 1
+        differs, exc = self._contain(lambda: _differ(wrt, want, have))
+        if exc is not None:
+            return GradientVerdict(Decline.CHECK_FAILED, f"comparing gradients raised {type(exc).__name__}: {exc}")
+        if not differs:
+            return None
+        names = tuple(name for name, _ in differs)
+        again, exc = self._contain(lambda: _differ(wrt, want, grads(expected)))
+        if exc is None and again:
+            return GradientVerdict(Decline.EAGER_NONDETERMINISTIC, (
+                f"eager's backward disagrees with itself ({_say(*again[0])}); the lowered backward's gradients "
+                f"of {', '.join(names)} differ from eager's first run"), names)
+        described = "; ".join(_say(name, m) for name, m in differs[:NAMED])
+        more = f"; and {len(differs) - NAMED} more: {', '.join(names[NAMED:])}" if len(differs) > NAMED else ""
+        return GradientVerdict(Decline.LOWERING_MISMATCH,
+                               f"differs from eager in its backward: the gradients of {described}{more}", names)
+
+    def _name(self, position: int) -> str:
+        return self._names[position] if position < len(self._names) else f"input {position}"
+
+
+def _lowered(run: Callable[[], Any]) -> Any:
+    """Run the lowered backward with `retain_graph=True`. aot refuses that on a backward
+    it compiled with donated buffers (saved tensors whose memory Inductor may reuse), as it
+    does at once under dynamic shapes; graphdispatch's backward runs the ATen graph, which
+    never writes into what it was saved."""
+    with torch._functorch.config.patch(donated_buffer=False):
+        return run()
+
+
+def _differ(wrt: Sequence[tuple[str, torch.Tensor]], want: Sequence[torch.Tensor],
+            have: Sequence[torch.Tensor]) -> list[tuple[str, Mismatch]]:
+    out = []
+    for (name, t), w, h in zip(wrt, want, have):
+        mismatch = compare([w], [h], check_strides=not t.is_leaf)
+        if mismatch is not None:
+            out.append((name, mismatch))
+    return out
