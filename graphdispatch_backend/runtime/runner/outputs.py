@@ -13,9 +13,12 @@ plan, made once at capture from the static outputs:
   is a view of the caller's tensor at the same place, never a copy;
 - None and Python scalars are constants.
 
-`allocate` makes every destination before the replay (an allocation failure then leaves
-nothing half done: no input was copied, no state written), `copy_out` copies into them
-(one `torch._foreach_copy_`), `assemble` returns the outputs.
+Two ways to fill the destinations (runner/serve.py picks one): `allocate` makes every
+destination before the replay (an allocation failure then leaves nothing half done: no
+input was copied, no state written) and `copy_out` copies into them after it (a `copy_`,
+or one `torch._foreach_copy_` for several); or `clones` copies each base right after the
+replay, one op each (`late`: every base's clone keeps its layout). `assemble` returns the
+outputs (the destinations themselves when every output is its own base, in order).
 """
 
 from __future__ import annotations
@@ -67,12 +70,14 @@ class OutputPlan:
                 groups.setdefault(ptr, []).append(i)
         self._srcs: list[torch.Tensor] = []
         self._makers: list[tuple[Any, ...]] = []  # per group: how to allocate its destination
+        self._like: list[bool] = []  # per group: empty_like / clone give its exact layout
         for g, indices in enumerate(groups.values()):
             members = [outputs[i] for i in indices]
             if len(members) == 1 and _dense(members[0]):
                 t = members[0]
                 self._srcs.append(t)
                 self._makers.append((tuple(t.shape), t.stride(), t.dtype, t.device))
+                self._like.append(torch.empty_like(t).stride() == t.stride())
                 self._items[indices[0]] = (_GROUP, g, -1, (), (), t.dtype)
                 continue
             lo = min(_reach(t)[0] for t in members)
@@ -80,20 +85,38 @@ class OutputPlan:
             lo -= lo % 64  # keep every member's element offset whole in its dtype
             self._srcs.append(_bytes(members[0], lo, hi))
             self._makers.append(((hi - lo,), (1,), torch.uint8, members[0].device))
+            self._like.append(True)  # one dense run of bytes
             for i, t in zip(indices, members):
                 offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
                 self._items[i] = (_GROUP, g, offset, tuple(t.shape), t.stride(), t.dtype)
         self.bytes_out = sum(s.nbytes for s in self._srcs)
+        self.late = all(self._like)  # every base may be cloned after the replay
+        self.one = self._srcs[0] if self.late and len(self._srcs) == 1 else None  # the only base, to clone
+        # every output is its own base, in order: the destinations are the outputs
+        self.plain = all(item[:3] == (_GROUP, i, -1) for i, item in enumerate(self._items))
 
     def allocate(self) -> list[torch.Tensor]:
+        if self.late:  # the same layouts, without parsing them again on every call
+            return [torch.empty_like(s) for s in self._srcs]
         return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for shape, stride, dtype, device in self._makers]
 
     def copy_out(self, dsts: list[torch.Tensor]) -> None:
-        if dsts:
+        if len(dsts) == 1:
+            dsts[0].copy_(self._srcs[0])
+        elif dsts:
             torch._foreach_copy_(dsts, self._srcs)
 
+    def clones(self) -> list[torch.Tensor]:
+        """Each base copied now (after the replay): one op per base, no separate allocation."""
+        one = self.one
+        if one is not None:
+            return [one.clone()]
+        return [s.clone() for s in self._srcs]
+
     def assemble(self, dsts: list[torch.Tensor], args: Sequence[Any]) -> list[Any]:
+        if self.plain:
+            return dsts
         out: list[Any] = []
         for item in self._items:
             kind = item[0]
