@@ -186,6 +186,8 @@ class _Builder:
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
         # sizes may change from call to call (a symbolic input): runners key every call by shape
         self.dynamic = any(o.kind == "symbol" for o in origins)
+        # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
+        self.guarded = torch._guards.CompileContext.try_get() is not None
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         tracing = torch._guards.TracingContext.try_get()
@@ -243,7 +245,7 @@ class _Builder:
                 f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; it runs eager",
                 record.name, reason.value, record.cuda_graph_detail)
         return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
-                             self._contract_mismatch)
+                             self._contract_mismatch, guarded=self.guarded)
 
     def _engine_for(self, placeholders: list[fx.Node], training: bool) -> tuple[str | None, Decline | None, str]:
         """(engine, why there is none, the device the pieces run on: `cuda:N` or a type)."""
