@@ -102,13 +102,17 @@ def interleaved(
     inner: int,
     baseline: str | None = None,
     seed: int = 0,
+    after: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Microseconds per call of each variant, A/B interleaved (see module docstring)."""
+    """Microseconds per call of each variant, A/B interleaved (see module docstring).
+    `after` runs at the end of each timed window, inside it (a device synchronization, so
+    that work a window queued is charged to it)."""
     rng = random.Random(seed)
     names = list(variants)
     samples: dict[str, list[float]] = {n: [] for n in names}
     perf = time.perf_counter_ns
     gc.collect()
+    gc.freeze()  # what exists now is never looked at again: the collections between repeats stay cheap
     was_enabled = gc.isenabled()
     gc.disable()  # a collection in one variant's window would be charged to it alone
     try:
@@ -120,9 +124,12 @@ def interleaved(
                 start = perf()
                 for _ in range(inner):
                     fn()
+                if after is not None:
+                    after()
                 samples[name].append((perf() - start) / inner / 1e3)
             gc.collect()
     finally:
+        gc.unfreeze()
         if was_enabled:
             gc.enable()
     out: dict[str, dict[str, Any]] = {}

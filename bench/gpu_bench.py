@@ -26,6 +26,16 @@ Figures:
   fallback cannot pass for a fast path.
 Targets: graphdispatch no slower than the best peer; within 10% of the floor; bitwise
 equal to eager. Without CUDA it prints one line and exits 0.
+
+Replay path vs bare replay, with a real CUDA graph (first, in seconds): scaling.py's
+measurement on the device. The production objects (CompiledGraph + GraphRunner, as
+backend.py wires a graph Dynamo compiled and captured whole) over a one-node graph of K
+inputs (4, 32, 256, 1024; all pinned parameters, or all moving), captured by
+CudaGraphEngine (a real `torch.cuda.CUDAGraph`), against the hand-written floor over the
+same captured graph (one pointer check in C, one `_foreach_copy_`, `replay()`, one clone
+per output base). Host time per call, each timed window ending in a synchronization; one
+node, so that the device's work stays under the host's and the ratio is the host path's.
+Target: <= 1.3x the floor at 256 and 1024 inputs.
 Budget: well under 5 minutes on an H200 (inductor's compile dominates).
 
 `--cpu-smoke` runs the same plumbing on CPU in seconds (graphdispatch in emulate mode,
@@ -51,6 +61,43 @@ from common import Target, emit, parse_args, raise_dynamo_limits
 SKIP_LINE = "no CUDA device: skipping GPU benchmark"
 FLOOR_SLACK = 1.10
 STEPS = 4
+REPLAY_NODES = 1  # graph nodes of the replay-path measurement: device work under the host's
+
+
+def replay_floor(device: torch.device, smoke: bool, quick: bool) -> tuple[dict[str, Any], list[Target], Any]:
+    """Replay path vs bare replay per series and K (see module docstring); CPU smoke: the
+    same code over scaling.py's no-op engine."""
+    import scaling
+
+    engine: Any
+    if smoke:
+        engine, ks, repeats, window = scaling.NoReplayEngine(), (4, 32), 3, 500.0
+    else:
+        from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine
+
+        engine, ks, repeats = CudaGraphEngine(), scaling.INPUTS, 9 if quick else 21
+        window = scaling.WINDOW_US[quick]
+    after = None if smoke else torch.cuda.synchronize
+    results: dict[str, Any] = {}
+    targets = []
+    with torch.no_grad():
+        for series in scaling.REPLAY:
+            rows = {}
+            for k in ks:
+                rows[k] = scaling.measure_k(series, k, repeats, window, engine=engine, device=str(device),
+                                            after=after, nodes=(REPLAY_NODES,))
+                print(f"gpu_bench: {series} K={k}: {rows[k]['floor_ratio']:.2f}x the bare replay",
+                      file=sys.stderr, flush=True)
+            results[series] = rows
+            for k in ks:
+                judged = k in scaling.FLOOR_AT and not smoke
+                targets.append(Target(f"gpu: {series} x bare replay, K={k}",
+                                      f"<= {scaling.FLOOR_RATIO}" if judged else "(info)",
+                                      f"{rows[k]['floor_ratio']:.2f}x (min/min {rows[k]['floor_ratio_min']:.2f}x)",
+                                      rows[k]["floor_ratio"] <= scaling.FLOOR_RATIO if judged else None))
+    table = scaling.floor_table({"series": {s: {"rows": r} for s, r in results.items()}},
+                                " with a real CUDA graph" if not smoke else " (cpu smoke, no-op engine)")
+    return results, targets, table
 
 
 def make(device: torch.device) -> tuple[torch.nn.Module, Any]:
@@ -115,6 +162,7 @@ def main() -> None:
         return
     raise_dynamo_limits()
     device = torch.device("cpu" if smoke else "cuda")
+    replay_results, replay_targets, replay_table = replay_floor(device, smoke, args.quick)
     repeats, inner = (3, 2) if smoke else (10, 20) if args.quick else (25, 50)
     model, cfg = make(device)
     pool = inputs(cfg, device, 8)
@@ -199,6 +247,7 @@ def main() -> None:
                               totals.get("replays", 0) > 0 and not declines))
     else:
         targets.append(Target("gpu: graphdispatch", "runs", f"failed: {errors.get('graphdispatch')}", False))
+    targets.extend(replay_targets)
     emit("gpu_bench_cpu_smoke" if smoke else "gpu_bench", {
         "quick": args.quick,
         "cpu_smoke": smoke,
@@ -207,8 +256,10 @@ def main() -> None:
         "latency_ms": lat, "samples_ms": samples, "floor_ms": floor, "bitwise_equal_to_eager": bitwise,
         "compile_and_warmup_s": compile_s, "errors": errors, "graphdispatch_totals": totals,
         "graphdispatch_declines": declines,
+        "replay_path_vs_bare_replay": {s: {str(k): row for k, row in r.items()} for s, r in replay_results.items()},
     }, [(f"GPU latency per call, batch 1, {repeats}x{inner} calls interleaved (median)",
-         ["variant", "ms/call", "x floor", "speedup vs eager", "bitwise (4 steps)", "compile+warmup s"], rows)],
+         ["variant", "ms/call", "x floor", "speedup vs eager", "bitwise (4 steps)", "compile+warmup s"], rows),
+        replay_table],
         targets, args)
 
 

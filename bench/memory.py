@@ -20,11 +20,15 @@ Figures, read from the runtime itself after the runners reach steady state:
   number of buffers) against what per-piece buffers would take (the sum of every captured
   entry's moving-input buffers, as if none were shared); and what the report says
   (`report`: `totals.static_buffers`, the session's shared buffers counted once).
-- copy traffic: bytes written by copy-in per model call (GraphRunner._copy_in, counted by a
-  wrapper installed by this script) against the bytes of all tensor inputs the pieces
-  receive per call (parameters included), and the split of inputs into pinned and moving.
+- copy traffic: the bytes the replays copied, from the pieces' stats (`copy_bytes`: moving
+  inputs in, mutated ones back, outputs out) per model call, less what the captured
+  entries' plans copy out and back (each entry replays once per call): the copy-in; against
+  the bytes of all tensor inputs the graphs receive per call (parameters included, counted
+  by a wrapper of CompiledGraph.__call__ installed by this script), and the split of inputs
+  into pinned and moving.
 Targets: one buffer set (shared / per-piece = 1/48); copy-in only for moving inputs
-(copied bytes == moving-input bytes; no parameter bytes copied); and every piece replays.
+(copied bytes == moving-input bytes == what the plans copy in; no parameter bytes copied);
+and every piece replays.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from common import Target, block_stack, emit, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
 from graphdispatch_backend import session as gd_session
+from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
 
 DEPTH, DIM, SHAPE = 48, 16, (1, 8, 16)
@@ -50,35 +55,33 @@ WARM_CALLS = 12
 
 
 class Traffic:
-    """Counts what GraphRunner copies and receives, by wrapping two of its methods."""
+    """Counts the tensor bytes every compiled graph receives, by wrapping CompiledGraph.__call__
+    (each graph call passes through it once, replayed or not)."""
 
     def __init__(self) -> None:
-        self.copied = 0
         self.received = 0
         self.counting = False
-        self._orig_copy_in = GraphRunner._copy_in
-        self._orig_call = GraphRunner.__call__
+        self._orig_call = CompiledGraph.__call__
 
     def install(self) -> None:
         traffic = self
-        orig_copy_in, orig_call = self._orig_copy_in, self._orig_call
+        orig_call = self._orig_call
 
-        def _copy_in(runner: GraphRunner, entry: Any, args: Any) -> None:
-            if traffic.counting:
-                traffic.copied += sum(buf.nbytes for _, buf in entry.moving)
-            return orig_copy_in(runner, entry, args)
-
-        def __call__(runner: GraphRunner, *args: Any) -> Any:
+        def __call__(graph: CompiledGraph, args: list[Any]) -> Any:
             if traffic.counting:
                 traffic.received += sum(a.nbytes for a in args if isinstance(a, torch.Tensor))
-            return orig_call(runner, *args)
+            return orig_call(graph, args)
 
-        GraphRunner._copy_in = _copy_in  # type: ignore[method-assign]
-        GraphRunner.__call__ = __call__  # type: ignore[method-assign]
+        CompiledGraph.__call__ = __call__  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
-        GraphRunner._copy_in = self._orig_copy_in  # type: ignore[method-assign]
-        GraphRunner.__call__ = self._orig_call  # type: ignore[method-assign]
+        CompiledGraph.__call__ = self._orig_call  # type: ignore[method-assign]
+
+
+def _copy_bytes(runners: list[GraphRunner]) -> int:
+    """What the pieces' stats say the replays copied (moving inputs in, mutated ones back,
+    outputs out), summed."""
+    return sum(r._stats.to_dict()["copy_bytes"] for r in runners)
 
 
 def run_variant(loop: bool, steady_calls: int, traffic: Traffic) -> dict[str, Any]:
@@ -97,7 +100,13 @@ def run_variant(loop: bool, steady_calls: int, traffic: Traffic) -> dict[str, An
         warm_s = time.perf_counter() - start
         sess = gd_session._LATEST[0]
         before = sess.report.to_dict()["totals"]
-        traffic.copied = traffic.received = 0
+        scope = sess._scopes.get("host")
+        if scope is None:
+            raise RuntimeError("no emulate scope in the session: did the graphs take the emulate path?")
+        # type(), not isinstance(): gc also holds weak proxies, which raise once their referent is gone
+        runners = [o for o in gc.get_objects() if type(o) is GraphRunner and o._scope is scope]
+        copied_before = _copy_bytes(runners)
+        traffic.received = 0
         traffic.counting = True
         equal = True
         try:
@@ -106,17 +115,17 @@ def run_variant(loop: bool, steady_calls: int, traffic: Traffic) -> dict[str, An
                 equal &= bool(torch.equal(compiled(x), model(x)))
         finally:
             traffic.counting = False
-    scope = sess._scopes.get("host")
-    if scope is None:
-        raise RuntimeError("no emulate scope in the session: did the graphs take the emulate path?")
+    copied = _copy_bytes(runners) - copied_before
     report = sess.report.to_dict()
-    # type(), not isinstance(): gc also holds weak proxies, which raise once their referent is gone
-    runners = [o for o in gc.get_objects() if type(o) is GraphRunner and o._scope is scope]
-    entries = [e for r in runners for e in r._entries.values()]
-    captured = [e for e in entries if e.graph is not None]
+    entries = [e for r in runners for e in r._book.entries.values()]
+    captured = [e for e in entries if e.graph is not None and e.inputs is not None and e.outputs is not None]
     per_piece = sum(buf.untyped_storage().nbytes() for e in captured for _, buf in e.moving)
     moving_positions = sorted({len(e.moving) for e in captured})
-    pinned_counts = sorted({len(e.identity.positions) for e in captured if e.identity is not None})
+    pinned_counts = sorted({len(e.pinned) for e in captured})
+    # every captured entry replays once per model call (checked by the `pieces replay` target):
+    # the stats' bytes split into what the plans copy in, back and out
+    out_bytes = sum(e.outputs.bytes_out + e.inputs.bytes_back for e in captured)  # type: ignore[union-attr]
+    in_bytes = sum(e.inputs.bytes_in for e in captured)  # type: ignore[union-attr]
     graphs = report["graphs"]
     totals = report["totals"]
     calls = steady_calls
@@ -141,7 +150,9 @@ def run_variant(loop: bool, steady_calls: int, traffic: Traffic) -> dict[str, An
         "report_static_bytes_session": totals.get("static_buffers", {}).get("host", {}).get("bytes"),
         "moving_inputs_per_entry": moving_positions,
         "pinned_inputs_per_entry": pinned_counts,
-        "copy_in_bytes_per_call": traffic.copied / calls,
+        "copy_bytes_per_call": copied / calls,  # the pieces' stats: in + back + out
+        "copy_in_bytes_per_call": copied / calls - out_bytes,
+        "plans_bytes_per_call": {"in": in_bytes, "back_and_out": out_bytes},
         "input_bytes_per_call": traffic.received / calls,
         "activation_bytes": int(torch.empty(SHAPE).nbytes),
     }
@@ -176,7 +187,7 @@ def main() -> None:
         one_set = r["static_buffers"] == 1 and per_piece == DEPTH * shared
         targets.append(Target(f"memory {r['variant']}: static buffers shared", "one set (1/48)",
                               f"{r['static_buffers']} buffer(s), {shared} B vs {per_piece} B per-piece", one_set))
-        copy_ok = r["copy_in_bytes_per_call"] == moving_bytes
+        copy_ok = r["copy_in_bytes_per_call"] == moving_bytes == r["plans_bytes_per_call"]["in"]
         targets.append(Target(f"memory {r['variant']}: copy-in per call", "moving inputs only",
                               f"{r['copy_in_bytes_per_call']:.0f} B of {r['input_bytes_per_call']:.0f} B "
                               f"(activations {moving_bytes} B)", copy_ok))

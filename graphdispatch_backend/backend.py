@@ -199,6 +199,8 @@ class _Builder:
         self.agreement: Agreement | None = None
         # sizes may change from call to call (a symbolic input): runners key every call by shape
         self.dynamic = any(o.kind == "symbol" for o in origins)
+        # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
+        self.guarded = torch._guards.CompileContext.try_get() is not None
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         self.mutated = mutated_inputs()
@@ -290,7 +292,8 @@ class _Builder:
                 f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
                 record.name, reason.value, _DETAILS.get(reason), runs)
         return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
-                             lambda detail: self._contract_mismatch(record, detail))
+                             lambda detail: self._contract_mismatch(record, detail),
+                             guarded=self.guarded and role != "backward")
 
     def _engine_for(self, placeholders: list[fx.Node]) -> tuple[str | None, Decline | None, str]:
         """(engine, why there is none, the device the pieces run on: `cuda:N` or a type)."""

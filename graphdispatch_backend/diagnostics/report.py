@@ -170,6 +170,9 @@ class GraphRecord:
     backward: GraphRecord | None = None
     role: str = ""  # "backward" for an autograd graph's backward record
     checks: int = 0  # a backward's runs made by the lowering check (counted in `calls` too)
+    # calls answered by a replay on a runner's hot path (runtime/program.py), counted by the
+    # runner under its device lock rather than here: each is a call and a replay
+    hot_counts: list[Callable[[], int]] = dataclasses.field(default_factory=list, repr=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -189,7 +192,8 @@ class GraphRecord:
         """calls, replays, eager_calls and eager_by_reason read together, under the lock
         `called` takes: a report written while another thread calls the graph still adds up."""
         with self.lock:
-            return self.calls, self.replays, self.eager_calls, dict(self.eager_by_reason)
+            hot = sum(count() for count in self.hot_counts)
+            return self.calls + hot, self.replays + hot, self.eager_calls, dict(self.eager_by_reason)
 
     def cuda_graph(self, counts: tuple[int, int, int, dict[str, int]] | None = None) -> dict[str, Any]:
         _, replays, eager_calls, eager_by_reason = counts if counts is not None else self._counts()

@@ -4,13 +4,29 @@ A compiled graph call starts with `begin_call()`; any runner that answers eagerl
 `mark_eager(reason)` (first reason wins); `end_call()` returns it, or None when every
 piece replayed. `mark_entry` / `take_entry` carry the time the backend's callable was
 entered to the timing of aot's flattening.
+
+The hot path of a graph served whole by one runner (runtime/program.py) takes none of
+these: its replays are counted by the runner, under the device lock the replay holds
+(`GraphRunner.hot_replays`); a hot replay that fails is answered eagerly by the runner,
+which raises `Answered` with the eager outputs and the reason.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 _calls = threading.local()
+
+
+class Answered(Exception):
+    """A runner answered the call eagerly on its hot path: these are the outputs, and why."""
+
+    def __init__(self, outputs: Sequence[Any], reason: str) -> None:
+        super().__init__(reason)
+        self.outputs = outputs
+        self.reason = reason
 
 
 def begin_call() -> None:

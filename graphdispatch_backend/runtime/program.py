@@ -3,6 +3,17 @@
 Per call: check the placeholder contract (O(inputs); a mismatch runs the original, native
 graph eagerly, counted), run the pipeline's graph (whose pieces may replay captured
 graphs), and record whether the call replayed or ran eager, and why.
+
+The hot path. A graph compiled through Dynamo (`guarded`) is called only once Dynamo's
+guards passed, and they ensure what the contract checks (every tensor input's dtype,
+device, sizes, strides and requires_grad, parameters included). When one runner serves
+the whole graph, a call first asks it for a replay (`replay_hot`): the runner's one
+address check decides, and a replay is counted by the runner, under the device lock the
+replay holds (no lock, no thread-local here). Any other call (warmup, capture,
+verification, a moved input, a new shape) takes the full path below, contract included:
+a caller that kept the backend's callable and bypasses Dynamo is still checked wherever
+the runner has a decision to make. A graph compiled by a direct call of the backend
+checks its contract on every call.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ from typing import Any
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.calls import begin_call, end_call, take_entry
+from graphdispatch_backend.runtime.calls import Answered, begin_call, end_call, take_entry
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 
 
@@ -29,6 +40,7 @@ class CompiledGraph:
         timing: Timing,
         eager_reason: Decline | None,
         on_contract_mismatch: Callable[[str], None],
+        guarded: bool = False,
     ) -> None:
         self._run = run
         self._native = native
@@ -39,9 +51,24 @@ class CompiledGraph:
         self._eager_reason = eager_reason.value if eager_reason is not None else None
         self._on_mismatch = on_contract_mismatch
         self._timed = timing.enabled
+        # the whole graph's runner, asked first on every call (see module docstring)
+        replay_hot = getattr(run, "replay_hot", None)
+        self._hot: Callable[[list[Any]], Sequence[Any] | None] | None = (
+            replay_hot if guarded and eager_reason is None and not self._timed else None)
+        if self._hot is not None:
+            record.hot_counts.append(lambda: run.hot_replays)  # type: ignore[attr-defined]
 
     def __call__(self, args: list[Any]) -> Sequence[Any]:
-        if self._timed:  # the one check the hot path pays when timing is off
+        hot = self._hot
+        if hot is not None:
+            try:
+                out = hot(args)
+            except Answered as answered:  # the replay failed; the runner answered eagerly
+                self._record.called(False, answered.reason)
+                return answered.outputs
+            if out is not None:
+                return out
+        if self._timed:  # the one check the slow path pays when timing is off
             return self._timed_call(args)
         if not self._contract.check(args):
             return self._contract_fallback(args)

@@ -1,10 +1,13 @@
 """Streams: the verbs that order copy-in, replay and clone, and their CPU model.
 
 The runner orders a replay with five verbs, written once for every engine:
-`current()` (the caller's stream), `side()` (the device's one stream for every replay),
+`current()` (the caller's stream), `side()` (the device's own stream: captures run on it),
 `on(stream)` (work launched inside goes to that stream), `launch(fn, *args)` (a kernel
 launch) and `wait(waiter, stream)` (later work on `waiter` runs after everything launched
-on `stream` so far).
+on `stream` so far). Two attributes serve the replay (runner/serve.py): `immediate` (a
+launch is made at once on the current stream, so the runner may call the work directly)
+and `replayed_on` (the stream the device's last replay went to, kept by the runner under
+the device lock: a replay from another stream waits for it first).
 
 - CudaStreams maps them onto torch.cuda streams: `launch` just calls `fn`, whose kernels go
   to the current stream, and `wait` is `waiter.wait_stream(stream)`.
@@ -12,12 +15,13 @@ on `stream` so far).
 - HostStreams is the CPU model, made to fail when an order is missing. Work launched on a
   stream is queued and runs only at a synchronization point: a launch on, or a wait by, a
   *synchronous* stream (each thread's host stream, which stands for the CPU reading the
-  result), or `synchronize(stream)`. At a synchronization point every other stream runs
-  its ready work first, latest-launched first, and the synced stream only when nothing
-  else can run: a GPU runs streams concurrently, so any order the waits allow can happen,
-  and this one is the worst for a missing wait (a copy-in that runs before the caller's
-  write, a replay that overwrites static outputs before an earlier clone read them, a
-  caller that reads outputs before the clone ran).
+  result), or `synchronize(stream)`. At a synchronization point the ready streams take
+  turns, one op each, the stream that ran least recently first; in a round, the other
+  streams before the synced one, latest-launched first: a GPU runs streams concurrently,
+  so any interleaving the waits allow can happen, and this one is the worst for a missing
+  wait (a copy-in that runs before the caller's write, two replays from two streams whose
+  copy-ins and replays interleave, a replay that overwrites static outputs before an
+  earlier clone read them, a caller that reads outputs before the clone ran).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from typing import Any, Protocol
 
 
 class Streams(Protocol):
+    immediate: bool  # launch(fn, *args) calls fn at once, its work going to the current stream
+    replayed_on: Any  # the stream the device's last replay was launched on (None: none yet)
+
     def current(self) -> Any: ...
 
     def side(self) -> Any: ...
@@ -45,6 +52,8 @@ class Streams(Protocol):
 class ImmediateStreams:
     """One queue that runs everything at once: the verbs cost (nearly) nothing."""
 
+    immediate = True
+    replayed_on: Any = None
     _null = contextlib.nullcontext()
 
     def current(self) -> None:
@@ -68,15 +77,30 @@ class CudaStreams:
     as torch.cuda.graph's own default: PyTorch keeps a cuBLAS workspace per (handle,
     stream), so a stream per capture would pin one workspace per capture."""
 
+    immediate = True  # a launch enqueues its kernels on the current stream as the host calls it
+
     def __init__(self, device: Any) -> None:
         import torch
 
         self._torch = torch
         self._device = device
+        self._index = torch.device(device).index
         self._side: Any = None
+        self._current: tuple[Any, Any] | None = None  # (raw stream triple, its Stream object)
+        self.replayed_on: Any = None
 
     def current(self) -> Any:
-        return self._torch.cuda.current_stream(self._device)
+        # torch.cuda.current_stream builds a new Stream object on every call (microseconds on
+        # the replay path); the raw (id, device, type) triple is cheap, and the same stream
+        # gives back the same object, so a replay sees an unchanged caller by identity
+        index = self._index if self._index is not None else self._torch.cuda.current_device()
+        data = self._torch._C._cuda_getCurrentStream(index)
+        cached = self._current
+        if cached is not None and cached[0] == data:
+            return cached[1]
+        stream = self._torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+        self._current = (data, stream)
+        return stream
 
     def side(self) -> Any:
         if self._side is None:
@@ -103,6 +127,7 @@ class HostStream:
         self.queue: deque[tuple[int, Callable[..., Any] | None, Any]] = deque()
         self.launched = 0  # sequence number of the last op launched here
         self.done = 0  # sequence number of the last op run here
+        self.turn = 0  # the scheduler's step at which this stream last ran an op
 
     def __repr__(self) -> str:
         return f"HostStream({self.name})"
@@ -111,10 +136,14 @@ class HostStream:
 class HostStreams:
     """The CPU model of a device's streams (see module docstring)."""
 
+    immediate = False  # work is queued, and runs only at a synchronization point
+
     def __init__(self, device: str = "host") -> None:
+        self.replayed_on: HostStream | None = None
         self._device = device
         self._lock = threading.RLock()
         self._seq = itertools.count(1)
+        self._turns = itertools.count(1)
         self._side = HostStream(f"{device}:side", synchronous=False)
         self._streams: list[HostStream] = [self._side]
         self._local = threading.local()
@@ -207,17 +236,16 @@ class HostStreams:
     def _step(self, stream: HostStream) -> None:
         seq, fn, payload = stream.queue.popleft()
         stream.done = seq
+        stream.turn = next(self._turns)
         if fn is not None:
             fn(*payload)
 
     def _sync(self, target: HostStream) -> None:
-        """Run until `target`'s queue is empty: other streams' ready work first, the
-        latest-launched first; `target`'s own work only when nothing else can run."""
+        """Run until `target`'s queue is empty, the ready streams taking turns (see module
+        docstring): least recently run first, then others before `target`, then the
+        latest-launched."""
         while target.queue:
-            others = [s for s in self._streams if s is not target and self._ready(s)]
-            if others:
-                self._step(max(others, key=lambda s: s.queue[0][0]))
-            elif self._ready(target):
-                self._step(target)
-            else:
+            ready = [s for s in self._streams if self._ready(s)]
+            if not ready:
                 raise RuntimeError(f"host stream model: {target.name} waits for work that can never run")
+            self._step(min(ready, key=lambda s: (s.turn, s is target, -s.queue[0][0])))

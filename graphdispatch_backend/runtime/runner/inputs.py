@@ -14,8 +14,9 @@ elements (trees' `index_expanded_dims`, and `as_strided`):
   extent) is copied with its whole storage.
 
 InputPlan is one entry's copy-in (one `torch._foreach_copy_` over the plain moving inputs,
-as cudagraph trees do) and its copy-back: a moving input the graph writes into gets the
-buffer's new values after the replay; pinned ones are written by the graph itself.
+as cudagraph trees do; a plain `copy_` for a single one) and its copy-back: a moving input
+the graph writes into gets the buffer's new values after the replay; pinned ones are
+written by the graph itself (`writes_pinned`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class InputPlan:
         self._positions = tuple(p for p, _ in plain)
         self._dsts = [b for _, b in plain]
         self._pick: Callable[[Sequence[Any]], Any] = picker(self._positions)
+        self._one = (self._dsts[0], self._positions[0]) if len(plain) == 1 else None  # copy_, not a foreach
         self._special: tuple[tuple[int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], ...] = tuple(special)
         back = [(pos, buf) for pos, buf in self.moving if pos in mutated]
         self._back_positions = tuple(p for p, _ in back)
@@ -129,17 +131,33 @@ class InputPlan:
         self._back_pick = picker(self._back_positions)
         self.bytes_in = sum(d.nbytes for d in self._dsts) + sum(d.nbytes for _, d, _ in special)
         self.bytes_back = sum(b.nbytes for b in self._back_srcs)
+        self.copies = bool(self._dsts or self._special)  # copy_in has work to do
+        self.backs = bool(self._back_srcs)  # copy_back has work to do
+        # the graph writes into an input it reads in place (not through a buffer)
+        moving_positions = {p for p, _ in self.moving}
+        self.writes_pinned = any(p not in moving_positions and p < len(args) and isinstance(args[p], torch.Tensor)
+                                 for p in mutated)
 
     def fill(self, args: Sequence[Any]) -> None:
         """The buffers' first values, for the capture call."""
         self._copy(args)
 
     def copy_in(self, args: Sequence[Any]) -> None:
-        """Before every replay."""
-        self._copy(args)
+        """Before every replay (the body of `_copy`, inline: one call less per replay)."""
+        one = self._one
+        if one is not None:
+            one[0].copy_(args[one[1]])
+        elif self._dsts:
+            torch._foreach_copy_(self._dsts, self._pick(args))
+        if self._special:
+            for pos, dst, view in self._special:
+                dst.copy_(view(args[pos]))
 
     def _copy(self, args: Sequence[Any]) -> None:
-        if self._dsts:
+        one = self._one
+        if one is not None:
+            one[0].copy_(args[one[1]])
+        elif self._dsts:
             torch._foreach_copy_(self._dsts, self._pick(args))
         for pos, dst, view in self._special:
             dst.copy_(view(args[pos]))
@@ -150,6 +168,10 @@ class InputPlan:
 
 
 def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Any]:
+    """The arguments at `positions`, in order, picked in C: one slice when they are a run
+    (parameters come first in aot's argument list), else an itemgetter."""
+    if len(positions) > 1 and list(positions) == list(range(positions[0], positions[0] + len(positions))):
+        return operator.itemgetter(slice(positions[0], positions[0] + len(positions)))
     if len(positions) > 1:
         return operator.itemgetter(*positions)
     if positions:

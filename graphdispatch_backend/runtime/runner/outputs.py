@@ -22,9 +22,12 @@ plan, made once at capture from the static outputs:
   object, as eager returns it: autograd then knows the saved tensor is the output;
 - None and Python scalars are constants.
 
-`allocate` makes every destination before the replay (an allocation failure then leaves
-nothing half done: no input was copied, no state written), `copy_out` copies into them
-(one `torch._foreach_copy_`), `assemble` returns the outputs.
+Two ways to fill the destinations (runner/serve.py picks one): `allocate` makes every
+destination before the replay (an allocation failure then leaves nothing half done: no
+input was copied, no state written) and `copy_out` copies into them after it (a `copy_`,
+or one `torch._foreach_copy_` for several); or `clones` copies each base right after the
+replay, one op each (`late`: every base's clone keeps its layout). `assemble` returns the
+outputs (the destinations themselves when every output is its own base, in order).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class OutputPlan:
                 groups.setdefault(ptr, []).append(i)
         self._srcs: list[torch.Tensor] = []
         self._makers: list[tuple[Any, ...]] = []  # per group: how to allocate its destination
+        self._like: list[bool] = []  # per group: empty_like / clone give its exact layout
         for g, indices in enumerate(groups.values()):
             members = [outputs[i] for i in indices]
             lo = min(_reach(t)[0] for t in members)
@@ -89,6 +93,7 @@ class OutputPlan:
             if base is not None and all(t.dtype == base.dtype for t in members):
                 self._srcs.append(base)
                 self._makers.append((tuple(base.shape), base.stride(), base.dtype, base.device))
+                self._like.append(torch.empty_like(base).stride() == base.stride())
                 for i, t in zip(indices, members):
                     self._items[i] = (_GROUP, g, -1, (), (), t.dtype) if t is base else (
                         _GROUP, g, t.storage_offset() - base.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -100,6 +105,7 @@ class OutputPlan:
                 src = src.view(members[0].dtype)
             self._srcs.append(src)
             self._makers.append(((src.numel(),), (1,), src.dtype, members[0].device))
+            self._like.append(True)  # one dense run
             for i, t in zip(indices, members):
                 offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
                 self._items[i] = (_GROUP, g, offset, tuple(t.shape), t.stride(), t.dtype)
@@ -108,16 +114,33 @@ class OutputPlan:
             if isinstance(out, torch.Tensor) and first.setdefault(id(out), i) != i:
                 self._items[i] = (_SAME, first[id(out)])
         self.bytes_out = sum(s.nbytes for s in self._srcs)
+        self.late = all(self._like)  # every base may be cloned after the replay
+        self.one = self._srcs[0] if self.late and len(self._srcs) == 1 else None  # the only base, to clone
+        # every output is its own base, in order: the destinations are the outputs
+        self.plain = all(item[:3] == (_GROUP, i, -1) for i, item in enumerate(self._items))
 
     def allocate(self) -> list[torch.Tensor]:
+        if self.late:  # the same layouts, without parsing them again on every call
+            return [torch.empty_like(s) for s in self._srcs]
         return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for shape, stride, dtype, device in self._makers]
 
     def copy_out(self, dsts: list[torch.Tensor]) -> None:
-        if dsts:
+        if len(dsts) == 1:
+            dsts[0].copy_(self._srcs[0])
+        elif dsts:
             torch._foreach_copy_(dsts, self._srcs)
 
+    def clones(self) -> list[torch.Tensor]:
+        """Each base copied now (after the replay): one op per base, no separate allocation."""
+        one = self.one
+        if one is not None:
+            return [one.clone()]
+        return [s.clone() for s in self._srcs]
+
     def assemble(self, dsts: list[torch.Tensor], args: Sequence[Any]) -> list[Any]:
+        if self.plain:
+            return dsts
         out: list[Any] = []
         for item in self._items:
             kind = item[0]

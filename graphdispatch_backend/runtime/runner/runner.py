@@ -13,8 +13,10 @@ and each gets its own capture). Per entry:
    inputs the piece writes into), on `verify_inputs` distinct input sets (the capture
    call's own inputs count as the first; a caller repeating the verified values gets a
    derived set, runner/verify.py). Eager answers meanwhile.
-4. verified: one check per call (the pinned inputs' addresses), then copy-in, replay and
-   copy-out on the device's streams (runner/serve.py).
+4. verified: one check per call (the pinned inputs' addresses, in C on CUDA builds), then
+   copy-in, replay and copy-out on the caller's stream (runner/serve.py). A runner that
+   serves a whole graph compiled through Dynamo is called at `replay_hot` first
+   (runtime/program.py): the replay, or None having done nothing.
 
 A refusal is a typed Decline: the entry goes eager for good (its artifacts stay active),
 counted and logged once. A pinned input that moves is re-captured as moving; an
@@ -34,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
 from graphdispatch_backend.runtime.agree import Agreement
-from graphdispatch_backend.runtime.calls import mark_eager
+from graphdispatch_backend.runtime.calls import Answered, mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.keys import layout_key
@@ -51,6 +53,34 @@ __all__ = ["MAX_PARAMETER_SETS", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 NOT_DISTINCT_LIMIT = 8
 _data_ptr = torch.Tensor.data_ptr
 _NO_KEY: tuple[Any, ...] = ()
+# CUDA builds: the pinned addresses compared in one C++ loop, as cudagraph trees' hot path
+# does (torch/_inductor/cudagraph_trees.py, check_invariants); absent from CPU wheels
+_PTRS_EQUAL: Callable[[list[Any], list[Any], list[int]], bool] | None = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+Hot = tuple[Entry, list[int], Callable[[Sequence[Any]], Any], "list[int | None] | None", "list[int] | None", int]
+_VERIFIED = State.VERIFIED
+
+
+def _hot(entry: Entry) -> Hot:
+    """What the hot path reads of an entry, in one reference (a thread never sees half of
+    it): the entry, its pinned addresses and picker, on CUDA builds the addresses by
+    position and the positions (as `_tensors_data_ptrs_at_indices_equal` takes them), and
+    the bytes one replay copies."""
+    if _PTRS_EQUAL is None:
+        return entry, entry.ptrs, entry.pick_pinned, None, None, entry.copy_bytes
+    positions = [p for p, _ in zip(entry.pinned, entry.ptrs)]
+    at: list[int | None] = [None] * (max(positions, default=-1) + 1)
+    for pos, ptr in zip(positions, entry.ptrs):
+        at[pos] = ptr
+    return entry, entry.ptrs, entry.pick_pinned, at, positions, entry.copy_bytes
+
+
+def _in_place(hot: Hot, args: Sequence[Any]) -> bool:
+    """The pinned inputs are where the hot entry read them: the one check per call."""
+    _, ptrs, pick, at, positions, _ = hot
+    if at is None:
+        return ptrs == list(map(_data_ptr, pick(args)))
+    return _PTRS_EQUAL(args if type(args) is list else list(args), at, positions)  # type: ignore[misc,arg-type]
 
 
 class GraphRunner(Transitions):
@@ -88,6 +118,7 @@ class GraphRunner(Transitions):
         self._static_shapes = static_shapes
         self._device = scope.device(device)
         self._streams = self._device.streams
+        self._device_lock = self._device.lock
         self._book = EntryBook(max_captures, self._device.lock, self._report)
         self._slots = self._book.slots  # shape key -> its entries (read on every call)
         self._verifier = Verifier(fn, scope.contain, mutated, suspects)
@@ -95,7 +126,8 @@ class GraphRunner(Transitions):
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
         self._keyless = False  # one shape key for good: no key is computed per call
-        self._hot: Entry | None = None  # the entry the last replay served (keyless runners)
+        self._hot: Hot | None = None  # the entry the last replay served (keyless runners), see _hot()
+        self.hot_replays = 0  # calls replay_hot answered with a replay (counted under the device lock)
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
         self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
@@ -110,10 +142,47 @@ class GraphRunner(Transitions):
 
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:
-        entry = self._hot
-        if entry is not None and entry.ptrs == list(map(_data_ptr, entry.pick_pinned(args))):
-            return self._replay(entry, args)
+        hot = self._hot
+        if hot is not None and _in_place(hot, args):
+            return self._replay(hot[0], args)
         return self._dispatch(args)
+
+    def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
+        """The replay of the entry the last replay served, when the pinned inputs are where
+        it read them: the call's outputs, counted in `hot_replays` (the graph's record adds
+        them to its calls and replays); or None, having done nothing (the caller takes the
+        slow path, `__call__`). A replay that raises is answered eagerly here, and said by
+        raising Answered (counted eager in the stats, not in `hot_replays`)."""
+        hot = self._hot
+        if hot is None:
+            return None
+        entry, ptrs, pick, at, positions, nbytes = hot
+        if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)
+            if ptrs and ptrs != list(map(_data_ptr, pick(args))):
+                return None
+        elif not _PTRS_EQUAL(args, at, positions):  # type: ignore[misc]
+            return None
+        failed: BaseException | None = None
+        with self._device_lock:
+            # `ptrs is`: the entry was not captured anew since the addresses were read
+            if entry.state is _VERIFIED and entry.ptrs is ptrs and not (self._gates and self._gates_changed(entry)):
+                try:
+                    out = serve(entry, args, self._streams)
+                except (RuntimeError, MemoryError) as exc:
+                    failed = exc
+                else:
+                    stats = self._stats
+                    stats.replays += 1
+                    stats.copy_bytes += nbytes
+                    self.hot_replays += 1
+                    if self._gates:
+                        self._gates_replayed(entry)
+                    return out
+        self._hot = None
+        if failed is None:
+            return None  # raced with a state change: the slow path decides
+        reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
+        raise Answered(self._replay_failed(entry, args, failed), reason.value)
 
     def _dispatch(self, args: Sequence[Any], key: tuple[Any, ...] | None = None) -> Sequence[Any]:
         key = self._key(args) if key is None else key
@@ -309,11 +378,12 @@ class GraphRunner(Transitions):
                     stats = self._stats
                     stats.replays += 1  # under the device lock: no other replay counts meanwhile
                     stats.copy_bytes += entry.copy_bytes
-                    for gate, demoted in zip(self._gates, entry.gate_state):
-                        if not demoted:  # captured with the artifact's kernels in it
-                            gate.replayed()
+                    if self._gates:
+                        self._gates_replayed(entry)
                     if self._keyless:
-                        self._hot = entry
+                        hot = self._hot
+                        if hot is None or hot[0] is not entry or hot[1] is not entry.ptrs:
+                            self._hot = _hot(entry)
                     return out
         self._hot = None
         if failed is not None:
@@ -370,6 +440,11 @@ class GraphRunner(Transitions):
         piece holds no collectives: no other rank's schedule depends on this one's)."""
         return code if self._agreement is None else self._agreement.agree(code)
 
+    def _gates_replayed(self, entry: Entry) -> None:
+        for gate, demoted in zip(self._gates, entry.gate_state):
+            if not demoted:  # captured with the artifact's kernels in it
+                gate.replayed()
+
     def _gates_changed(self, entry: Entry) -> bool:
         return bool(self._gates) and tuple(g.demoted for g in self._gates) != entry.gate_state
 
@@ -389,10 +464,10 @@ class TimedGraphRunner(GraphRunner):
         timing = self._timing
         assert timing is not None
         start = timing.now()
-        entry = self._hot
-        if entry is not None and entry.ptrs == list(map(_data_ptr, entry.pick_pinned(args))):
+        hot = self._hot
+        if hot is not None and _in_place(hot, args):
             timing.add("shape_key", timing.now() - start)
-            return self._replay(entry, args)
+            return self._replay(hot[0], args)
         key = self._key(args)
         timing.add("shape_key", timing.now() - start)
         return self._dispatch(args, key)
@@ -406,6 +481,8 @@ class LockstepGraphRunner(GraphRunner):
     answers eagerly, which runs the same collectives, and raises it at the next agreement
     point, the runner's 1st, 2nd, 4th, 8th, ... call: then every rank declines the piece
     (the rank at fault with its reason, the others `rank_disagreement`)."""
+
+    replay_hot = None  # no hot path: every call counts toward the agreement schedule
 
     def __call__(self, *args: Any) -> Sequence[Any]:
         n = self._calls = self._calls + 1

@@ -1,17 +1,27 @@
-"""One replay of a captured entry, ordered on the device's streams.
+"""One replay of a captured entry, on the stream the caller will read from.
 
-    outputs allocated            (caller's stream; before any side effect)
-    side waits for caller        (the inputs the caller produced are ready)
-    on side: copy-in, replay, copy-out (clones, and mutated moving inputs copied back)
-    caller waits for side        (the caller reads the outputs after the clones ran)
+    caller waits for the last replay's stream   (only when the device's last replay was
+                                                 launched on another stream)
+    copy-in, replay, copy-out                   (on the caller's stream, in that order)
 
-Every replay of a device goes through its one side stream, so two callers on two streams
-(a server's per-request streams) never see a copy-in overwrite a static buffer that
-another replay still reads, nor a replay overwrite static outputs before the last clone
-read them; the device lock (held by the caller) keeps one call's launches together. The
-same code runs on CUDA streams and on the CPU model (cudagraph/streams.py), where a
-missing wait gives a wrong value. cudagraph trees replay on the caller's stream under a
-single-threaded tree per thread; vLLM replays on the current stream and trusts one caller.
+Work on one stream runs in launch order, so a replay from the stream that made the inputs
+and will read the outputs needs no event at all: the common case (one serving stream) pays
+none, as cudagraph trees and vLLM, which replay on the current stream. Every replay of a
+device follows the one before it, whichever stream that was on: when the caller's stream
+is not the one the device's last replay went to, it waits for that stream first (one
+event round trip), so two callers on two streams (a server's per-request streams) never
+see a copy-in overwrite a static buffer that another replay still reads, nor a replay
+overwrite static outputs (or pool memory shared with another graph) before the last
+copy-out read them. The device lock (held by the caller) keeps one call's launches
+together and `streams.replayed_on` true. The same code runs on CUDA streams and on the
+CPU model (cudagraph/streams.py), where a missing wait gives a wrong value.
+
+Outputs: where the streams launch at once (CUDA, ImmediateStreams), each output base is
+cloned right after the replay, one op each, unless the graph writes into a pinned input:
+then the destinations are allocated first (an allocation failure after the replay would
+leave that write done, and the eager answer to the call would do it a second time). The
+CPU model queues work that runs later, so there the destinations are always allocated
+first and written by the queued copy-out.
 """
 
 from __future__ import annotations
@@ -30,18 +40,40 @@ def copy_out(entry: Entry, dsts: list[Any], args: Sequence[Any]) -> None:
     entry.inputs.copy_back(args)
 
 
+def _follow(streams: Streams, caller: Any) -> None:
+    """Order this replay after the device's last one, launched on another stream (see
+    module docstring); the caller holds the device lock."""
+    last = streams.replayed_on
+    if last is not None and caller != last:
+        streams.wait(caller, last)
+    streams.replayed_on = caller
+
+
 def serve(entry: Entry, args: Sequence[Any], streams: Streams) -> list[Any]:
     """Copy in, replay and copy out; the caller holds the device lock."""
     outputs, inputs, graph = entry.outputs, entry.inputs, entry.graph
+    caller = streams.current()
+    if caller is not streams.replayed_on:
+        _follow(streams, caller)
+    if streams.immediate:  # each call below launches its work now, on the caller's stream
+        if outputs.late and not inputs.writes_pinned:  # type: ignore[union-attr]
+            if inputs.copies:  # type: ignore[union-attr]
+                inputs.copy_in(args)  # type: ignore[union-attr]
+            graph.replay()  # type: ignore[union-attr]
+            dsts = outputs.clones()  # type: ignore[union-attr]
+        else:
+            dsts = outputs.allocate()  # type: ignore[union-attr]
+            inputs.copy_in(args)  # type: ignore[union-attr]
+            graph.replay()  # type: ignore[union-attr]
+            outputs.copy_out(dsts)  # type: ignore[union-attr]
+        if inputs.backs:  # type: ignore[union-attr]
+            inputs.copy_back(args)  # type: ignore[union-attr]
+        return dsts if outputs.plain else outputs.assemble(dsts, args)  # type: ignore[union-attr]
     assert outputs is not None and inputs is not None and graph is not None
     dsts = outputs.allocate()
-    caller, side = streams.current(), streams.side()
-    streams.wait(side, caller)
-    with streams.on(side):
-        streams.launch(inputs.copy_in, args)
-        streams.launch(graph.replay)
-        streams.launch(copy_out, entry, dsts, args)
-    streams.wait(caller, side)
+    streams.launch(inputs.copy_in, args)
+    streams.launch(graph.replay)
+    streams.launch(copy_out, entry, dsts, args)
     return outputs.assemble(dsts, args)
 
 
@@ -50,16 +82,15 @@ def serve_timed(entry: Entry, args: Sequence[Any], streams: Streams, timing: Tim
     outputs, inputs, graph = entry.outputs, entry.inputs, entry.graph
     assert outputs is not None and inputs is not None and graph is not None
     start = timing.now()
+    caller = streams.current()
+    if caller is not streams.replayed_on:
+        _follow(streams, caller)
     dsts = outputs.allocate()
-    caller, side = streams.current(), streams.side()
-    streams.wait(side, caller)
-    with streams.on(side):
-        streams.launch(inputs.copy_in, args)
-        mid = timing.now()
-        streams.launch(graph.replay)
-        end = timing.now()
-        streams.launch(copy_out, entry, dsts, args)
-    streams.wait(caller, side)
+    streams.launch(inputs.copy_in, args)
+    mid = timing.now()
+    streams.launch(graph.replay)
+    end = timing.now()
+    streams.launch(copy_out, entry, dsts, args)
     out = outputs.assemble(dsts, args)
     timing.add("copy_in", mid - start)
     timing.add("replay", end - mid)
