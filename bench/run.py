@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, Target, machine, target_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("overhead", "scaling", "memory", "compile_time")
+BENCHMARKS = ("overhead", "scaling", "memory", "kv_cache", "compile_time")
 TIMEOUT_S = {"quick": 300, "full": 1800}
 
 
