@@ -142,14 +142,23 @@ def manifest_from_region(region: dict[str, Any]) -> dict[str, list[dict[str, Any
     }
 
 
+def accounted_graphs(report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The graphs of `report` (the latest by default), every graph and every backward
+    checked to add up: its calls are replays or eager calls, each with its reason."""
+    report = graphdispatch_backend.latest_report() if report is None else report
+    assert report is not None
+    for graph in report["graphs"]:
+        for record in (graph, graph.get("backward")):
+            if record:
+                cg = record["cuda_graph"]
+                assert record["calls"] == cg["replays"] + cg["eager_calls"], record["name"]
+                assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"], record["name"]
+    return report["graphs"]
+
+
 def only_graph() -> dict[str, Any]:
     """The latest report's only graph; its calls are replays or counted eager calls."""
-    report = graphdispatch_backend.latest_report()
-    assert report is not None
-    (graph,) = report["graphs"]
-    cg = graph["cuda_graph"]
-    assert graph["calls"] == cg["replays"] + cg["eager_calls"]
-    assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
+    (graph,) = accounted_graphs()
     return graph
 
 

@@ -70,15 +70,6 @@ def cotangents(outputs: Sequence[torch.Tensor], seed: int = COTANGENT_SEED) -> l
     return out
 
 
-def _say(name: str, m: Mismatch) -> str:
-    extra = []
-    if m.max_abs_diff is not None:
-        extra.append(f"max abs diff {m.max_abs_diff:.3g}")
-    if m.first_index is not None:
-        extra.append(f"first at {list(m.first_index)}")
-    return f"{name}: {m.what}: {m.detail}" + (f" ({', '.join(extra)})" if extra else "")
-
-
 class GradientCheck:
     def __init__(self, lifted: Sequence[torch.Tensor], names: Sequence[str], contain: Contain,
                  record: GraphRecord) -> None:
@@ -133,9 +124,9 @@ class GradientCheck:
         again, exc = self._contain(lambda: _differ(wrt, want, grads(expected)))
         if exc is None and again:
             return GradientVerdict(Decline.EAGER_NONDETERMINISTIC, (
-                f"eager's backward disagrees with itself ({_say(*again[0])}); the lowered backward's gradients "
-                f"of {', '.join(names)} differ from eager's first run"), names)
-        described = "; ".join(_say(name, m) for name, m in differs[:NAMED])
+                f"eager's backward disagrees with itself ({again[0][1].describe(again[0][0])}); the lowered backward's "
+                f"gradients of {', '.join(names)} differ from eager's first run"), names)
+        described = "; ".join(m.describe(name) for name, m in differs[:NAMED])
         more = f"; and {len(differs) - NAMED} more: {', '.join(names[NAMED:])}" if len(differs) > NAMED else ""
         return GradientVerdict(Decline.LOWERING_MISMATCH,
                                f"differs from eager in its backward: the gradients of {described}{more}", names)

@@ -34,12 +34,16 @@ class Mismatch:
         }
 
     def __str__(self) -> str:
+        return self.describe(f"output {self.output}")
+
+    def describe(self, name: str) -> str:
+        """The mismatch said of `name` (an output, an input's gradient)."""
         extra = []
         if self.max_abs_diff is not None:
             extra.append(f"max abs diff {self.max_abs_diff:.3g}")
         if self.first_index is not None:
             extra.append(f"first at {list(self.first_index)}")
-        return f"output {self.output}: {self.what}: {self.detail}" + (f" ({', '.join(extra)})" if extra else "")
+        return f"{name}: {self.what}: {self.detail}" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:

@@ -23,22 +23,21 @@ from graphdispatch_backend.errors import StrictModeError
 from graphdispatch_backend.runtime import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.runner import runner as runner_mod
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
-from graphdispatch_backend.testing import MLP_SOURCE, Stack, manifest_from_region, region_entry, write_bundle
+from graphdispatch_backend.testing import (
+    MLP_SOURCE,
+    Stack,
+    accounted_graphs,
+    manifest_from_region,
+    region_entry,
+    write_bundle,
+)
 
 FAST = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1}
 
 
 def report_graphs() -> list[dict[str, Any]]:
     """The latest report's graphs; every graph and every backward adds up."""
-    report = graphdispatch_backend.latest_report()
-    assert report is not None
-    for g in report["graphs"]:
-        for record in (g, g.get("backward")):
-            if record:
-                cg = record["cuda_graph"]
-                assert record["calls"] == cg["replays"] + cg["eager_calls"], record["name"]
-                assert sum(cg["eager_by_reason"].values()) == cg["eager_calls"], record["name"]
-    return report["graphs"]
+    return accounted_graphs()
 
 
 def mlp(dropout: float = 0.1) -> nn.Module:
