@@ -11,42 +11,34 @@ Registered through the `torch_dynamo_backends` entry point as "graphdispatch".
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
-from graphdispatch_backend.artifacts.match import MatchOutcome, match_for_autograd, match_region
-from graphdispatch_backend.artifacts.patterns import generalize
-from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
-from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
+from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import (
-    AuthoringFailure,
     Contain,
     Decline,
     GraphDispatchError,
     OptionsError,
-    Rejection,
     StrictModeError,
 )
+from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.ops import collective_groups, effect_tokens, nondeterministic_suspects
 from graphdispatch_backend.passes.split_pieces import split_pieces
 from graphdispatch_backend.passes.strip_assertions import strip_assertions
-from graphdispatch_backend.region import Region
 from graphdispatch_backend.runtime.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.autograd import backward_fallback, without_history
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.eager_check import EagerCheck
-from graphdispatch_backend.runtime.gate import ArtifactGate
 from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
 from graphdispatch_backend.session import Session, session_for
@@ -173,13 +165,6 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     return run
 
 
-def _named(obj: Any, name: str) -> Any:
-    """FX code generation names call targets by __name__/__qualname__/__module__."""
-    obj.__name__ = obj.__qualname__ = "".join(c if c.isalnum() else "_" for c in name)
-    obj.__module__ = "graphdispatch"
-    return obj
-
-
 class _Builder:
     """The aot compilers for one Dynamo graph: passes, gates and runners, wired together."""
 
@@ -188,10 +173,7 @@ class _Builder:
         self.session = session
         self.record = record
         self.origins = origins
-        self.model_modules = model_modules  # the compiled root's named_modules() (None: unknown)
-        self.module_rejections: Counter[str] = Counter()
-        self.pattern_hits: Counter[str] = Counter()  # artifact -> regions its pattern named
-        self.failures: list[str] = []  # authoring failures of this graph, raised together under strict
+        self.artifacts = GraphArtifacts(session, record, model_modules)
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
         self.mutated: list[int] | None = None
@@ -252,8 +234,8 @@ class _Builder:
             # a backward's inputs are saved tensors and gradients: no parameter, no region
             input_origins=self.origins if role != "backward" else (),
             # an autograd graph substitutes nothing: every artifact its pattern names is refused
-            matcher=self._match if role == "inference" else self._match_autograd,
-            make_call=self._make_call,
+            matcher=self.artifacts.match if role == "inference" else self.artifacts.match_autograd,
+            make_call=self.artifacts.make_call,
             pieces_spec=PieceSpec(torch.device(device).type, lambda piece, info: self._runner(
                 scope, piece, info, device, record, suspects, agreement))
             if scope else None,
@@ -264,10 +246,10 @@ class _Builder:
             run_pipeline(gm, ctx)
         record.stripped_assertions = ctx.stripped_assertions
         if role != "backward":
-            record.regions = [self._region_entry(r, ctx.outcomes.get(r.name), role == "inference")
+            record.regions = [self.artifacts.region_entry(r, ctx.outcomes.get(r.name), role == "inference")
                               for r in ctx.regions]
-            record.module_rejections = dict(self.module_rejections)
-            self._check_authoring(training)
+            record.module_rejections = dict(self.artifacts.module_rejections)
+            self.artifacts.check_authoring(training)
         record.pieces = [p.to_dict() for p in ctx.pieces]
         record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
         # forward, not __call__: nn.Module's call machinery costs microseconds per call
@@ -314,44 +296,6 @@ class _Builder:
             return None, Decline.NO_CUDA_DEVICE, device
         return ("cuda", None, device) if "cuda" in types else (None, Decline.NOT_CUDA, device)
 
-    def _match(self, region: Region) -> MatchOutcome:
-        reg = self.session.registry
-        return self._count(match_region(region, reg.artifacts.values(), reg.excluded.values(), torch.__version__))
-
-    def _match_autograd(self, region: Region) -> MatchOutcome:
-        reg = self.session.registry
-        return self._count(match_for_autograd(region, reg.artifacts.values(), reg.excluded.values()))
-
-    def _count(self, outcome: MatchOutcome) -> MatchOutcome:
-        reg = self.session.registry
-        by_name = {r.artifact for r in outcome.rejections if r.reason is Rejection.MODULE}
-        for artifact_id in by_name:
-            self.module_rejections[artifact_id] += 1
-        for artifact_id in reg.artifacts:
-            if artifact_id not in by_name:
-                self.pattern_hits[artifact_id] += 1
-        return outcome
-
-    def _make_call(self, region: Region, outcome: MatchOutcome, native: fx.GraphModule) -> Callable[..., Any] | None:
-        session, artifact = self.session, outcome.selected
-        try:
-            fn = artifact.load(session.contain)
-        except ArtifactLoadError as exc:
-            outcome.reject(artifact.id, Rejection.LOAD_FAILED, str(exc))
-            session.events.warn_once(f"load:{artifact.id}", "graphdispatch: artifact %s did not load: %s",
-                                     artifact.id, exc)
-            return None
-        sub = SubstitutionRecord(region.name, artifact.id, capturable=artifact.manifest.capturable,
-                                 kind=generalize(region.module))
-        self.record.substitutions.append(sub)
-        gate = ArtifactGate(artifact=fn, native=native, record=sub, parity=artifact.manifest.parity,
-                            contain=session.contain, events=session.events, timing=session.timing,
-                            speed_gate=session.options.speed_gate, strict=session.options.strict,
-                            kernel_inputs=region.kernel_positions)
-        session.events.decision("substitution",
-                                {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
-        return _named(gate, f"gd_artifact_{artifact.id}")
-
     def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str, record: GraphRecord,
                 suspects: Sequence[str], agreement: Agreement | None) -> GraphRunner:
         opts = self.session.options
@@ -368,46 +312,7 @@ class _Builder:
                              suspects=suspects, device=device, mutated=info.mutated, wide=info.wide,
                              guarded=guarded, static_shapes=guarded and not self.dynamic,
                              agreement=agreement if info.collectives else None)
-        return _named(runner, f"gd_piece_{info.index}")
-
-    def _region_entry(self, region: Region, outcome: MatchOutcome | None, inference: bool) -> dict[str, Any]:
-        entry = region.to_dict()
-        if outcome is not None:
-            entry["artifact"] = outcome.selected.id if outcome.selected is not None else None
-            entry["rejections"] = [r.to_dict() for r in outcome.rejections if r.reason is not Rejection.MODULE]
-            # the region's graph once per kind, for `artifacts scaffold` to write a kernel from
-            # (inference graphs only: a forward graph's regions also hand out saved tensors)
-            if inference and region.graph_data is not None:
-                self.record.region_graphs.setdefault(region.fingerprint, region.graph_data)
-            for rejection in outcome.rejections:
-                if rejection.reason is Rejection.SIGNATURE:
-                    key, message = signature_failure(rejection.artifact, region.name, region.module, region.cls,
-                                                     rejection.detail)
-                    self._authoring_failure(AuthoringFailure.SIGNATURE, rejection.artifact, key, message)
-        return entry
-
-    def _authoring_failure(self, failure: AuthoringFailure, artifact: str, key: str, message: str) -> None:
-        """An author's mistake: one WARNING per key (artifact and region kind) and one report
-        entry; under `strict` the graph's compile fails once every region was looked at."""
-        self.session.report.add_authoring(failure.value, artifact, key, message)
-        self.session.events.warn_once(f"authoring:{failure.value}:{key}", "graphdispatch: %s", message)
-        self.failures.append(message)
-
-    def _check_authoring(self, training: bool) -> None:
-        """Artifacts that matched nothing (see artifacts/authoring.py), then `strict`."""
-        record, session = self.record, self.session
-        record.pattern_matches = dict(self.pattern_hits)
-        if not training:
-            hits: Counter[str] = Counter()
-            for graph in list(session.report.graphs):
-                hits.update(graph.pattern_matches)
-            names = [r["module"] for g in list(session.report.graphs) for r in g.regions]
-            patterns = {a.id: a.manifest.module for a in session.registry.artifacts.values()}
-            for miss in unmatched(patterns, hits, names, self.model_modules):
-                self._authoring_failure(AuthoringFailure.UNMATCHED, miss.artifact, miss.artifact, miss.message())
-        if self.failures and session.options.strict:
-            raise StrictModeError(f"{record.name}: {len(self.failures)} authoring failure(s): "
-                                  + "; ".join(self.failures))
+        return call_target(runner, f"gd_piece_{info.index}")
 
     def _contract_mismatch(self, record: GraphRecord, detail: str) -> None:
         self.session.events.warn_once(f"contract:{record.name}",
