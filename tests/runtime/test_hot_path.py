@@ -69,14 +69,20 @@ def _emulate(model: nn.Module, **options: Any) -> Callable[..., Any]:
                          options={"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 1, **options})
 
 
-def test_hot_replays_are_counted_as_calls_and_replays():
+def _drive(calls: int) -> dict[str, Any]:
+    """`calls` calls of the emulated model, each bitwise with eager; its graph's report."""
     model = _model()
     compiled = _emulate(model)
-    keep = [torch.randn(2, 8) for _ in range(10)]
+    keep = [torch.randn(2, 8) for _ in range(calls)]  # kept alive: no address is reused
     with torch.no_grad():
         for x in keep:
             assert torch.equal(compiled(x), model(x))
     (graph,) = _report()["graphs"]
+    return graph
+
+
+def test_hot_replays_are_counted_as_calls_and_replays():
+    graph = _drive(10)
     assert graph["calls"] == 10
     # warmup, capture + verification, the first replay (slow path), then hot replays
     assert graph["cuda_graph"]["replays"] == 8
@@ -122,14 +128,7 @@ def test_a_hot_replay_that_raises_is_answered_eagerly_and_counted(monkeypatch):
         return graph
 
     monkeypatch.setattr(HostReplayEngine, "capture", capture)
-    model = _model()
-    compiled = _emulate(model)
-    keep = [torch.randn(2, 8) for _ in range(7)]
-    with torch.no_grad():
-        for x in keep:
-            assert torch.equal(compiled(x), model(x))
-    (graph,) = _report()["graphs"]
-    cg = graph["cuda_graph"]
+    cg = _drive(7)["cuda_graph"]
     assert cg["declines"] == {"replay_failed": 1}
     assert cg["replays"] == 2 and cg["eager_by_reason"]["replay_failed"] == 3  # the failing call and later ones
     assert "injected: device fault" in cg["decline_details"]["replay_failed"]
