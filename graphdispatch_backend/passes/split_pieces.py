@@ -10,7 +10,11 @@ captured; NCCL collectives stay inside, as vLLM captures them), produces a tenso
 another device than the graph's (a CPU tensor in a CUDA graph), or is an artifact call
 whose manifest says `"capturable": false`. Such nodes stay inline, in order; each maximal
 run of other nodes with real work becomes one piece, called through `make_piece`.
-A graph with no such node is left alone: it is captured whole.
+A graph with no such node is left alone: it is captured whole. An allocation of
+uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) whose every user stays
+inline goes inline with its first user (dropout2d's `new_empty` feeds `bernoulli`, rrelu's
+`empty_like` its noise): a piece would otherwise hand out uninitialized memory, which no
+two runs agree on, and its verification would fail.
 
 Before::
 
@@ -81,6 +85,32 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
     return None
 
 
+_UNINITIALIZED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                  "aten::new_empty_strided", "aten::empty_permuted"}
+
+
+def _allocates_uninitialized(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name in _UNINITIALIZED
+
+
+def _inline_companions(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) -> set[fx.Node]:
+    """Uninitialized allocations read only by inline nodes, moved right before their first
+    user and inline with it (see module docstring); their arguments (sizes, a template
+    tensor) are all defined earlier, so the move keeps the graph valid."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    companions = set()
+    for node in list(gm.graph.nodes):
+        if node in reasons or not node.users or not _allocates_uninitialized(node):
+            continue
+        if all(user in reasons for user in node.users):
+            first = min(node.users, key=order.__getitem__)
+            first.prepend(node)
+            reasons[node] = reasons[first]
+            companions.add(node)
+    return companions
+
+
 def _is_work(node: fx.Node) -> bool:
     """Pieces made only of views, getitems and symbolic-int arithmetic (`sym_size`,
     `operator.ge` on sizes) launch no kernel: they are not worth a graph."""
@@ -110,6 +140,8 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
             reason = reasons.get(src) if isinstance(src, fx.Node) else None
         if reason is not None:
             reasons[node] = reason
+    companions = _inline_companions(gm, reasons) if reasons else set()
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # in the order the moves left
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     if not reasons:
         origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
@@ -123,14 +155,15 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
             runs[-1][1].append(node)
         else:
             runs.append((capturable, [node]))
-    for node, r in reasons.items():
-        if node.target is not operator.getitem:  # a multi-output op counts once, not per output
-            ctx.split_reasons[r] = ctx.split_reasons.get(r, 0) + 1
+    counted = [n for n in reasons if n.target is not operator.getitem and n not in companions]
+    for node in counted:  # a multi-output op counts once, not per output; a companion not at all
+        ctx.split_reasons[reasons[node]] = ctx.split_reasons.get(reasons[node], 0) + 1
     pieces: list[PieceInfo] = []
     for capturable, nodes in runs:
         info = PieceInfo(len(pieces), capturable, len(nodes), ops=_ops(nodes))
         if not capturable:
-            info.reasons = dict(Counter(reasons[n].value for n in nodes if n.target is not operator.getitem))
+            info.reasons = dict(Counter(reasons[n].value for n in nodes
+                                        if n.target is not operator.getitem and n not in companions))
             pieces.append(info)
             continue
         if not any(_is_work(n) for n in nodes):

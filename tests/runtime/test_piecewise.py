@@ -9,6 +9,7 @@ only of such nodes runs eager as no_capturable_piece.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,6 +141,36 @@ def test_dropout_counts_once_though_it_has_two_outputs():
     graph = only_graph()
     assert graph["split_reasons"] == {"random_op": 1}
     assert [p["split_reasons"] for p in graph["pieces"] if not p["capturable"]] == [{"random_op": 1}]
+
+
+def test_feature_dropout_keeps_its_uninitialized_mask_inline_and_replays():
+    """dropout2d lowers to `new_empty` + `bernoulli(new_empty)`: the allocation goes inline
+    with the random op, so no piece hands out uninitialized memory (its verification would
+    see two runs disagree, `eager_nondeterministic`)."""
+    def dropped(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout2d(x.sin(), 0.5, training=True) * 2
+
+    run_checked(emulate(dropped), dropped, [(torch.randn(2, 3, 4, 4),) for _ in range(6)], seed=11)
+    graph = only_graph()
+    assert graph["split_reasons"] == {"random_op": 1}  # the allocation is not counted
+    assert summary(graph) == [
+        (True, {}, ["aten::sin.default"]),
+        (False, {"random_op": 1}, ["aten::new_empty.default", "aten::bernoulli.p"]),
+        (True, {}, ["aten::div.Scalar", "aten::mul.Tensor", "aten::mul.Tensor"]),
+    ]
+    assert graph["cuda_graph"]["declines"] == {} and graph["cuda_graph"]["replays"] == 2
+
+
+def test_without_the_move_the_uninitialized_mask_fails_verification(monkeypatch):
+    # the module, not the function passes/__init__ hands out under its name
+    module = sys.modules[split_pieces.__module__]
+    monkeypatch.setattr(module, "_inline_companions", lambda gm, reasons: set())
+
+    def dropped(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout2d(x.sin(), 0.5, training=True) * 2
+
+    run_checked(emulate(dropped), dropped, [(torch.randn(2, 3, 4, 4),) for _ in range(6)], seed=11)
+    assert "eager_nondeterministic" in only_graph()["cuda_graph"]["declines"]
 
 
 def test_cudagraph_unsafe_tag_splits():
