@@ -140,10 +140,10 @@ class InputPlan:
 
     def fill(self, args: Sequence[Any]) -> None:
         """The buffers' first values, for the capture call."""
-        self._copy(args)
+        self.copy_in(args)
 
     def copy_in(self, args: Sequence[Any]) -> None:
-        """Before every replay (the body of `_copy`, inline: one call less per replay)."""
+        """Before every replay."""
         one = self._one
         if one is not None:
             one[0].copy_(args[one[1]])
@@ -152,15 +152,6 @@ class InputPlan:
         if self._special:
             for pos, dst, view in self._special:
                 dst.copy_(view(args[pos]))
-
-    def _copy(self, args: Sequence[Any]) -> None:
-        one = self._one
-        if one is not None:
-            one[0].copy_(args[one[1]])
-        elif self._dsts:
-            torch._foreach_copy_(self._dsts, self._pick(args))
-        for pos, dst, view in self._special:
-            dst.copy_(view(args[pos]))
 
     def copy_back(self, args: Sequence[Any]) -> None:
         if self._back_srcs:

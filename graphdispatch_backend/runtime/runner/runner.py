@@ -39,13 +39,12 @@ from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.calls import Answered, mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
-from graphdispatch_backend.runtime.cudagraph.streams import Streams
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.record import record
 from graphdispatch_backend.runtime.runner.scope import RuntimeScope
-from graphdispatch_backend.runtime.runner.serve import serve, serve_timed, served
+from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
 from graphdispatch_backend.runtime.runner.transitions import Transitions
 from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict, Verifier
 
@@ -58,29 +57,27 @@ _NO_KEY: tuple[Any, ...] = ()
 # does (torch/_inductor/cudagraph_trees.py, check_invariants); absent from CPU wheels
 _PTRS_EQUAL: Callable[[list[Any], list[Any], list[int]], bool] | None = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-Hot = tuple[Entry, list[int], Callable[[Sequence[Any]], Any], "list[int | None] | None", "list[int] | None", int,
-            Callable[[Sequence[Any]], list[Any]]]
+Hot = tuple[Entry, list[int], Callable[[Sequence[Any]], Any], "list[int | None] | None", "list[int] | None", int]
 _VERIFIED = State.VERIFIED
 
 
-def _hot(entry: Entry, streams: Streams) -> Hot:
+def _hot(entry: Entry) -> Hot:
     """What the hot path reads of an entry, in one reference (a thread never sees half of
     it): the entry, its pinned addresses and picker, on CUDA builds the addresses by
-    position and the positions (as `_tensors_data_ptrs_at_indices_equal` takes them), the
-    bytes one replay copies, and its serve (`served`)."""
-    run = served(entry, streams)
+    position and the positions (as `_tensors_data_ptrs_at_indices_equal` takes them), and
+    the bytes one replay copies."""
     if _PTRS_EQUAL is None:
-        return entry, entry.ptrs, entry.pick_pinned, None, None, entry.copy_bytes, run
+        return entry, entry.ptrs, entry.pick_pinned, None, None, entry.copy_bytes
     positions = [p for p, _ in zip(entry.pinned, entry.ptrs)]
     at: list[int | None] = [None] * (max(positions, default=-1) + 1)
     for pos, ptr in zip(positions, entry.ptrs):
         at[pos] = ptr
-    return entry, entry.ptrs, entry.pick_pinned, at, positions, entry.copy_bytes, run
+    return entry, entry.ptrs, entry.pick_pinned, at, positions, entry.copy_bytes
 
 
 def _in_place(hot: Hot, args: Sequence[Any]) -> bool:
     """The pinned inputs are where the hot entry read them: the one check per call."""
-    _, ptrs, pick, at, positions, _, _ = hot
+    _, ptrs, pick, at, positions, _ = hot
     if at is None:
         return ptrs == list(map(_data_ptr, pick(args)))
     return _PTRS_EQUAL(args if type(args) is list else list(args), at, positions)  # type: ignore[misc,arg-type]
@@ -159,7 +156,7 @@ class GraphRunner(Transitions):
         hot = self._hot
         if hot is None:
             return None
-        entry, ptrs, pick, at, positions, nbytes, run = hot
+        entry, ptrs, pick, at, positions, nbytes = hot
         if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)
             if ptrs and ptrs != list(map(_data_ptr, pick(args))):
                 return None
@@ -170,7 +167,7 @@ class GraphRunner(Transitions):
             # `ptrs is`: the entry was not captured anew since the addresses were read
             if entry.state is _VERIFIED and entry.ptrs is ptrs and not (self._gates and self._gates_changed(entry)):
                 try:
-                    out = run(args)
+                    out = serve(entry, args, self._streams)
                 except (RuntimeError, MemoryError) as exc:
                     failed = exc
                 else:
@@ -386,7 +383,7 @@ class GraphRunner(Transitions):
                     if self._keyless:
                         hot = self._hot
                         if hot is None or hot[0] is not entry or hot[1] is not entry.ptrs:
-                            self._hot = _hot(entry, self._streams)
+                            self._hot = _hot(entry)
                     return out
         self._hot = None
         if failed is not None:

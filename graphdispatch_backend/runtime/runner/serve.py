@@ -26,7 +26,7 @@ first and written by the queued copy-out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from graphdispatch_backend.diagnostics.timing import Timing
@@ -75,32 +75,6 @@ def serve(entry: Entry, args: Sequence[Any], streams: Streams) -> list[Any]:
     streams.launch(graph.replay)
     streams.launch(copy_out, entry, dsts, args)
     return outputs.assemble(dsts, args)
-
-
-def served(entry: Entry, streams: Streams) -> Callable[[Sequence[Any]], list[Any]]:
-    """`serve` for one entry, made once when the entry becomes the runner's hot one: where
-    the streams launch at once and the outputs are cloned after the replay (the common
-    case), a closure with every choice of `serve` already made, which the hot path calls
-    (`runner.replay_hot`); else `serve` itself."""
-    outputs, inputs, graph = entry.outputs, entry.inputs, entry.graph
-    assert outputs is not None and inputs is not None and graph is not None
-    if not streams.immediate or not outputs.late or inputs.writes_pinned or inputs.backs:
-        return lambda args: serve(entry, args, streams)
-    current, replay, clones = streams.current, graph.replay, outputs.clones
-    copy_in = inputs.copy_in if inputs.copies else None
-    assemble = None if outputs.plain else outputs.assemble
-
-    def run(args: Sequence[Any]) -> list[Any]:
-        caller = current()
-        if caller is not streams.replayed_on:
-            _follow(streams, caller)
-        if copy_in is not None:
-            copy_in(args)
-        replay()
-        dsts = clones()
-        return dsts if assemble is None else assemble(dsts, args)
-
-    return run
 
 
 def serve_timed(entry: Entry, args: Sequence[Any], streams: Streams, timing: Timing) -> list[Any]:
