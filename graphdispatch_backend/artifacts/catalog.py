@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.artifacts.patterns import generalize, matches, suggest
@@ -106,18 +104,8 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
 
 
 def catalog_command(directory: str, pattern: str = "*") -> int:
-    # the renderer's loader: same checks and messages for a missing or foreign report
-    from graphdispatch_backend.diagnostics.render import ReportError, load
+    # the renderer's loader and messages for a missing, foreign or mistyped report
+    from graphdispatch_backend.diagnostics.render import run_command
 
-    try:
-        report, _, _ = load(directory)
-        text = render(report, pattern, str(Path(directory) / "dispatch.json"))
-    except ReportError as exc:
-        print(f"graphdispatch report: error: {exc}", file=sys.stderr)
-        return 2
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        print(f"graphdispatch report: error: {directory}/dispatch.json is missing or mistypes a field the region "
-              f"listing needs ({type(exc).__name__}: {exc})", file=sys.stderr)
-        return 2
-    print(text)
-    return 0
+    return run_command(directory, lambda report, _timing, _missing, source: render(report, pattern, source),
+                       "the region listing")

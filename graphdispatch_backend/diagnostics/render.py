@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -323,15 +324,23 @@ def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, sour
 
 
 def report_command(directory: str) -> int:
+    return run_command(directory, lambda report, timing, missing, source: render(
+        report, timing, source=source, timing_missing=missing), "the renderer")
+
+
+def run_command(directory: str, text_of: Callable[[dict[str, Any], Any, bool, str], str], reader: str) -> int:
+    """Load `directory`'s report, print what `text_of(report, timing, timing_missing,
+    source)` makes of it; a missing, foreign or mistyped report is one error line and exit
+    status 2 (`reader`: what reads the fields, for the message)."""
     path = Path(directory) / "dispatch.json"
     try:
         report, timing, missing = load(directory)
-        text = render(report, timing, source=str(path), timing_missing=missing)
+        text = text_of(report, timing, missing, str(path))
     except ReportError as exc:
         print(f"graphdispatch report: error: {exc}", file=sys.stderr)
         return 2
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        print(f"graphdispatch report: error: {path} is missing or mistypes a field the renderer needs "
+        print(f"graphdispatch report: error: {path} is missing or mistypes a field {reader} needs "
               f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     print(text)
