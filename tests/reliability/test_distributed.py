@@ -23,13 +23,12 @@ and that is what this test runs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from graphdispatch_backend import testing
 
 pytestmark = pytest.mark.distributed
 
@@ -83,26 +82,10 @@ WORKER = textwrap.dedent('''
 def run_ranks(tmp_path: Path, mode: str) -> list[dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    init_file = tmp_path / "rendezvous"
-    env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    env = {k: v for k, v in env.items() if not k.startswith("GRAPHDISPATCH_")}
-    procs = []
-    for rank in range(WORLD):
-        out = tmp_path / f"rank{rank}.json"
-        procs.append((subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(WORLD), str(init_file), str(out), mode],
-            env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=tmp_path), out))
     results = []
-    for proc, out in procs:
-        try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            pytest.fail(f"a rank did not finish in {TIMEOUT_S} s")
-        assert proc.returncode == 0, log[-4000:]
-        results.append(json.loads(out.read_text()))
+    for run in testing.run_ranks(script, tmp_path, mode, WORLD, TIMEOUT_S):
+        assert run.returncode == 0, run.log
+        results.append(json.loads(run.out.read_text()))
     return results
 
 

@@ -16,13 +16,12 @@ then the runner's verdicts are agreed too.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from graphdispatch_backend import testing
 
 pytestmark = pytest.mark.distributed
 
@@ -32,26 +31,12 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 
 def run_ranks(tmp_path: Path, scenario: str, strict: bool = True) -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHDISPATCH_")}
-    env["OMP_NUM_THREADS"] = "1"
-    procs = []
-    for rank in range(WORLD):
-        out = tmp_path / f"rank{rank}.json"
-        procs.append((subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(WORLD), str(tmp_path / "rendezvous"), str(out), scenario],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path), out))
     results = []
-    for proc, out in procs:
-        try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            pytest.fail(f"{scenario}: a rank did not finish in {TIMEOUT_S} s (collectives out of step?)")
+    for run in testing.run_ranks(WORKER, tmp_path, scenario, WORLD, TIMEOUT_S):
         if strict:
-            assert proc.returncode == 0, log[-4000:]
-        results.append(json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else
-                       {"failed": proc.returncode, "log": log[-2000:]})
+            assert run.returncode == 0, run.log
+        results.append(json.loads(run.out.read_text()) if run.returncode == 0 and run.out.exists() else
+                       {"failed": run.returncode, "log": run.log[-2000:]})
     return results
 
 
