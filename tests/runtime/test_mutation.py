@@ -239,7 +239,8 @@ MUTATIONS = [
     Mutation("scalar constants in the key, through compile", ((runner_mod, "layout_key", _tensors_only),
                                                               NO_EAGER_CHECK),
              dynamic_int_through_compile),
-    Mutation("moving copy-in", ((InputPlan, "copy_in", _no_copy_in),), moving_input_changes(verify_inputs=1)),
+    Mutation("moving copy-in", ((InputPlan, "fill", InputPlan.copy_in), (InputPlan, "copy_in", _no_copy_in)),
+             moving_input_changes(verify_inputs=1)),  # the capture still gets its first values
     Mutation("output clone", ((runner_mod, "serve", _serve_static_outputs),), outputs_held_across_replays),
     Mutation("verify before publish", ((Verifier, "judge", lambda self, *args: None),),
              kernel_right_only_on_capture_inputs),
@@ -264,6 +265,7 @@ def test_without_the_check_some_output_is_wrong(mutation: Mutation, monkeypatch:
 def test_verification_catches_a_missing_copy_in(monkeypatch):
     """With verify_inputs=2 the second, distinct input set exposes the missing copy-in
     before the graph serves: it declines (verify_mismatch) and every output stays right."""
+    monkeypatch.setattr(InputPlan, "fill", InputPlan.copy_in)
     monkeypatch.setattr(InputPlan, "copy_in", _no_copy_in)
     runner = make_runner(affine, verify_inputs=2)
     w, x = torch.randn(4, 4), fresh(3, 4)
