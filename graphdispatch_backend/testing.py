@@ -296,3 +296,11 @@ def run_ranks(script: Path, folder: Path, mode: str, world: int = 2, timeout_s: 
             raise AssertionError(f"{mode}: a rank did not finish in {timeout_s} s (collectives out of step?)") from None
         runs.append(RankRun(proc.returncode, log[-4000:], out))
     return runs
+
+
+def serve_patches(fn: Callable[..., Any]) -> tuple[tuple[Any, str, Any], ...]:
+    """`(module, "serve", fn)` for every runner module that calls `serve` (the replay path,
+    the hot path and verification): a test that replaces the serve replaces it everywhere."""
+    from graphdispatch_backend.runtime.runner import hot, publish, runner
+
+    return tuple((module, "serve", fn) for module in (runner, hot, publish))

@@ -21,7 +21,6 @@ import graphdispatch_backend
 from graphdispatch_backend import backend as backend_mod
 from graphdispatch_backend.errors import StrictModeError
 from graphdispatch_backend.runtime import eager_check as eager_check_mod
-from graphdispatch_backend.runtime.runner import runner as runner_mod
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 from graphdispatch_backend.testing import (
     MLP_SOURCE,
@@ -29,6 +28,7 @@ from graphdispatch_backend.testing import (
     accounted_graphs,
     manifest_from_region,
     region_entry,
+    serve_patches,
     write_bundle,
 )
 
@@ -161,7 +161,8 @@ def test_a_second_forward_never_overwrites_what_the_first_saved_for_backward():
 def test_without_the_copy_out_a_saved_tensor_goes_stale(monkeypatch):
     """Mutation: replays hand out pool memory; B's forward replay (and the backward's,
     sharing the pool) overwrite the activations A saved, and A's gradients are B's."""
-    monkeypatch.setattr(runner_mod, "serve", _serve_pool_memory)
+    for module, name, fn in serve_patches(_serve_pool_memory):
+        monkeypatch.setattr(module, name, fn)
     monkeypatch.setattr(eager_check_mod, "MAX_KEYS", 0)  # the runner's own rule, alone
     assert two_forwards_before_their_backwards() > 0
 

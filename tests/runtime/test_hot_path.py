@@ -110,6 +110,28 @@ def test_a_hot_replay_pays_no_contract_check(monkeypatch):
     assert before == 3 and len(checks) == 3
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, "auto"])
+def test_a_graph_dynamo_compiled_without_a_capture_pays_no_contract_check(monkeypatch, cuda_graphs):
+    # cuda_graphs off, or "auto" on a CPU graph: no runner decides anything, and Dynamo's
+    # guards stand in front of every call, so the call is the pipeline graph and a count
+    checks = []
+    real = PlaceholderContract.check
+    monkeypatch.setattr(PlaceholderContract, "check", lambda self, args: checks.append(1) or real(self, args))
+    model = _model()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": cuda_graphs})
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 8)
+            assert torch.equal(compiled(x), model(x))
+        x = torch.randn(5, 8)  # a new shape: Dynamo recompiles, nothing reaches the old graph
+        assert torch.equal(compiled(x), model(x))
+    assert checks == []
+    graphs = _report()["graphs"]
+    assert sum(g["calls"] for g in graphs) == 5
+    reason = "disabled" if cuda_graphs is False else "not_cuda"
+    assert all(set(g["cuda_graph"]["eager_by_reason"]) == {reason} for g in graphs)
+
+
 def test_a_hot_replay_that_raises_is_answered_eagerly_and_counted(monkeypatch):
     replays = [0]
     real = HostReplayEngine.capture

@@ -31,9 +31,9 @@ from graphdispatch_backend.runtime.cudagraph import engine as engine_mod
 from graphdispatch_backend.runtime.cudagraph.host import HostPool, HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner import record as record_mod
-from graphdispatch_backend.runtime.runner import runner as runner_mod
 from graphdispatch_backend.runtime.runner import serve as serve_mod
 from graphdispatch_backend.runtime.runner.inputs import InputPlan
+from graphdispatch_backend.testing import serve_patches
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 2, "verify_inputs": 2}
 
@@ -126,7 +126,8 @@ def _static_outputs(entry: Any, args: Sequence[Any], streams: Any) -> list[Any]:
 
 def test_outputs_are_copied_out_before_another_graph_reuses_the_pool(monkeypatch):
     assert two_graphs_one_pool() == 0
-    monkeypatch.setattr(runner_mod, "serve", _static_outputs)
+    for module, name, fn in serve_patches(_static_outputs):
+        monkeypatch.setattr(module, name, fn)
     assert two_graphs_one_pool() > 0  # the other graph's replay overwrote the held outputs
 
 
@@ -156,7 +157,8 @@ def interleaved_launches(lock: bool) -> list[bool]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InputPlan, "copy_in", copy_in)
         mp.setattr(serve_mod, "serve", _immediate_serve)
-        mp.setattr(runner_mod, "serve", _immediate_serve)
+        for module, name, fn in serve_patches(_immediate_serve):
+            mp.setattr(module, name, fn)
         ta = threading.Thread(target=lambda: result.update(a=a(x)[0]), name="A")
         ta.start()
         paused.wait(5)

@@ -39,6 +39,7 @@ from graphdispatch_backend.runtime.runner import record as record_mod
 from graphdispatch_backend.runtime.runner import runner as runner_mod
 from graphdispatch_backend.runtime.runner.inputs import InputPlan
 from graphdispatch_backend.runtime.runner.verify import Verifier
+from graphdispatch_backend.testing import serve_patches
 
 
 def make_runner(fn: Callable[..., Sequence[Any]], *, warmup: int = 2, verify_inputs: int = 1,
@@ -241,7 +242,7 @@ MUTATIONS = [
              dynamic_int_through_compile),
     Mutation("moving copy-in", ((InputPlan, "fill", InputPlan.copy_in), (InputPlan, "copy_in", _no_copy_in)),
              moving_input_changes(verify_inputs=1)),  # the capture still gets its first values
-    Mutation("output clone", ((runner_mod, "serve", _serve_static_outputs),), outputs_held_across_replays),
+    Mutation("output clone", serve_patches(_serve_static_outputs), outputs_held_across_replays),
     Mutation("verify before publish", ((Verifier, "judge", lambda self, *args: None),),
              kernel_right_only_on_capture_inputs),
 ]

@@ -25,11 +25,11 @@ from graphdispatch_backend.runtime import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner import inputs as inputs_mod
-from graphdispatch_backend.runtime.runner import runner as runner_mod
 from graphdispatch_backend.runtime.runner import serve as serve_mod
 from graphdispatch_backend.runtime.runner.book import EntryBook
 from graphdispatch_backend.runtime.runner.scope import DeviceRuntime
 from graphdispatch_backend.runtime.runner.verify import Verifier
+from graphdispatch_backend.testing import serve_patches
 
 
 def affine(x: torch.Tensor) -> tuple[torch.Tensor]:
@@ -118,7 +118,8 @@ def test_with_the_order_the_replay_is_right(order):
 @pytest.mark.parametrize("order", ORDERS)
 def test_without_the_order_the_replay_is_wrong(order, monkeypatch):
     runner, _ = verified()
-    monkeypatch.setattr(runner_mod, "serve", _serve_without(order.split(",")[0]))
+    for module, name, fn in serve_patches(_serve_without(order.split(",")[0])):
+        monkeypatch.setattr(module, name, fn)
     assert not ORDERS[order](runner)
 
 

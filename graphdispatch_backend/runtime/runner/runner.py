@@ -12,11 +12,11 @@ and each gets its own capture). Per entry:
 3. captured: replay and compare with eager, bit for bit (values, strides, views, and the
    inputs the piece writes into), on `verify_inputs` distinct input sets (the capture
    call's own inputs count as the first; a caller repeating the verified values gets a
-   derived set, runner/verify.py). Eager answers meanwhile.
+   derived set; runner/publish.py). Eager answers meanwhile.
 4. verified: one check per call (the pinned inputs' addresses, in C on CUDA builds), then
    copy-in, replay and copy-out on the caller's stream (runner/serve.py). A runner that
    serves a whole graph compiled through Dynamo is called at `replay_hot` first
-   (runtime/program.py): the replay, or None having done nothing.
+   (runtime/program.py, runner/hot.py): the replay, or None having done nothing.
 
 A refusal is a typed Decline: the entry goes eager for good (its artifacts stay active),
 counted and logged once. A pinned input that moves is re-captured as moving; an
@@ -36,54 +36,27 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
 from graphdispatch_backend.runtime.agree import Agreement
-from graphdispatch_backend.runtime.calls import Answered, mark_eager
+from graphdispatch_backend.runtime.calls import mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.hot import Hot, HotPath, hot_of, in_place
+from graphdispatch_backend.runtime.runner.publish import NOT_DISTINCT_LIMIT, Publish
 from graphdispatch_backend.runtime.runner.record import record
 from graphdispatch_backend.runtime.runner.scope import RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
 from graphdispatch_backend.runtime.runner.transitions import Transitions
-from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict, Verifier
+from graphdispatch_backend.runtime.runner.verify import Verifier
 
 __all__ = ["MAX_PARAMETER_SETS", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
-NOT_DISTINCT_LIMIT = 8
 _data_ptr = torch.Tensor.data_ptr
 _NO_KEY: tuple[Any, ...] = ()
-# CUDA builds: the pinned addresses compared in one C++ loop, as cudagraph trees' hot path
-# does (torch/_inductor/cudagraph_trees.py, check_invariants); absent from CPU wheels
-_PTRS_EQUAL: Callable[[list[Any], list[Any], list[int]], bool] | None = getattr(
-    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-Hot = tuple[Entry, list[int], Callable[[Sequence[Any]], Any], "list[int | None] | None", "list[int] | None", int]
-_VERIFIED = State.VERIFIED
 
 
-def _hot(entry: Entry) -> Hot:
-    """What the hot path reads of an entry, in one reference (a thread never sees half of
-    it): the entry, its pinned addresses and picker, on CUDA builds the addresses by
-    position and the positions (as `_tensors_data_ptrs_at_indices_equal` takes them), and
-    the bytes one replay copies."""
-    if _PTRS_EQUAL is None:
-        return entry, entry.ptrs, entry.pick_pinned, None, None, entry.copy_bytes
-    positions = [p for p, _ in zip(entry.pinned, entry.ptrs)]
-    at: list[int | None] = [None] * (max(positions, default=-1) + 1)
-    for pos, ptr in zip(positions, entry.ptrs):
-        at[pos] = ptr
-    return entry, entry.ptrs, entry.pick_pinned, at, positions, entry.copy_bytes
-
-
-def _in_place(hot: Hot, args: Sequence[Any]) -> bool:
-    """The pinned inputs are where the hot entry read them: the one check per call."""
-    _, ptrs, pick, at, positions, _ = hot
-    if at is None:
-        return ptrs == list(map(_data_ptr, pick(args)))
-    return _PTRS_EQUAL(args if type(args) is list else list(args), at, positions)  # type: ignore[misc,arg-type]
-
-
-class GraphRunner(Transitions):
+class GraphRunner(HotPath, Publish, Transitions):
     def __init__(
         self,
         fn: Callable[..., Sequence[Any]],
@@ -118,7 +91,7 @@ class GraphRunner(Transitions):
         self._static_shapes = static_shapes
         self._device = scope.device(device)
         self._streams = self._device.streams
-        self._device_lock = self._device.lock
+        self._acquire, self._release = self._device.lock.acquire, self._device.lock.release
         self._book = EntryBook(max_captures, self._device.lock, self._report)
         self._slots = self._book.slots  # shape key -> its entries (read on every call)
         self._verifier = Verifier(fn, scope.contain, mutated, suspects)
@@ -126,7 +99,7 @@ class GraphRunner(Transitions):
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
         self._keyless = False  # one shape key for good: no key is computed per call
-        self._hot: Hot | None = None  # the entry the last replay served (keyless runners), see _hot()
+        self._hot: Hot | None = None  # the entry the last replay served (keyless runners), see hot.py
         self.hot_replays = 0  # calls replay_hot answered with a replay (counted under the device lock)
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
@@ -143,46 +116,9 @@ class GraphRunner(Transitions):
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:
         hot = self._hot
-        if hot is not None and _in_place(hot, args):
+        if hot is not None and in_place(hot, args):
             return self._replay(hot[0], args)
         return self._dispatch(args)
-
-    def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
-        """The replay of the entry the last replay served, when the pinned inputs are where
-        it read them: the call's outputs, counted in `hot_replays` (the graph's record adds
-        them to its calls and replays); or None, having done nothing (the caller takes the
-        slow path, `__call__`). A replay that raises is answered eagerly here, and said by
-        raising Answered (counted eager in the stats, not in `hot_replays`)."""
-        hot = self._hot
-        if hot is None:
-            return None
-        entry, ptrs, pick, at, positions, nbytes = hot
-        if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)
-            if ptrs and ptrs != list(map(_data_ptr, pick(args))):
-                return None
-        elif not _PTRS_EQUAL(args, at, positions):  # type: ignore[misc]
-            return None
-        failed: BaseException | None = None
-        with self._device_lock:
-            # `ptrs is`: the entry was not captured anew since the addresses were read
-            if entry.state is _VERIFIED and entry.ptrs is ptrs and not (self._gates and self._gates_changed(entry)):
-                try:
-                    out = serve(entry, args, self._streams)
-                except (RuntimeError, MemoryError) as exc:
-                    failed = exc
-                else:
-                    stats = self._stats
-                    stats.replays += 1
-                    stats.copy_bytes += nbytes
-                    self.hot_replays += 1
-                    if self._gates:
-                        self._gates_replayed(entry)
-                    return out
-        self._hot = None
-        if failed is None:
-            return None  # raced with a state change: the slow path decides
-        reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
-        raise Answered(self._replay_failed(entry, args, failed), reason.value)
 
     def _dispatch(self, args: Sequence[Any], key: tuple[Any, ...] | None = None) -> Sequence[Any]:
         key = self._key(args) if key is None else key
@@ -293,75 +229,6 @@ class GraphRunner(Transitions):
             self._stats.static_bytes = sum(self._buffers_used.values())
         self._set_state()
 
-    # -- verification ---------------------------------------------------------------
-    def _verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any]:
-        if not first:
-            problem = self._check(entry, args)
-            if problem is not None:
-                return self._mismatch(entry, args, *problem)
-            repeats = self._verifier.repeats(entry.moving, args, entry.last_inputs)
-            if repeats is None:
-                return self._refuse(entry, args, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
-            if self._agree(int(repeats)):  # one rank repeating its values: every rank derives a set
-                return self._verify_derived(entry, args)
-        expected, verdict = self._verifier.live(args, lambda a: self._serve_locked(entry, a),
-                                                lambda a: self._eager(a, Decline.VERIFYING))
-        return self._conclude(entry, args, expected, verdict)
-
-    def _verify_derived(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
-        """The caller repeats the verified values: verify on a set derived from them."""
-        expected = self._eager(args, Decline.VERIFYING)
-        verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
-                                               salt=entry.verified)
-        if self._agree(2 if verdict is NO_SET else int(verdict is not None)) == 2:
-            verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
-        if verdict is NO_SET:
-            entry.waits += 1
-            if entry.waits > NOT_DISTINCT_LIMIT:
-                self._decline(entry, Decline.VERIFY_NOT_DISTINCT, (
-                    f"{entry.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
-                    "derived from them (every moving input holds one repeated integer or bool value, or eager raised "
-                    "on the derived values): call once with other values, or pass the same tensor object each call "
-                    "(it is then read in place)"))
-            return expected
-        return self._conclude(entry, args, expected, verdict, live=False)
-
-    def _conclude(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any], verdict: Verdict,
-                  live: bool = True) -> Sequence[Any]:
-        if self._gates_changed(entry) and self._agreement is None:
-            # an artifact in this piece failed a parity re-check during this very call: the
-            # capture holds it, so capture again without it rather than declining for good
-            self._transition(entry, args, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", -1)
-            return expected
-        if self._gates_changed(entry) and verdict is None:
-            verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
-        if self._agree(int(verdict is not None)) and verdict is None:
-            verdict = Decline.RANK_DISAGREEMENT, "another rank's verification failed"
-        if verdict is not None and self._agreement is not None and verdict[0] is Decline.OUT_OF_MEMORY:
-            verdict = Decline.OUT_OF_MEMORY, verdict[1] + " (in lockstep with other ranks: declined)"
-            self._decline(entry, *verdict)
-            return expected
-        if verdict is not None:
-            if verdict[0] is Decline.OUT_OF_MEMORY:
-                self._backoff(entry, verdict[1])  # the capture stays; verification tries again later
-            else:
-                self._decline(entry, *verdict)
-            return expected
-        entry.verified, entry.waits = entry.verified + 1, 0
-        if entry.verified >= self._verify_inputs:
-            entry.state, entry.last_inputs = State.VERIFIED, None
-            self._set_state()
-        elif live:
-            last, exc = self._scope.contain(lambda: [args[pos].clone() for pos, _ in entry.moving])
-            if exc is not None:
-                self._decline(entry, Decline.CHECK_FAILED, f"keeping the verified inputs raised {type(exc).__name__}")
-            entry.last_inputs = last
-        return expected
-
-    def _serve_locked(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
-        with self._device.lock:
-            return serve(entry, args, self._streams)
-
     # -- replay ---------------------------------------------------------------------
     def _replay(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
         failed: BaseException | None = None
@@ -383,7 +250,7 @@ class GraphRunner(Transitions):
                     if self._keyless:
                         hot = self._hot
                         if hot is None or hot[0] is not entry or hot[1] is not entry.ptrs:
-                            self._hot = _hot(entry)
+                            self._hot = hot_of(entry)
                     return out
         self._hot = None
         if failed is not None:
@@ -465,7 +332,7 @@ class TimedGraphRunner(GraphRunner):
         assert timing is not None
         start = timing.now()
         hot = self._hot
-        if hot is not None and _in_place(hot, args):
+        if hot is not None and in_place(hot, args):
             timing.add("shape_key", timing.now() - start)
             return self._replay(hot[0], args)
         key = self._key(args)

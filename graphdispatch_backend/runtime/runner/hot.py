@@ -1,0 +1,114 @@
+"""The hot path: a replay of the entry the last replay served, for one address check.
+
+    caller (runtime/program.py)  ->  replay_hot(args)
+        pinned inputs where the entry read them?    (one check: in C on CUDA builds)
+          no  -> None, nothing done: the caller takes the full path
+          yes -> under the device lock: still verified, not re-captured, no artifact
+                 demoted? -> serve (copy-in, replay, clone) and count; else None
+
+This is what a correct replay must do and no more (cudagraph trees' fast path,
+torch/_inductor/cudagraph_trees.py `check_invariants` then `run`, does the same: one C++
+pointer check, the input copies, the replay). A runner keeps a hot entry only where one
+shape key serves every call (Dynamo guards the shapes, no scalar input), so no key is
+computed here; metadata Dynamo's guards ensure is not checked again.
+
+A mixin of GraphRunner: it reads the runner's hot entry, device lock, streams and stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime.calls import Answered
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.serve import serve
+
+_data_ptr = torch.Tensor.data_ptr
+# CUDA builds: the pinned addresses compared in one C++ loop, as cudagraph trees' hot path
+# does (torch/_inductor/cudagraph_trees.py, check_invariants); absent from CPU wheels
+PTRS_EQUAL: Callable[[list[Any], list[Any], list[int]], bool] | None = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+_VERIFIED = State.VERIFIED
+
+# (entry, its pinned addresses, its picker, on CUDA builds the addresses by position and
+# the positions, the bytes one replay copies)
+Hot = tuple[Entry, list[int], Callable[[Sequence[Any]], Any], "list[int | None] | None", "list[int] | None", int]
+
+
+def hot_of(entry: Entry) -> Hot:
+    """What the hot path reads of an entry, in one reference (a thread never sees half of
+    it), in the form `_tensors_data_ptrs_at_indices_equal` takes where torch has it."""
+    if PTRS_EQUAL is None:
+        return entry, entry.ptrs, entry.pick_pinned, None, None, entry.copy_bytes
+    positions = [p for p, _ in zip(entry.pinned, entry.ptrs)]
+    at: list[int | None] = [None] * (max(positions, default=-1) + 1)
+    for pos, ptr in zip(positions, entry.ptrs):
+        at[pos] = ptr
+    return entry, entry.ptrs, entry.pick_pinned, at, positions, entry.copy_bytes
+
+
+def in_place(hot: Hot, args: Sequence[Any]) -> bool:
+    """The pinned inputs are where the hot entry read them: the one check per call."""
+    _, ptrs, pick, at, positions, _ = hot
+    if at is None:
+        return ptrs == list(map(_data_ptr, pick(args)))
+    return PTRS_EQUAL(args if type(args) is list else list(args), at, positions)  # type: ignore[misc,arg-type]
+
+
+class HotPath:
+    # provided by GraphRunner (annotations only: nothing here shadows the runner's own)
+    _hot: Hot | None
+    hot_replays: int
+    _acquire: Callable[[], Any]  # the device lock's, bound once: cheaper than `with`
+    _release: Callable[[], None]
+    _streams: Any
+    _stats: Any
+    _gates: tuple[Any, ...]
+    _gates_changed: Callable[[Entry], bool]
+    _gates_replayed: Callable[[Entry], None]
+    _replay_failed: Callable[[Entry, Sequence[Any], BaseException], Sequence[Any]]
+
+    def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
+        """The replay of the entry the last replay served, when the pinned inputs are where
+        it read them: the call's outputs, counted in `hot_replays` (the graph's record adds
+        them to its calls and replays); or None, having done nothing (the caller takes the
+        slow path, `__call__`). A replay that raises is answered eagerly here, and said by
+        raising Answered (counted eager in the stats, not in `hot_replays`)."""
+        hot = self._hot
+        if hot is None:
+            return None
+        entry, ptrs, pick, at, positions, nbytes = hot
+        if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)
+            if ptrs and ptrs != list(map(_data_ptr, pick(args))):
+                return None
+        elif not PTRS_EQUAL(args, at, positions):  # type: ignore[misc]
+            return None
+        failed: BaseException | None = None
+        self._acquire()
+        try:
+            # `ptrs is`: the entry was not captured anew since the addresses were read
+            if entry.state is _VERIFIED and entry.ptrs is ptrs and not (self._gates and self._gates_changed(entry)):
+                try:
+                    out = serve(entry, args, self._streams)
+                except (RuntimeError, MemoryError) as exc:
+                    failed = exc
+                else:
+                    stats = self._stats
+                    stats.replays += 1
+                    stats.copy_bytes += nbytes
+                    self.hot_replays += 1
+                    if self._gates:
+                        self._gates_replayed(entry)
+                    return out
+        finally:
+            self._release()
+        self._hot = None
+        if failed is None:
+            return None  # raced with a state change: the slow path decides
+        reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
+        raise Answered(self._replay_failed(entry, args, failed), reason.value)
