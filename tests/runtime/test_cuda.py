@@ -3,7 +3,8 @@
 Every decision is tested on CPU through HostReplayEngine; these tests pin what only a
 device can show: a real capture replays right, also when the caller works on a
 non-default stream; an aborted capture gives its memory back and leaves the caller's
-stream as it was; eager work on another thread neither fails nor spoils a capture; the
+stream as it was; eager work on another thread neither fails nor spoils a capture, and
+two threads capturing at once take turns; the
 shared pool keeps reserved memory flat across captures; outputs keep eager's aliasing;
 a KV cache is written in place; per-request streams in threads, a non-current device,
 misaligned inputs; and the whole runner replays bit for bit through torch.compile.
@@ -165,6 +166,37 @@ def test_eager_work_on_another_thread_during_a_capture():
     torch.cuda.synchronize()
     assert torch.equal(graph.outputs[0], mlp(x, w)[0])
     graph.reset()
+
+
+def test_two_threads_capturing_at_once_take_turns():
+    """Two engines (two sessions) capture in two threads at the same moment: one capture at
+    a time in the process (trees' graph_capture_lock), or one's warmup kernels would land in
+    the other's capture stream and its synchronize would break the capture underway."""
+    x1, w = operands()
+    x2 = torch.randn_like(x1)
+    start = threading.Barrier(2)
+    graphs: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def capture(i: int, x: torch.Tensor) -> None:
+        try:
+            start.wait(30)
+            graphs[i] = CudaGraphEngine().capture(lambda a, b: (mlp(a, b)[0] * (i + 1),), (x, w), x.device)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=capture, args=(i, x)) for i, x in ((0, x1), (1, x2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for i, x in ((0, x1), (1, x2)):
+        x.copy_(torch.randn_like(x))
+        graphs[i].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphs[i].outputs[0], mlp(x, w)[0] * (i + 1))
+        graphs[i].reset()
 
 
 # -- the runner through torch.compile ----------------------------------------------------------

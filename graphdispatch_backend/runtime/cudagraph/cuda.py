@@ -13,23 +13,36 @@ tested on CPU through HostReplayEngine.
   addresses are kept (trees' `_construct_storage_from_data_pointer`), so the pool hands
   that memory to later captures. The runner clones every output right after each replay
   and serializes replays per device.
+- One capture at a time in the process (trees' module-level `graph_capture_lock`,
+  cudagraph_trees.py): two runners capturing in two threads would share a capture stream
+  (one's warmup kernels recorded into the other's graph), and a synchronize or an
+  `empty_cache` while a capture is underway is invalid.
 - Capture under the graph's device (`torch.cuda.device`, as trees record), on the device's
-  capture stream, `capture_error_mode="thread_local"` (trees: other threads' eager work does
-  not invalidate it). Not the stream replays run on: another thread may replay while this
-  one captures, and work launched on a capturing stream would be captured with it. One
+  capture stream, `capture_error_mode="thread_local"` (a stream-capture-unsafe API called
+  by another thread's eager work does not invalidate it). Not the stream replays run on
+  (the caller's): work launched on a capturing stream would be captured with it. One
   warmup run on that stream comes first, outside the pool (lazy cuBLAS and
   cuDNN initialization stays out of the capture; torch.cuda.make_graphed_callables does the
   same), not counted as an artifact call (recording()).
+- `capture_begin`/`capture_end` are called directly, not through `torch.cuda.graph`, whose
+  `__enter__` empties the caching allocator (and the host cache) before every capture:
+  with 40 per-block captures that is 40 flushes, and eager allocations afterwards go back
+  to cudaMalloc. vLLM patches those calls out during capture for the same reason; the
+  device synchronize that precedes them is kept.
 - cuBLAS workspaces are cleared before and after warmup and capture (trees'
   `clear_cublas_manager`): a persistent workspace allocated in the pool would otherwise be
   in use in two places once another graph reuses that memory.
-- A failed capture resets its graph (releasing its hold on the pool) after the aborted
-  frames' tensors are freed, then synchronizes; the pool survives (the MemPool holds it).
+- A failed capture resets its graph after the aborted frames' tensors are freed (the
+  frames of every exception in its chain), then synchronizes; the pool survives (the
+  MemPool holds it). A warmup that raises still joins the capture stream back into the
+  caller's, so nothing after it (the eager answer, the restore of the inputs the graph
+  writes) races a warmup kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +51,18 @@ import torch
 
 from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording
 from graphdispatch_backend.runtime.cudagraph.streams import CudaStreams
+
+_CAPTURE_LOCK = threading.Lock()  # one capture underway in the process (trees' graph_capture_lock)
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Free what the frames of `exc` and of the exceptions it was raised during hold."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        traceback.clear_frames(cur.__traceback__)
+        cur = cur.__context__
 
 
 def _clear_cublas() -> None:
@@ -59,8 +84,8 @@ class _CudaGraph:
         self.outputs = outputs
 
     def replay(self) -> None:
-        # cudaGraphLaunch on the current stream: the runner has made it the device's side
-        # stream, ordered with the caller's by events (cudagraph/streams.py)
+        # cudaGraphLaunch on the current stream: the caller's, ordered after the device's
+        # last replay by the runner (runner/serve.py)
         self._graph.replay()
 
     def reset(self) -> None:
@@ -104,44 +129,51 @@ class CudaGraphEngine:
         """Bytes the device pools hold (their segments), from the allocator's snapshot."""
         total = 0
         for pool in list(self._pools.values()):
-            snapshot = getattr(pool, "snapshot", None)
-            if snapshot is not None:
-                total += sum(seg.get("total_size", 0) for seg in snapshot())
+            # the segments only: MemPool.snapshot() would gather every block's stack trace
+            total += sum(seg.get("total_size", 0)
+                         for seg in pool.snapshot(include_traces=False))
         return total
 
     def capture(self, fn: Fn, args: Sequence[Any], device: Any, warmup: bool = True) -> _CudaGraph:
         """`warmup=False` for a piece that holds collectives: its warmup run would run them
         on this rank alone (the runner's eager warmup calls, on every rank, did that work)."""
         index = self._index(device)
-        side = self._capture_streams.get(index)
-        if side is None:
-            side = self._capture_streams[index] = torch.cuda.Stream(index)
-        pool = self.pool(index)
-        with torch.cuda.device(index):
-            side.wait_stream(torch.cuda.current_stream())
+        with _CAPTURE_LOCK, torch.cuda.device(index):
+            side = self._capture_streams.get(index)
+            if side is None:
+                side = self._capture_streams[index] = torch.cuda.Stream(index)
+            pool = self.pool(index)
+            caller = torch.cuda.current_stream()
+            side.wait_stream(caller)
             _clear_cublas()
-            with recording(), torch.no_grad(), torch.cuda.stream(side):
-                for _ in range(self.warmup_iters if warmup else 0):
-                    fn(*args)
-            _clear_cublas()
-            torch.cuda.current_stream().wait_stream(side)
+            try:
+                with recording(), torch.no_grad(), torch.cuda.stream(side):
+                    for _ in range(self.warmup_iters if warmup else 0):
+                        fn(*args)
+            finally:  # a warmup that raised still joins back: nothing after it races its kernels
+                _clear_cublas()
+                caller.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # The outer stream context restores the caller's stream even when capture_end
-            # raises inside torch.cuda.graph's __exit__ (which then skips its own restore).
+            torch.cuda.synchronize(index)  # as torch.cuda.graph's __enter__, without its cache flushes
+            # The stream context restores the caller's stream even when capture_end raises.
             with torch.cuda.stream(side):
                 try:
-                    with recording(), torch.no_grad(), torch.cuda.graph(
-                            graph, pool=pool.id, stream=side, capture_error_mode="thread_local"):
-                        owned = tuple(fn(*args))
+                    graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+                    try:
+                        with recording(), torch.no_grad():
+                            owned = tuple(fn(*args))
+                    finally:
+                        graph.capture_end()
                 except BaseException as exc:
                     # The aborted frames still hold tensors from the pool: free them, then
                     # the graph (releasing its hold on the pool), then let the GPU settle.
-                    traceback.clear_frames(exc.__traceback__)
+                    _clear_frames(exc)
                     graph.reset()
                     torch.cuda.synchronize(index)
                     raise
                 finally:
                     _clear_cublas()
+            caller.wait_stream(side)  # the caller's next work follows the capture's allocations
             held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             # outputs that view an argument stay as they are (the argument owns the memory);
             # the rest become non-owning views of pool memory, a tensor returned twice once

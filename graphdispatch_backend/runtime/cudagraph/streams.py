@@ -1,7 +1,7 @@
 """Streams: the verbs that order copy-in, replay and clone, and their CPU model.
 
 The runner orders a replay with five verbs, written once for every engine:
-`current()` (the caller's stream), `side()` (the device's own stream: captures run on it),
+`current()` (the caller's stream), `side()` (a device stream of its own, for work no caller's stream should carry),
 `on(stream)` (work launched inside goes to that stream), `launch(fn, *args)` (a kernel
 launch) and `wait(waiter, stream)` (later work on `waiter` runs after everything launched
 on `stream` so far). Two attributes serve the replay (runner/serve.py): `immediate` (a
@@ -73,9 +73,10 @@ class ImmediateStreams:
 
 
 class CudaStreams:
-    """torch.cuda streams of one device. One side stream serves every replay on the device,
-    as torch.cuda.graph's own default: PyTorch keeps a cuBLAS workspace per (handle,
-    stream), so a stream per capture would pin one workspace per capture."""
+    """torch.cuda streams of one device. Replays and copies run on the caller's stream
+    (`current()`); `side()` is one device stream, made once (PyTorch keeps a cuBLAS
+    workspace per (handle, stream): a stream per use would pin one workspace each).
+    Captures run on the engine's own capture stream (cudagraph/cuda.py)."""
 
     immediate = True  # a launch enqueues its kernels on the current stream as the host calls it
 

@@ -7,14 +7,16 @@ Given an entry's warmup observations and the live inputs of the capture call:
   address), are pinned (read in place, their addresses checked on every replay);
   parameters and buffers must be pinned, or the capture is refused (`parameter_moved`);
 - the rest, and inputs an earlier re-capture found moving, are moving: copied into the
-  session's shared static buffers, under the device lock (another runner may be
-  replaying from the same buffers);
+  session's shared static buffers, on the caller's stream after the device's last replay
+  (another runner's replay may still read the same buffers), as every copy-in is;
 - outputs must be tensors (copied out on replay) or None/bool/int/float constants.
 
-The capture itself runs under the device guard and outside the device lock (a replay on
-another thread never waits behind a capture). A capture may run the computation (the
-host model does; CUDA's warmup run does), so the inputs the graph writes into are
-snapshotted before and put back after. An allocation failure is `out_of_memory`, a
+The whole capture runs under the device lock and the device guard: a capture may run the
+computation (the host model does; CUDA's warmup run does), reading the shared buffers and
+writing the inputs the graph writes into (snapshotted before and put back after), and no
+other thread's replay may copy into those buffers or read those inputs meanwhile. A
+replay on another thread waits behind a capture (captures are rare; cudagraph trees hold
+one process-wide lock for theirs). An allocation failure is `out_of_memory`, a
 transient decline; anything else raised is `capture_failed`.
 """
 
@@ -32,6 +34,7 @@ from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 from graphdispatch_backend.runtime.runner.scope import DeviceRuntime, RuntimeScope
+from graphdispatch_backend.runtime.runner.serve import follow
 from graphdispatch_backend.runtime.world import World
 
 CONSTANT_OUTPUTS = (type(None), bool, int, float)
@@ -66,20 +69,20 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         buffers.append((pos, buf))
     writes = [static_args[p] for p in mutated if p < len(static_args) and isinstance(static_args[p], torch.Tensor)]
     inputs = InputPlan(buffers, mutated, wide, args)
-    with device.lock:  # the buffers are shared: filled in order with every replay on the side stream
-        _, exc = scope.contain(lambda: _fill(inputs, args, device))
-    if exc is not None:
-        raise _refusal(exc, "copying the inputs in")
-    before, exc = scope.contain(lambda: World.take(writes))
-    if exc is not None:
-        raise _refusal(exc, "snapshotting the inputs the graph writes")
     if lockstep:  # collectives inside: no warmup run that one rank would make alone
         capture = lambda: scope.engine.capture(fn, static_args, device.device, warmup=False)
     else:
         capture = lambda: scope.engine.capture(fn, static_args, device.device)
-    with device.guard():
-        graph, exc = scope.contain(capture)
-    before.restore()
+    with device.lock:  # the buffers are shared with every other replay of the device
+        _, exc = scope.contain(lambda: _fill(inputs, args, device))
+        if exc is not None:
+            raise _refusal(exc, "copying the inputs in")
+        before, exc = scope.contain(lambda: World.take(writes))
+        if exc is not None:
+            raise _refusal(exc, "snapshotting the inputs the graph writes")
+        with device.guard():
+            graph, exc = scope.contain(capture)
+        before.restore()
     if exc is not None:
         raise _refusal(exc, "capturing")
     for i, out in enumerate(graph.outputs):
@@ -105,14 +108,14 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
 
 
 def _fill(inputs: InputPlan, args: Sequence[Any], device: DeviceRuntime) -> None:
-    """The buffers' first values, written on the side stream (as every copy-in is), after
-    the caller's work and before the caller's next (the capture) runs."""
+    """The buffers' first values, written on the caller's stream after the device's last
+    replay, whichever stream that was on (it may still read these buffers), as every
+    copy-in is (runner/serve.py); the caller holds the device lock."""
     streams = device.streams
-    caller, side = streams.current(), streams.side()
-    streams.wait(side, caller)
-    with streams.on(side):
-        streams.launch(inputs.fill, args)
-    streams.wait(caller, side)
+    caller = streams.current()
+    if caller is not streams.replayed_on:
+        follow(streams, caller)
+    streams.launch(inputs.fill, args)
 
 
 def _refusal(exc: Exception, doing: str) -> CudaGraphUnavailable:

@@ -40,9 +40,10 @@ def copy_out(entry: Entry, dsts: list[Any], args: Sequence[Any]) -> None:
     entry.inputs.copy_back(args)
 
 
-def _follow(streams: Streams, caller: Any) -> None:
-    """Order this replay after the device's last one, launched on another stream (see
-    module docstring); the caller holds the device lock."""
+def follow(streams: Streams, caller: Any) -> None:
+    """Order the caller's next work after the device's last replay, launched on another
+    stream (see module docstring): a replay, or a capture's first copy-in into the shared
+    buffers (runner/record.py); the caller holds the device lock."""
     last = streams.replayed_on
     if last is not None and caller != last:
         streams.wait(caller, last)
@@ -54,7 +55,7 @@ def serve(entry: Entry, args: Sequence[Any], streams: Streams) -> list[Any]:
     outputs, inputs, graph = entry.outputs, entry.inputs, entry.graph
     caller = streams.current()
     if caller is not streams.replayed_on:
-        _follow(streams, caller)
+        follow(streams, caller)
     if streams.immediate:  # each call below launches its work now, on the caller's stream
         if outputs.late and not inputs.writes_pinned:  # type: ignore[union-attr]
             if inputs.copies:  # type: ignore[union-attr]
@@ -84,7 +85,7 @@ def serve_timed(entry: Entry, args: Sequence[Any], streams: Streams, timing: Tim
     start = timing.now()
     caller = streams.current()
     if caller is not streams.replayed_on:
-        _follow(streams, caller)
+        follow(streams, caller)
     dsts = outputs.allocate()
     streams.launch(inputs.copy_in, args)
     mid = timing.now()
