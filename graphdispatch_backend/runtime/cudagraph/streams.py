@@ -1,10 +1,10 @@
 """Streams: the verbs that order copy-in, replay and clone, and their CPU model.
 
 The runner orders a replay with five verbs, written once for every engine:
-`current()` (the caller's stream), `side()` (a device stream of its own, for work no caller's stream should carry),
-`on(stream)` (work launched inside goes to that stream), `launch(fn, *args)` (a kernel
-launch) and `wait(waiter, stream)` (later work on `waiter` runs after everything launched
-on `stream` so far). Two attributes serve the replay (runner/serve.py): `immediate` (a
+`current()` (the caller's stream), `side()` (a device stream of its own, for work no
+caller's stream should carry), `on(stream)` (work launched inside goes to that stream),
+`launch(fn, *args)` (a kernel launch) and `wait(waiter, stream)` (later work on `waiter`
+runs after everything launched on `stream` so far). Two attributes serve the replay (runner/serve.py): `immediate` (a
 launch is made at once on the current stream, so the runner may call the work directly)
 and `replayed_on` (the stream the device's last replay went to, kept by the runner under
 the device lock: a replay from another stream waits for it first).
