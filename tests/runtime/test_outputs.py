@@ -65,7 +65,11 @@ SHAPES = {
     "unfold (overlapping)": (lambda x: ((x + 1).unfold(0, 3, 1),), lambda: (torch.randn(6, 2),)),
     "a view of an input": (lambda x: (x[1:], x * 2), lambda: (torch.randn(4, 3),)),
     "a transposed input view": (lambda x: (x.t(), x.sum()), lambda: (torch.randn(3, 5),)),
+    "a conjugate view (ihfft)": (lambda x: (torch.fft.ihfft(x),), lambda: (torch.randn(8),)),
+    "negative and conjugate views": (lambda x: (lambda y: (y.conj().imag, y.conj(), x.conj()))(x * 2),
+                                     lambda: (torch.randn(4, dtype=torch.cfloat),)),
 }
+VIEW_BITS = ["a conjugate view (ihfft)", "negative and conjugate views"]
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -94,7 +98,7 @@ def _copy_each(self: Any, outputs: Sequence[Any], static_args: Sequence[Any], vi
     srcs, makers = [], []
     for i, o in enumerate(outputs):
         if isinstance(o, torch.Tensor):
-            self._items[i] = (1, len(srcs), -1, (), (), o.dtype)
+            self._items[i] = (1, len(srcs), -1, (), (), o.dtype, 0)
             srcs.append(o)
             makers.append((tuple(o.shape), torch.empty(o.shape).stride(), o.dtype, o.device))
     self._srcs, self._makers = srcs, makers
@@ -110,6 +114,28 @@ def test_without_the_rule_verification_refuses_to_serve(name, monkeypatch):
     runner, stats = make_runner(fn)
     for _ in range(6):
         runner(*make())
+    assert stats.replays == 0 and set(stats.declines) == {"verify_mismatch"}, stats.decline_details
+
+
+@pytest.mark.parametrize("name", VIEW_BITS)
+def test_lazy_view_bits_come_back_as_eager_returns_them(name):
+    fn, make = SHAPES[name]
+    stats, got = drive(fn, make)
+    assert stats.replays > 0 and stats.declines == {}, stats.decline_details
+    for out, args in got[-3:]:
+        want = fn(*args)
+        assert [(o.is_conj(), o.is_neg(), o._is_view()) for o in out] == [
+            (w.is_conj(), w.is_neg(), w._is_view()) for w in want]
+
+
+@pytest.mark.parametrize("name", VIEW_BITS)
+def test_without_the_bits_verification_refuses_to_serve(name, monkeypatch):
+    monkeypatch.setattr(outputs_mod, "_bits", lambda t: 0)  # copied as stored, bits not given back
+    fn, make = SHAPES[name]
+    runner, stats = make_runner(fn)
+    for _ in range(6):
+        args = make()
+        assert all(torch.equal(o, w) for o, w in zip(runner(*args), fn(*args)))
     assert stats.replays == 0 and set(stats.declines) == {"verify_mismatch"}, stats.decline_details
 
 

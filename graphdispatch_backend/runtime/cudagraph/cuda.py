@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import CudaStreams
 
 _CAPTURE_LOCK = threading.Lock()  # one capture underway in the process (trees' graph_capture_lock)
@@ -75,7 +75,8 @@ def _unowned(t: torch.Tensor) -> torch.Tensor:
     """A tensor over t's memory that does not own it (freeing it frees nothing)."""
     storage = torch._C._construct_storage_from_data_pointer(
         t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+    made = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+    return with_view_bits(made, t)
 
 
 class _CudaGraph:

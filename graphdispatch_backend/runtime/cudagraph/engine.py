@@ -71,3 +71,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """An allocation failed (CUDA's caching allocator, or a host allocation): a transient
     condition, never a verdict on the graph."""
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
+
+def with_view_bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` (a tensor over `like`'s memory, built with `set_`, which drops them) with the
+    lazy conjugate and negative bits `like` carries: `ihfft` returns a conjugate view and
+    `x.conj().imag` a negative one, and a static output must read its memory as they do."""
+    if like.is_neg():
+        t = t._neg_view()
+    if like.is_conj():
+        t = t.conj()
+    return t

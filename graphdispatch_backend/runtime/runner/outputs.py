@@ -17,6 +17,9 @@ plan, made once at capture from the static outputs:
   the whole input (same offset, sizes and strides) is the caller's tensor itself, as the
   graph run eagerly returns it (aot's forward hands parameters and inputs on to the
   backward so: a fresh view would differ in type, `Parameter`, and `requires_grad`);
+- an output with a lazy conjugate or negative bit (`ihfft`, `x.conj().imag`) is copied
+  as stored and given its bits back: a clone would resolve them, and eager returns them
+  unresolved (a view, as eager's);
 - a tensor the graph returns twice (aot's forward returns a tensor it saves for backward
   once as an output, once as a saved tensor; engines keep static outputs' identity) is one
   object, as eager returns it: autograd then knows the saved tensor is the output;
@@ -40,6 +43,29 @@ import torch
 from graphdispatch_backend.runtime.contract import writable_layout
 
 _CONSTANT, _GROUP, _VIEW, _SAME = 0, 1, 2, 3
+_NEG, _CONJ = 1, 2  # an output's lazy view bits
+
+
+def _bits(t: torch.Tensor) -> int:
+    return (_NEG if t.is_neg() else 0) | (_CONJ if t.is_conj() else 0)
+
+
+def _physical(t: torch.Tensor) -> torch.Tensor:
+    """t's memory as stored: without the lazy conjugate and negative bits (a clone would
+    resolve them, and eager returns them unresolved)."""
+    if t.is_conj():
+        t = t.conj()
+    if t.is_neg():
+        t = t._neg_view()
+    return t
+
+
+def _with_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits & _NEG:
+        t = t._neg_view()
+    if bits & _CONJ:
+        t = t.conj()
+    return t
 
 
 def _bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -66,8 +92,10 @@ class OutputPlan:
         """`views`: storage pointer -> position, for the arguments an output may view
         (pinned tensors, and the static buffers of moving inputs that keep the caller's layout)."""
         self._items: list[tuple[Any, ...]] = [(_CONSTANT, out) for out in outputs]
+        bits = [_bits(o) if isinstance(o, torch.Tensor) else 0 for o in outputs]
+        phys = [_physical(o) if isinstance(o, torch.Tensor) else o for o in outputs]  # copied as stored
         groups: dict[int, list[int]] = {}  # pool storage -> indices of the outputs on it
-        for i, out in enumerate(outputs):
+        for i, out in enumerate(phys):
             if not isinstance(out, torch.Tensor):
                 continue
             ptr = out.untyped_storage().data_ptr()
@@ -75,15 +103,16 @@ class OutputPlan:
             if pos is not None and static_args[pos].dtype == out.dtype:
                 base = static_args[pos]
                 delta = out.storage_offset() - base.storage_offset()
-                whole = delta == 0 and out.shape == base.shape and out.stride() == base.stride()
-                self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), None if whole else delta)
+                flip = bits[i] ^ _bits(base)  # as_strided keeps the argument's own bits
+                whole = delta == 0 and out.shape == base.shape and out.stride() == base.stride() and not flip
+                self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), None if whole else delta, flip)
             else:
                 groups.setdefault(ptr, []).append(i)
         self._srcs: list[torch.Tensor] = []
         self._makers: list[tuple[Any, ...]] = []  # per group: how to allocate its destination
         self._like: list[bool] = []  # per group: empty_like / clone give its exact layout
         for g, indices in enumerate(groups.values()):
-            members = [outputs[i] for i in indices]
+            members = [phys[i] for i in indices]
             lo = min(_reach(t)[0] for t in members)
             hi = max(_reach(t)[1] for t in members)
             # the first member dense over the group's whole reach is the base, as in eager
@@ -95,8 +124,9 @@ class OutputPlan:
                 self._makers.append((tuple(base.shape), base.stride(), base.dtype, base.device))
                 self._like.append(torch.empty_like(base).stride() == base.stride())
                 for i, t in zip(indices, members):
-                    self._items[i] = (_GROUP, g, -1, (), (), t.dtype) if t is base else (
-                        _GROUP, g, t.storage_offset() - base.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                    self._items[i] = (_GROUP, g, -1, (), (), t.dtype, bits[i]) if t is base else (
+                        _GROUP, g, t.storage_offset() - base.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                        bits[i])
                 continue
             lo -= lo % 64  # keep every member's element offset whole in its dtype
             src = _bytes(members[0], lo, hi)
@@ -108,7 +138,7 @@ class OutputPlan:
             self._like.append(True)  # one dense run
             for i, t in zip(indices, members):
                 offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
-                self._items[i] = (_GROUP, g, offset, tuple(t.shape), t.stride(), t.dtype)
+                self._items[i] = (_GROUP, g, offset, tuple(t.shape), t.stride(), t.dtype, bits[i])
         first: dict[int, int] = {}
         for i, out in enumerate(outputs):
             if isinstance(out, torch.Tensor) and first.setdefault(id(out), i) != i:
@@ -117,7 +147,7 @@ class OutputPlan:
         self.late = all(self._like)  # every base may be cloned after the replay
         self.one = self._srcs[0] if self.late and len(self._srcs) == 1 else None  # the only base, to clone
         # every output is its own base, in order: the destinations are the outputs
-        self.plain = all(item[:3] == (_GROUP, i, -1) for i, item in enumerate(self._items))
+        self.plain = all(item[:3] == (_GROUP, i, -1) and not item[-1] for i, item in enumerate(self._items))
 
     def allocate(self) -> list[torch.Tensor]:
         if self.late:  # the same layouts, without parsing them again on every call
@@ -145,19 +175,21 @@ class OutputPlan:
         for item in self._items:
             kind = item[0]
             if kind == _GROUP:
-                _, g, offset, shape, stride, dtype = item
+                _, g, offset, shape, stride, dtype, bits = item
                 dst = dsts[g]
                 if offset < 0:
-                    out.append(dst)
+                    made = dst
                 elif dst.dtype == dtype:
-                    out.append(dst.as_strided(shape, stride, offset))
+                    made = dst.as_strided(shape, stride, offset)
                 else:
-                    out.append(torch.empty(0, dtype=dtype, device=dst.device).set_(
-                        dst.untyped_storage(), offset, shape, stride))
+                    made = torch.empty(0, dtype=dtype, device=dst.device).set_(dst.untyped_storage(), offset, shape,
+                                                                              stride)
+                out.append(_with_bits(made, bits) if bits else made)
             elif kind == _VIEW:
-                _, pos, shape, stride, delta = item
+                _, pos, shape, stride, delta, bits = item
                 base = args[pos]
-                out.append(base if delta is None else base.as_strided(shape, stride, base.storage_offset() + delta))
+                made = base if delta is None else base.as_strided(shape, stride, base.storage_offset() + delta)
+                out.append(_with_bits(made, bits) if bits else made)
             elif kind == _SAME:
                 out.append(out[item[1]])
             else:
