@@ -63,10 +63,6 @@ class CompiledGraph:
         self._trusted = guarded and eager_reason is not None and not self._timed
 
     def __call__(self, args: list[Any]) -> Sequence[Any]:
-        if self._trusted:
-            out = self._run(*args)
-            self._record.called(False, self._eager_reason)
-            return out
         hot = self._hot
         if hot is not None:
             try:
@@ -78,7 +74,7 @@ class CompiledGraph:
                 return out
         if self._timed:  # the one check the slow path pays when timing is off
             return self._timed_call(args)
-        if not self._contract.check(args):
+        if not self._trusted and not self._contract.check(args):
             return self._contract_fallback(args)
         if self._eager_reason is not None:
             out = self._run(*args)

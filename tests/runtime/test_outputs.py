@@ -130,7 +130,7 @@ def test_lazy_view_bits_come_back_as_eager_returns_them(name):
 
 @pytest.mark.parametrize("name", VIEW_BITS)
 def test_without_the_bits_verification_refuses_to_serve(name, monkeypatch):
-    monkeypatch.setattr(outputs_mod, "_bits", lambda t: 0)  # copied as stored, bits not given back
+    monkeypatch.setattr(outputs_mod, "view_bits", lambda t: 0)  # copied as stored, bits not given back
     fn, make = SHAPES[name]
     runner, stats = make_runner(fn)
     for _ in range(6):

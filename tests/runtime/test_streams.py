@@ -60,7 +60,7 @@ def _serve_without(skip: str) -> Callable[..., list[Any]]:
         if skip != "after the last replay" and streams.replayed_on not in (None, caller):
             streams.wait(caller, streams.replayed_on)
         streams.replayed_on = caller
-        with streams.on(streams.side() if skip == "on the caller's stream" else caller):
+        with streams.on(streams.stream("side") if skip == "on the caller's stream" else caller):
             streams.launch(entry.inputs.copy_in, args)
             streams.launch(entry.graph.replay)
             streams.launch(serve_mod.copy_out, entry, dsts, args)

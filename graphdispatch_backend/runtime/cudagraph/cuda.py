@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, with_view_bits
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import CudaStreams
 
 _CAPTURE_LOCK = threading.Lock()  # one capture underway in the process (trees' graph_capture_lock)
@@ -76,7 +76,7 @@ def _unowned(t: torch.Tensor) -> torch.Tensor:
     storage = torch._C._construct_storage_from_data_pointer(
         t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes())
     made = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
-    return with_view_bits(made, t)
+    return with_view_bits(made, view_bits(t))
 
 
 class _CudaGraph:
@@ -174,7 +174,6 @@ class CudaGraphEngine:
                     raise
                 finally:
                     _clear_cublas()
-            caller.wait_stream(side)  # the caller's next work follows the capture's allocations
             held = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             # outputs that view an argument stay as they are (the argument owns the memory);
             # the rest become non-owning views of pool memory, a tensor returned twice once

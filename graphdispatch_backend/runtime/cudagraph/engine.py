@@ -73,12 +73,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
 
 
-def with_view_bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`t` (a tensor over `like`'s memory, built with `set_`, which drops them) with the
-    lazy conjugate and negative bits `like` carries: `ihfft` returns a conjugate view and
-    `x.conj().imag` a negative one, and a static output must read its memory as they do."""
-    if like.is_neg():
+NEG, CONJ = 1, 2  # a tensor's lazy view bits: `x.conj().imag` is a negative view, `ihfft` a conjugate one
+
+
+def view_bits(t: torch.Tensor) -> int:
+    return (NEG if t.is_neg() else 0) | (CONJ if t.is_conj() else 0)
+
+
+def with_view_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """`t` with its lazy negative and conjugate bits flipped where `bits` says (each view
+    flips one): a tensor built over another's memory with `set_` (which drops them) reads
+    it as the other does with `with_view_bits(t, view_bits(other))`, and
+    `with_view_bits(t, view_bits(t))` is t's memory as stored."""
+    if bits & NEG:
         t = t._neg_view()
-    if like.is_conj():
+    if bits & CONJ:
         t = t.conj()
     return t

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, with_view_bits
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import HostStreams
 
 _ALIGN = 64  # bytes between carved blocks, so every dtype's element offset is whole
@@ -234,7 +234,7 @@ class HostReplayEngine:
                     made[id(out)] = torch.empty(0, dtype=out.dtype).set_(block, out.storage_offset(), out.shape,
                                                                          out.stride())
                     _poison(made[id(out)])  # a capture computes nothing
-                    made[id(out)] = with_view_bits(made[id(out)], out)
+                    made[id(out)] = with_view_bits(made[id(out)], view_bits(out))
                 outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
         return _HostGraph(fn, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled())

@@ -1,11 +1,11 @@
 """Streams: the verbs that order copy-in, replay and clone, and their CPU model.
 
-The runner orders a replay with five verbs, written once for every engine:
-`current()` (the caller's stream), `side()` (a device stream of its own, for work no
-caller's stream should carry), `on(stream)` (work launched inside goes to that stream),
-`launch(fn, *args)` (a kernel launch) and `wait(waiter, stream)` (later work on `waiter`
-runs after everything launched on `stream` so far). Two attributes serve the replay (runner/serve.py): `immediate` (a
-launch is made at once on the current stream, so the runner may call the work directly)
+The runner orders a replay with four verbs, written once for every engine:
+`current()` (the caller's stream), `on(stream)` (work launched inside goes to that
+stream), `launch(fn, *args)` (a kernel launch) and `wait(waiter, stream)` (later work on
+`waiter` runs after everything launched on `stream` so far). Two attributes serve the
+replay (runner/serve.py): `immediate` (a launch is made at once on the current stream,
+so the runner may call the work directly)
 and `replayed_on` (the stream the device's last replay went to, kept by the runner under
 the device lock: a replay from another stream waits for it first).
 
@@ -40,8 +40,6 @@ class Streams(Protocol):
 
     def current(self) -> Any: ...
 
-    def side(self) -> Any: ...
-
     def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
 
     def launch(self, fn: Callable[..., Any], *args: Any) -> None: ...
@@ -59,9 +57,6 @@ class ImmediateStreams:
     def current(self) -> None:
         return None
 
-    def side(self) -> None:
-        return None
-
     def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return self._null
 
@@ -74,9 +69,7 @@ class ImmediateStreams:
 
 class CudaStreams:
     """torch.cuda streams of one device. Replays and copies run on the caller's stream
-    (`current()`); `side()` is one device stream, made once (PyTorch keeps a cuBLAS
-    workspace per (handle, stream): a stream per use would pin one workspace each).
-    Captures run on the engine's own capture stream (cudagraph/cuda.py)."""
+    (`current()`); captures run on the engine's own capture stream (cudagraph/cuda.py)."""
 
     immediate = True  # a launch enqueues its kernels on the current stream as the host calls it
 
@@ -84,9 +77,7 @@ class CudaStreams:
         import torch
 
         self._torch = torch
-        self._device = device
         self._index = torch.device(device).index
-        self._side: Any = None
         self._current: tuple[Any, Any] | None = None  # (raw stream triple, its Stream object)
         self.replayed_on: Any = None
 
@@ -102,11 +93,6 @@ class CudaStreams:
         stream = self._torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
         self._current = (data, stream)
         return stream
-
-    def side(self) -> Any:
-        if self._side is None:
-            self._side = self._torch.cuda.Stream(self._device)
-        return self._side
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return self._torch.cuda.stream(stream)
@@ -145,8 +131,7 @@ class HostStreams:
         self._lock = threading.RLock()
         self._seq = itertools.count(1)
         self._turns = itertools.count(1)
-        self._side = HostStream(f"{device}:side", synchronous=False)
-        self._streams: list[HostStream] = [self._side]
+        self._streams: list[HostStream] = []
         self._local = threading.local()
         self.launches = 0
 
@@ -156,9 +141,6 @@ class HostStreams:
         if stream is None:
             stream = self._local.current = self._new(f"{self._device}:host:{threading.get_ident()}", True)
         return stream
-
-    def side(self) -> HostStream:
-        return self._side
 
     @contextlib.contextmanager
     def on(self, stream: HostStream) -> Iterator[HostStream]:

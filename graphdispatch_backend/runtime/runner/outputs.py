@@ -41,31 +41,9 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.runtime.contract import writable_layout
+from graphdispatch_backend.runtime.cudagraph.engine import view_bits, with_view_bits
 
 _CONSTANT, _GROUP, _VIEW, _SAME = 0, 1, 2, 3
-_NEG, _CONJ = 1, 2  # an output's lazy view bits
-
-
-def _bits(t: torch.Tensor) -> int:
-    return (_NEG if t.is_neg() else 0) | (_CONJ if t.is_conj() else 0)
-
-
-def _physical(t: torch.Tensor) -> torch.Tensor:
-    """t's memory as stored: without the lazy conjugate and negative bits (a clone would
-    resolve them, and eager returns them unresolved)."""
-    if t.is_conj():
-        t = t.conj()
-    if t.is_neg():
-        t = t._neg_view()
-    return t
-
-
-def _with_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits & _NEG:
-        t = t._neg_view()
-    if bits & _CONJ:
-        t = t.conj()
-    return t
 
 
 def _bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -92,8 +70,9 @@ class OutputPlan:
         """`views`: storage pointer -> position, for the arguments an output may view
         (pinned tensors, and the static buffers of moving inputs that keep the caller's layout)."""
         self._items: list[tuple[Any, ...]] = [(_CONSTANT, out) for out in outputs]
-        bits = [_bits(o) if isinstance(o, torch.Tensor) else 0 for o in outputs]
-        phys = [_physical(o) if isinstance(o, torch.Tensor) else o for o in outputs]  # copied as stored
+        bits = [view_bits(o) if isinstance(o, torch.Tensor) else 0 for o in outputs]
+        # copied as stored (a clone would resolve the bits), the bits given back in assemble
+        phys = [with_view_bits(o, b) if b else o for o, b in zip(outputs, bits)]
         groups: dict[int, list[int]] = {}  # pool storage -> indices of the outputs on it
         for i, out in enumerate(phys):
             if not isinstance(out, torch.Tensor):
@@ -103,7 +82,7 @@ class OutputPlan:
             if pos is not None and static_args[pos].dtype == out.dtype:
                 base = static_args[pos]
                 delta = out.storage_offset() - base.storage_offset()
-                flip = bits[i] ^ _bits(base)  # as_strided keeps the argument's own bits
+                flip = bits[i] ^ view_bits(base)  # as_strided keeps the argument's own bits
                 whole = delta == 0 and out.shape == base.shape and out.stride() == base.stride() and not flip
                 self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), None if whole else delta, flip)
             else:
@@ -184,12 +163,12 @@ class OutputPlan:
                 else:
                     made = torch.empty(0, dtype=dtype, device=dst.device).set_(dst.untyped_storage(), offset, shape,
                                                                               stride)
-                out.append(_with_bits(made, bits) if bits else made)
+                out.append(with_view_bits(made, bits) if bits else made)
             elif kind == _VIEW:
                 _, pos, shape, stride, delta, bits = item
                 base = args[pos]
                 made = base if delta is None else base.as_strided(shape, stride, base.storage_offset() + delta)
-                out.append(_with_bits(made, bits) if bits else made)
+                out.append(with_view_bits(made, bits) if bits else made)
             elif kind == _SAME:
                 out.append(out[item[1]])
             else:
