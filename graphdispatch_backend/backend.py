@@ -29,11 +29,9 @@ from graphdispatch_backend.errors import (
 )
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
 from graphdispatch_backend.options import Options
-from graphdispatch_backend.passes import PassContext, run_pipeline
+from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.ops import collective_groups, effect_tokens, nondeterministic_suspects
-from graphdispatch_backend.passes.split_pieces import split_pieces
-from graphdispatch_backend.passes.strip_assertions import strip_assertions
 from graphdispatch_backend.runtime.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.autograd import backward_fallback, without_history
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
@@ -50,10 +48,6 @@ _DYNAMO_CONTROL = tuple(
     if hasattr(torch._dynamo.exc, name)
 )
 
-
-# A backward graph has no regions to substitute: its pipeline only strips assertions and
-# cuts pieces (random ops, host syncs) for capture.
-BACKWARD_PIPELINE = (strip_assertions, split_pieces)
 
 _DETAILS = {
     Decline.DISABLED: "cuda_graphs=False",
@@ -308,7 +302,8 @@ class _Builder:
         guarded = record.kind != "backward"
         runner = GraphRunner(piece.forward, f"{record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
-                             verify_inputs=opts.verify_inputs, state_names=state, gates=gates,
+                             verify_inputs=opts.verify_inputs, state_names=state,
+                             input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
                              suspects=suspects, device=device, mutated=info.mutated, wide=info.wide,
                              guarded=guarded, static_shapes=guarded and not self.dynamic,
                              agreement=agreement if info.collectives else None)

@@ -106,6 +106,8 @@ class SplitReason(str, enum.Enum):
     EFFECTFUL_OP = "effectful_op"  # with_effects: a side effect (linalg error checks, prints) on every call
     DYNAMIC_OUTPUT_SHAPE = "dynamic_output_shape"  # nonzero, masked_select, unique: sizes known after the kernel
     COLLECTIVE = "collective"  # a collective a CUDA graph cannot hold (gloo, CPU): it runs between pieces
+    # a tensor made from a Python-number input, made before the piece: one capture serves every value
+    SCALAR_INPUT = "scalar_input"
 
 
 class Rejection(str, enum.Enum):

@@ -85,7 +85,7 @@ def _state_origin(name: str, to_source: dict, fqn: dict, kind: str, names: dict[
 
 def _placeholder_origin(node_name: str, source: Any, example: Any, names: dict[str, tuple[str, str]]) -> InputOrigin:
     if isinstance(example, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
-        return InputOrigin("symbol", source.name if source is not None else node_name)
+        return InputOrigin("symbol", (access_name(source.name) or source.name) if source is not None else node_name)
     if source is None:
         return InputOrigin("input", node_name)
     path, kind = names[source.name]

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from graphdispatch_backend.errors import GraphDispatchError
 from graphdispatch_backend.passes.context import PassContext
+from graphdispatch_backend.passes.lift_scalars import lift_scalars
 from graphdispatch_backend.passes.split_pieces import split_pieces
 from graphdispatch_backend.passes.strip_assertions import strip_assertions
 from graphdispatch_backend.passes.substitute import substitute
@@ -19,7 +20,9 @@ from graphdispatch_backend.passes.tag_regions import tag_regions
 
 Pass = Callable[[fx.GraphModule, PassContext], None]
 
-PIPELINE: tuple[Pass, ...] = (strip_assertions, tag_regions, substitute, split_pieces)
+PIPELINE: tuple[Pass, ...] = (strip_assertions, tag_regions, substitute, lift_scalars, split_pieces)
+# a backward's inputs are saved tensors and gradients: no region to tag or substitute
+BACKWARD_PIPELINE: tuple[Pass, ...] = (strip_assertions, lift_scalars, split_pieces)
 
 
 class PassFailed(GraphDispatchError):
@@ -41,4 +44,4 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, pipeline: Sequence[Pass] 
     return ctx
 
 
-__all__ = ["PIPELINE", "PassContext", "PassFailed", "run_pipeline"]
+__all__ = ["BACKWARD_PIPELINE", "PIPELINE", "PassContext", "PassFailed", "run_pipeline"]

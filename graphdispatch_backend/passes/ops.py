@@ -22,6 +22,16 @@ def _argument(node: fx.Node, name: str) -> Any:
     return None
 
 
+_UNINITIALIZED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                            "aten::new_empty_strided", "aten::empty_permuted"})
+
+
+def allocates_uninitialized(node: fx.Node) -> bool:
+    """`empty` and its kin: memory whose values no two runs agree on."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name in _UNINITIALIZED
+
+
 def draws_random(node: fx.Node) -> bool:
     """True if the node consumes the RNG. Ops tagged `nondeterministic_seeded` for an
     optional dropout (attention, dropout with train=False or p=0) do not when it is off."""

@@ -41,7 +41,9 @@ from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo
+from graphdispatch_backend.passes.lift_scalars import SCALAR_INPUT_META
 from graphdispatch_backend.passes.ops import (
+    allocates_uninitialized,
     draws_random,
     is_collective,
     is_effectful,
@@ -63,6 +65,8 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return None
     if node.meta.get("gd_capturable") is False:
         return SplitReason.ARTIFACT_NOT_CAPTURABLE
+    if node.meta.get(SCALAR_INPUT_META):
+        return SplitReason.SCALAR_INPUT
     if is_effectful(node):
         return SplitReason.EFFECTFUL_OP
     if is_collective(node) and graph_device != "cuda":
@@ -85,15 +89,6 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
     return None
 
 
-_UNINITIALIZED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-                  "aten::new_empty_strided", "aten::empty_permuted"}
-
-
-def _allocates_uninitialized(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.name in _UNINITIALIZED
-
-
 def _inline_companions(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) -> set[fx.Node]:
     """Uninitialized allocations read only by inline nodes, moved right before their first
     user and inline with it (see module docstring); their arguments (sizes, a template
@@ -101,7 +96,7 @@ def _inline_companions(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     companions = set()
     for node in list(gm.graph.nodes):
-        if node in reasons or not node.users or not _allocates_uninitialized(node):
+        if node in reasons or not node.users or not allocates_uninitialized(node):
             continue
         if all(user in reasons for user in node.users):
             first = min(node.users, key=order.__getitem__)

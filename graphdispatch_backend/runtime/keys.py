@@ -24,3 +24,14 @@ def scalar_key(value: Any) -> tuple[Any, ...]:
 
 def layout_key(values: Iterable[Any]) -> tuple[Any, ...]:
     return tuple((v.shape, v.stride()) if isinstance(v, torch.Tensor) else scalar_key(v) for v in values)
+
+
+def varying_scalars(keys: Iterable[tuple[Any, ...]]) -> list[int]:
+    """The positions, in shape keys of one length, of scalar inputs whose value differs
+    between the keys."""
+    values: dict[int, set[Any]] = {}
+    for key in keys:
+        for i, item in enumerate(key):
+            if isinstance(item[0], type):  # (type, value): a scalar; a tensor is (shape, strides)
+                values.setdefault(i, set()).add(item)
+    return sorted(i for i, seen in values.items() if len(seen) > 1)

@@ -104,7 +104,7 @@ def test_input_origins_with_dynamic_shapes_include_the_symbol():
     assert len(symbols) == 1, origins  # x's batch size
     ((symbol, value),) = symbols
     assert isinstance(value, torch.SymInt) and not symbol.is_state
-    assert "L['x']" in symbol.name  # named after the Dynamo source it sizes
+    assert symbol.name == "x.size().0"  # named by the access path of the Dynamo source it sizes
     assert [o for o in origins if o.kind == "input"] == [
         InputOrigin("input", "x"), InputOrigin("input", "self.scale"), InputOrigin("input", "extra.0"),
     ]

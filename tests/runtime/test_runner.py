@@ -29,7 +29,14 @@ from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope, State
 from graphdispatch_backend.runtime.runner import book as book_mod
 from graphdispatch_backend.runtime.runner.transitions import MAX_RECAPTURES
-from graphdispatch_backend.testing import LinearBlock, linear_stack, manifest_from_region, region_entry, write_bundle
+from graphdispatch_backend.testing import (
+    LinearBlock,
+    accounted_graphs,
+    linear_stack,
+    manifest_from_region,
+    region_entry,
+    write_bundle,
+)
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -415,6 +422,52 @@ def test_keys_that_only_warm_do_not_evict_the_captured_ones():
     assert cg["replays"] == 4  # batch 2 and 3 go on replaying
     assert graph["pieces"][0]["cuda_graph"]["shape_keys"] == 4
     assert graph["pieces"][0]["cuda_graph"]["evictions"] == 0
+
+
+def _cycle_int_scale(rounds: int, values: int = 13) -> tuple[dict[str, Any], list[int]]:
+    """`linear(x) * t` with t a Python int cycling through `values` values, one call each per
+    round, max_captures=4: every key is evicted before it verified. Replays per round."""
+    lin = nn.Linear(8, 8).eval()
+
+    def f(x: torch.Tensor, t: int) -> torch.Tensor:
+        return lin(x) * t
+
+    compiled = torch.compile(f, backend="graphdispatch", options={"cuda_graphs": "emulate", "max_captures": 4})
+    x = torch.randn(2, 8)
+    per_round = []
+    with torch.no_grad():
+        for _ in range(rounds):
+            before = _replays()
+            for t in range(1, values + 1):
+                assert torch.equal(compiled(x, t), f(x, t)), t
+            per_round.append(_replays() - before)
+    graphs = accounted_graphs()
+    return graphs[-1], per_round
+
+
+def _replays() -> int:
+    report = graphdispatch_backend.latest_report()
+    return sum(g["cuda_graph"]["replays"] for g in report["graphs"]) if report else 0
+
+
+def test_keys_cycling_past_max_captures_stop_evicting_and_name_the_scalar():
+    """Thirteen int values, one call each: evicting would capture on every call and replay on
+    none. After THRASH_LIMIT wasted evictions the keys past the captured ones run eager."""
+    graph, per_round = _cycle_int_scale(rounds=10)
+    cg = graph["cuda_graph"]
+    assert cg["declines"] == {"max_captures": 1}
+    detail = cg["decline_details"]["max_captures"]
+    assert "evicted before they verified" in detail and "`t`" in detail and "as a tensor" in detail
+    assert cg["captures"] <= book_mod.THRASH_LIMIT + 4
+    assert per_round[-1] == 4  # the four captured values replay every round; the others run eager
+    assert cg["eager_by_reason"]["max_captures"] > 0
+
+
+def test_without_the_thrash_guard_captures_never_stop(monkeypatch):
+    monkeypatch.setattr(book_mod.EntryBook, "thrashing", lambda self, key: False)
+    graph, per_round = _cycle_int_scale(rounds=20)
+    # keys re-warm after their eviction and capture again: about 2.5 captures a round, for good
+    assert graph["cuda_graph"]["captures"] > 3 * (book_mod.THRASH_LIMIT + 4) and per_round[-1] < 4
 
 
 # -- every decline reason, forced ----------------------------------------------------------

@@ -6,6 +6,11 @@
   of running eager for good after the max_captures-th. Keys still warming hold no memory;
   at most WARMING_FACTOR * max_captures of them are kept, further keys run eager
   (`max_captures`).
+- Eviction pays only where a key replays before it is evicted. When THRASH_LIMIT captures
+  in a row were evicted before they verified (keys cycling through more values than
+  max_captures holds, one call each: a denoising loop over Python-int timesteps), every
+  call would capture and none replay; from then on a key that would evict declines
+  `max_captures` instead, and the captured keys go on replaying.
 - MAX_PARAMETER_SETS bounds the parameter sets per shape key (the blocks sharing one graph).
 - A new parameter set first forgets the sets whose storage was freed or moved (they can
   never come back); after CHURN_LIMIT of those that never captured, the shape key declines
@@ -28,6 +33,7 @@ from graphdispatch_backend.runtime.runner.entry import CHURN_LIMIT, Entry, Slot,
 # shape key; more run eager as parameter_moved. Bounds the graphs a runner can hold.
 MAX_PARAMETER_SETS = 256
 WARMING_FACTOR = 8
+THRASH_LIMIT = 8  # captures in a row evicted before they verified: evicting stops
 
 
 class EntryBook:
@@ -35,10 +41,11 @@ class EntryBook:
         self.slots: dict[tuple[Any, ...], Slot] = {}  # shape key -> its entries
         self.entries: dict[tuple[Any, ...], Entry] = {}  # (shape key, parameter addresses) -> entry
         self.evictions = 0
-        self._max_captures = max_captures
+        self.wasted = 0  # captures in a row evicted before they verified
+        self.max_captures = max_captures
         self._device_lock = lock  # released graphs must not be mid-replay
         self._report = report
-        self._limits_hit: set[Decline] = set()
+        self._limits_hit: set[tuple[Decline, str]] = set()
         self._lock = threading.Lock()  # held only to add or forget entries
         self._tick = itertools.count(1)
 
@@ -54,9 +61,9 @@ class EntryBook:
         with self._lock:
             slot = self.slots.get(key)
             if slot is None:
-                if len(self.slots) >= WARMING_FACTOR * self._max_captures and not self._forget_warming():
-                    self._limit(Decline.MAX_CAPTURES,
-                                f"more than {WARMING_FACTOR * self._max_captures} shape keys at once")
+                if len(self.slots) >= WARMING_FACTOR * self.max_captures and not self._forget_warming():
+                    self.limit(Decline.MAX_CAPTURES,
+                                f"more than {WARMING_FACTOR * self.max_captures} shape keys at once")
                     return None, Decline.MAX_CAPTURES
                 slot = self.slots[key] = Slot()
             elif slot.declined is not None:
@@ -68,7 +75,7 @@ class EntryBook:
             if params and slot.entries and not self._prune(slot, names):
                 return None, Decline.PARAMETER_MOVED
             if len(slot.entries) >= MAX_PARAMETER_SETS:
-                self._limit(Decline.PARAMETER_MOVED,
+                self.limit(Decline.PARAMETER_MOVED,
                             f"parameters seen at more than {MAX_PARAMETER_SETS} addresses for one shape key")
                 return None, Decline.PARAMETER_MOVED
             entry = Entry((key, tuple(ptrs)), _Storages(params) if params else None)
@@ -76,18 +83,29 @@ class EntryBook:
             slot.last = (ptrs, entry)
             return entry, Decline.BUSY
 
+    def thrashing(self, key: tuple[Any, ...]) -> bool:
+        """Whether `key` capturing would evict after THRASH_LIMIT evictions in a row that
+        were wasted (see module docstring): it declines instead."""
+        with self._lock:
+            return self.wasted >= THRASH_LIMIT and len(self._holding(key)) >= self.max_captures
+
     def make_room(self, key: tuple[Any, ...]) -> Slot | None:
         """Before `key` captures: evict the least recently used other key holding a capture
         when max_captures already do; return the evicted slot."""
         with self._lock:
-            holding = [(s.used, k) for k, s in self.slots.items() if k != key and s.captured]
-            if len(holding) < self._max_captures:
+            holding = self._holding(key)
+            if len(holding) < self.max_captures:
                 return None
             _, victim = min(holding)
             slot = self.slots.pop(victim)
+            verified = any(e.state is State.VERIFIED for e in list(slot.entries.values()))
+            self.wasted = 0 if verified else self.wasted + 1
             self._release(list(slot.entries.values()))
             self.evictions += 1
             return slot
+
+    def _holding(self, key: tuple[Any, ...]) -> list[tuple[int, tuple[Any, ...]]]:
+        return [(s.used, k) for k, s in self.slots.items() if k != key and s.captured]
 
     def _forget_warming(self) -> bool:
         """Make room for a new key by forgetting the least recently used key that holds no
@@ -124,7 +142,8 @@ class EntryBook:
         self._report(Decline.PARAMETER_MOVED, slot.declined)
         return False
 
-    def _limit(self, reason: Decline, detail: str) -> None:
-        if reason not in self._limits_hit:  # counted once per runner; each call is counted as eager
-            self._limits_hit.add(reason)
+    def limit(self, reason: Decline, detail: str, kind: str = "") -> None:
+        """A bound reached: reported once per runner and kind; each call is counted as eager."""
+        if (reason, kind) not in self._limits_hit:
+            self._limits_hit.add((reason, kind))
             self._report(reason, detail)

@@ -68,6 +68,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         max_captures: int,
         verify_inputs: int,
         state_names: dict[int, str],
+        input_names: Sequence[str] = (),
         gates: Sequence[Any] = (),
         suspects: Sequence[str] = (),
         device: Any = "cpu",
@@ -84,6 +85,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._warmup = warmup
         self._verify_inputs = verify_inputs
         self._state = state_names  # position -> parameter/buffer name
+        self._names = tuple(input_names)  # position -> where the input comes from ("" if unknown)
         self._gates = tuple(gates)
         self._mutated = tuple(mutated)  # positions the piece writes into
         self._wide = tuple(wide)  # positions the piece reads with as_strided
@@ -202,6 +204,8 @@ class GraphRunner(HotPath, Publish, Transitions):
         entry.observations.append(tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args))
         if len(entry.observations) <= self._warmup:
             return self._eager(args, Decline.WARMUP)
+        if self._book.thrashing(key):
+            return self._thrashing(entry, args)
         if self._book.make_room(key) is not None:
             with self._stats.lock:
                 self._stats.evictions += 1

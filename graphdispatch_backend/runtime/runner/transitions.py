@@ -8,6 +8,8 @@
   MAX_RECAPTURES times.
 - An allocation failure backs off: the entry answers 2, 4, 8, ... calls eagerly, then
   tries again. It is never a verdict on the graph.
+- A key that would evict while captures are thrashing (runner/book.py) declines
+  `max_captures`, reported once, naming the scalar inputs whose values the keys differ in.
 - Anything else declines the entry for the session, counted, logged once at WARNING.
 
 A mixin of GraphRunner: it uses the runner's scope, stats, book, device and state.
@@ -20,6 +22,8 @@ from typing import Any
 
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.contract import layout_identity
+from graphdispatch_backend.runtime.keys import varying_scalars
+from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 
 MAX_RECAPTURES = 2
@@ -33,6 +37,8 @@ class Transitions:
     _book: Any
     _device: Any
     _state: dict[int, str]
+    _names: Sequence[str]
+    _key_positions: tuple[int, ...] | None
     name: str
 
     def _eager(self, args: Sequence[Any], reason: Decline) -> Sequence[Any]:
@@ -44,6 +50,24 @@ class Transitions:
     def _refuse(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str) -> Sequence[Any]:
         self._decline(entry, reason, detail)
         return self._eager(args, reason)
+
+    def _thrashing(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
+        """A warm key that would evict while captures thrash: eager for good (it holds no
+        capture yet), the captured keys go on replaying."""
+        entry.state, entry.reason = State.EAGER, Decline.MAX_CAPTURES
+        detail = (f"{THRASH_LIMIT} captures in a row were evicted before they verified: the calls cycle through "
+                  f"more shape keys than max_captures={self._book.max_captures} holds, so keys past the captured "
+                  "ones run eager (raise max_captures to hold them all)")
+        positions = self._key_positions or ()
+        varying = [positions[i] for i in varying_scalars(list(self._book.slots)) if i < len(positions)]
+        if varying:
+            names = ", ".join(f"`{self._names[p]}`" if p < len(self._names) and self._names[p] else f"input {p}"
+                              for p in varying)
+            detail += (f"; the keys differ in the value of {names}: a CUDA graph bakes a Python number in, so "
+                       "each value needs a capture of its own; passed as a tensor, one capture serves every value")
+        self._book.limit(Decline.MAX_CAPTURES, detail, kind="thrashing")
+        self._set_state()
+        return self._eager(args, Decline.MAX_CAPTURES)
 
     def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
         self._transition(entry, args, reason, detail, pos)

@@ -1,0 +1,135 @@
+"""lift_scalars: tensors made from Python-number inputs move ahead of the captured piece, so
+one capture serves every value (a timestep passed as an int replays); a scalar with any
+other use keeps keying the piece."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+import torch.fx as fx
+
+from graphdispatch_backend.errors import SplitReason
+from graphdispatch_backend.passes.context import PassContext, PieceSpec
+from graphdispatch_backend.passes.lift_scalars import SCALAR_INPUT_META, lift_scalars
+from graphdispatch_backend.passes.split_pieces import split_pieces
+from graphdispatch_backend.testing import accounted_graphs, aten_graph, normalize, op_counts
+
+
+def _spec() -> PieceSpec:
+    return PieceSpec("cpu", lambda piece, info: piece.forward)
+
+
+def _timestep_graph() -> fx.GraphModule:
+    def f(x: torch.Tensor, w: torch.Tensor, t: int) -> torch.Tensor:
+        return (x @ w) * torch.tensor([t], dtype=x.dtype) + torch.full((2,), t, dtype=x.dtype)
+
+    return aten_graph(f, torch.randn(2, 2), torch.randn(2, 2), 3, dynamic=True).gm
+
+
+def _lifted(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.meta.get(SCALAR_INPUT_META)]
+
+
+class TestLiftScalars(expecttest.TestCase):
+    def test_factories_of_a_scalar_input_move_to_the_top_marked(self):
+        gm = _timestep_graph()
+        before = op_counts(gm)
+        lift_scalars(gm, PassContext(pieces_spec=_spec()))
+        self.assertExpectedInline(normalize(gm), """\
+def forward(self, arg0_1, arg1_1, arg2_1):
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(arg2_1, dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    full = torch.ops.aten.full.default([2], arg2_1, dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    mm = torch.ops.aten.mm.default(arg0_1, arg1_1)
+    stack = torch.ops.aten.stack.default([scalar_tensor])
+    mul = torch.ops.aten.mul.Tensor(mm, stack)
+    add = torch.ops.aten.add.Tensor(mul, full)
+    return (add,)""")  # noqa: E501
+        self.assertEqual(op_counts(gm), before)  # moved, nothing added or removed
+        self.assertEqual(_lifted(gm), ["scalar_tensor", "full"])
+
+    def test_the_piece_takes_their_tensors_and_no_scalar(self):
+        gm = _timestep_graph()
+        ctx = PassContext(pieces_spec=_spec())
+        lift_scalars(gm, ctx)
+        split_pieces(gm, ctx)
+        self.assertEqual(ctx.split_reasons, {SplitReason.SCALAR_INPUT: 2})
+        self.assertEqual([(p.capturable, p.reasons) for p in ctx.pieces],
+                         [(False, {"scalar_input": 2}), (True, {})])
+        (call,) = [n for n in gm.graph.nodes if n.meta.get("gd_piece") is not None]
+        piece_inputs = [a for a in call.args if isinstance(a, fx.Node)]
+        assert all(isinstance(a.meta.get("val"), torch.Tensor) for a in piece_inputs)
+
+    def test_a_scalar_with_another_use_stays_in_the_piece(self):
+        def g(x: torch.Tensor, t: int) -> torch.Tensor:
+            return x * t + torch.tensor([t])
+
+        gm = aten_graph(g, torch.randn(2), 3, dynamic=True).gm
+        code = normalize(gm)
+        lift_scalars(gm, PassContext(pieces_spec=_spec()))
+        self.assertEqual(normalize(gm), code)
+        self.assertEqual(_lifted(gm), [])
+
+    def test_nothing_moves_when_nothing_is_captured(self):
+        gm = _timestep_graph()
+        code = normalize(gm)
+        lift_scalars(gm, PassContext())
+        self.assertEqual(normalize(gm), code)
+
+
+# -- end to end: a timestep passed as a Python int ------------------------------------------
+
+
+class TimestepNet(torch.nn.Module):
+    """Diffusers' Timesteps in small: `torch.tensor([t])` when t is not a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, t: Any) -> torch.Tensor:
+        if not torch.is_tensor(t):
+            t = torch.tensor([t], dtype=torch.int64)
+        freqs = torch.exp(-torch.arange(8, dtype=torch.float32) / 8)
+        emb = torch.sin(t[:, None].float() * freqs[None])
+        return self.proj(x + emb)
+
+
+def _denoise(options: dict[str, Any], steps: list[int], rounds: int) -> dict[str, Any]:
+    model = TimestepNet().eval()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2, **options})
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        for _ in range(rounds):
+            for t in steps:
+                got, want = compiled(x, t), model(x, t)
+                assert torch.equal(got, want), t
+    graphs = accounted_graphs()
+    assert len(graphs) == 2  # Dynamo specializes the first value, then makes t a symbol
+    return graphs[-1]
+
+
+STEPS = list(range(999, 0, -83))  # 13 distinct timesteps, more than max_captures
+
+
+def test_a_denoising_loop_over_int_timesteps_replays_one_capture():
+    graph = _denoise({"max_captures": 4}, STEPS, rounds=2)
+    cg = graph["cuda_graph"]
+    assert graph["split_reasons"] == {"scalar_input": 1}
+    (piece,) = [p["cuda_graph"] for p in graph["pieces"] if p["capturable"]]
+    assert piece["shape_keys"] == 1 and cg["captures"] == 1 and cg["declines"] == {}
+    # the first value is Dynamo's specialized graph; of the dynamic graph's calls, warmup,
+    # capture and a second verification answer eagerly, every other call replays
+    assert cg["replays"] == graph["calls"] - 3, cg
+
+
+def test_without_the_lift_every_value_is_a_capture_of_its_own(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(sys.modules[lift_scalars.__module__], "_is_factory", lambda node: False)
+    graph = _denoise({"max_captures": 4}, STEPS, rounds=2)
+    (piece,) = [p["cuda_graph"] for p in graph["pieces"] if p["capturable"]]
+    assert graph["split_reasons"] == {} and piece["shape_keys"] > 4
+    assert graph["cuda_graph"]["replays"] == 0
