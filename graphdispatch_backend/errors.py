@@ -68,6 +68,8 @@ class Decline(str, enum.Enum):
     WARMUP = "warmup"
     VERIFYING = "verifying"
     BUSY = "busy"  # another thread holds the runner while it captures or verifies
+    # Warmup that is not on its way: every call brings a new shape key (a growing KV cache).
+    SHAPE_CHURN = "shape_churn"
     # Refusals of one runner entry (a shape key) or of a whole graph.
     DISABLED = "disabled"  # cuda_graphs=False
     NOT_CUDA = "not_cuda"  # cuda_graphs="auto" or True, but the graph's tensors are not on CUDA

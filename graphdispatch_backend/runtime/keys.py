@@ -26,12 +26,16 @@ def layout_key(values: Iterable[Any]) -> tuple[Any, ...]:
     return tuple((v.shape, v.stride()) if isinstance(v, torch.Tensor) else scalar_key(v) for v in values)
 
 
-def varying_scalars(keys: Iterable[tuple[Any, ...]]) -> list[int]:
-    """The positions, in shape keys of one length, of scalar inputs whose value differs
-    between the keys."""
-    values: dict[int, set[Any]] = {}
+
+def is_scalar_item(item: tuple[Any, ...]) -> bool:
+    """A key item of a scalar input, `(type, value)`; a tensor's is `(shape, strides)`."""
+    return isinstance(item[0], type)
+
+
+def varying(keys: Iterable[tuple[Any, ...]]) -> list[int]:
+    """The positions at which shape keys of one graph differ."""
+    seen: dict[int, set[Any]] = {}
     for key in keys:
         for i, item in enumerate(key):
-            if isinstance(item[0], type):  # (type, value): a scalar; a tensor is (shape, strides)
-                values.setdefault(i, set()).add(item)
-    return sorted(i for i, seen in values.items() if len(seen) > 1)
+            seen.setdefault(i, set()).add(item)
+    return sorted(i for i, items in seen.items() if len(items) > 1)

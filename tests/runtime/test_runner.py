@@ -470,6 +470,32 @@ def test_without_the_thrash_guard_captures_never_stop(monkeypatch):
     assert graph["cuda_graph"]["captures"] > 3 * (book_mod.THRASH_LIMIT + 4) and per_round[-1] < 4
 
 
+def test_a_shape_key_new_on_every_call_is_shape_churn_not_warmup():
+    """A decode loop's growing cache in small: x grows by one row per call. Past 16 new keys
+    in a row the calls say the fast path is not coming, and name the input; a length that
+    then comes back warms, captures and replays as usual."""
+    lin = nn.Linear(8, 8).eval()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return lin(x)
+
+    compiled = torch.compile(f, backend="graphdispatch", dynamic=True,
+                             options={"cuda_graphs": "emulate", "warmup": 2, "verify_inputs": 2})
+    lengths = list(range(2, 26)) + [5] * 8
+    with torch.no_grad():
+        for n in lengths:
+            x = torch.randn(n, 8)
+            assert torch.equal(compiled(x), f(x)), n
+    graph = accounted_graphs()[-1]
+    cg = graph["cuda_graph"]
+    assert cg["eager_by_reason"]["shape_churn"] == 24 - 15  # the 16th new key in a row onwards
+    assert cg["declines"] == {"shape_churn": 1}
+    assert cg["decline_details"]["shape_churn"].endswith("the keys differ in `x`")  # not its size symbol too
+    # length 5 again (its first call was during the churn): one more warmup call, the capture's
+    # call (verified against eager), then replays (the second verification's served from one)
+    assert cg["replays"] == 8 - 3 and cg["captures"] == 1
+
+
 # -- every decline reason, forced ----------------------------------------------------------
 
 

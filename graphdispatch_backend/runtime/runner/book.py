@@ -37,7 +37,7 @@ THRASH_LIMIT = 8  # captures in a row evicted before they verified: evicting sto
 
 
 class EntryBook:
-    def __init__(self, max_captures: int, lock: threading.RLock, report: Callable[[Decline, str], None]) -> None:
+    def __init__(self, max_captures: int, lock: threading.RLock, report: Callable[..., None]) -> None:
         self.slots: dict[tuple[Any, ...], Slot] = {}  # shape key -> its entries
         self.entries: dict[tuple[Any, ...], Entry] = {}  # (shape key, parameter addresses) -> entry
         self.evictions = 0
@@ -63,7 +63,7 @@ class EntryBook:
             if slot is None:
                 if len(self.slots) >= WARMING_FACTOR * self.max_captures and not self._forget_warming():
                     self.limit(Decline.MAX_CAPTURES,
-                                f"more than {WARMING_FACTOR * self.max_captures} shape keys at once")
+                               f"more than {WARMING_FACTOR * self.max_captures} shape keys at once")
                     return None, Decline.MAX_CAPTURES
                 slot = self.slots[key] = Slot()
             elif slot.declined is not None:
@@ -76,7 +76,7 @@ class EntryBook:
                 return None, Decline.PARAMETER_MOVED
             if len(slot.entries) >= MAX_PARAMETER_SETS:
                 self.limit(Decline.PARAMETER_MOVED,
-                            f"parameters seen at more than {MAX_PARAMETER_SETS} addresses for one shape key")
+                           f"parameters seen at more than {MAX_PARAMETER_SETS} addresses for one shape key")
                 return None, Decline.PARAMETER_MOVED
             entry = Entry((key, tuple(ptrs)), _Storages(params) if params else None)
             slot.entries[tuple(ptrs)] = self.entries[(key, tuple(ptrs))] = entry
@@ -142,8 +142,12 @@ class EntryBook:
         self._report(Decline.PARAMETER_MOVED, slot.declined)
         return False
 
-    def limit(self, reason: Decline, detail: str, kind: str = "") -> None:
-        """A bound reached: reported once per runner and kind; each call is counted as eager."""
+    def limit(self, reason: Decline, detail: str, kind: str = "", then: str | None = None) -> None:
+        """A bound reached: reported once per runner and kind (`then`: what happens to the
+        calls, for the log); each call is counted as eager."""
         if (reason, kind) not in self._limits_hit:
             self._limits_hit.add((reason, kind))
-            self._report(reason, detail)
+            if then is None:
+                self._report(reason, detail)
+            else:
+                self._report(reason, detail, then)

@@ -42,6 +42,7 @@ from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.hints import CHURN_CALLS, churn_detail
 from graphdispatch_backend.runtime.runner.hot import Hot, HotPath, hot_of, in_place
 from graphdispatch_backend.runtime.runner.publish import NOT_DISTINCT_LIMIT, Publish
 from graphdispatch_backend.runtime.runner.record import record
@@ -110,6 +111,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._agreement = agreement
         self._pending: tuple[Decline, str] | None = None  # a verdict waiting for the next agreement
         self._calls = 0
+        self._fresh = 0  # calls in a row that brought a new shape key
         if agreement is not None:
             self.__class__ = LockstepGraphRunner
         elif self._timing is not None:  # only then: the untimed hot path pays nothing for timing
@@ -125,6 +127,7 @@ class GraphRunner(HotPath, Publish, Transitions):
     def _dispatch(self, args: Sequence[Any], key: tuple[Any, ...] | None = None) -> Sequence[Any]:
         key = self._key(args) if key is None else key
         slot = self._slots.get(key)
+        self._fresh = self._fresh + 1 if slot is None else 0
         if slot is None:
             entry = None
         elif slot.declined is not None:
@@ -203,7 +206,7 @@ class GraphRunner(HotPath, Publish, Transitions):
                                     for a in args]
         entry.observations.append(tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args))
         if len(entry.observations) <= self._warmup:
-            return self._eager(args, Decline.WARMUP)
+            return self._eager(args, self._warming())
         if self._book.thrashing(key):
             return self._thrashing(entry, args)
         if self._book.make_room(key) is not None:
@@ -222,6 +225,14 @@ class GraphRunner(HotPath, Publish, Transitions):
             return self._out_of_memory(entry, args, refusal.detail)
         self._decline(entry, refusal.reason, refusal.detail)
         return self._eager(args, refusal.reason)
+
+    def _warming(self) -> Decline:
+        """`warmup`, or `shape_churn` while every call brings a new shape key (runner/hints.py)."""
+        if self._fresh < CHURN_CALLS:
+            return Decline.WARMUP
+        detail = churn_detail(list(self._slots), self._key_positions or (), self._names)
+        self._book.limit(Decline.SHAPE_CHURN, detail, then="calls with new shape keys run eager meanwhile")
+        return Decline.SHAPE_CHURN
 
     def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
         buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,

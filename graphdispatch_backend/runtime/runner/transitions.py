@@ -22,9 +22,9 @@ from typing import Any
 
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.contract import layout_identity
-from graphdispatch_backend.runtime.keys import varying_scalars
 from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
 from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.hints import thrash_detail
 
 MAX_RECAPTURES = 2
 MAX_BACKOFF = 1 << 10  # calls
@@ -55,16 +55,8 @@ class Transitions:
         """A warm key that would evict while captures thrash: eager for good (it holds no
         capture yet), the captured keys go on replaying."""
         entry.state, entry.reason = State.EAGER, Decline.MAX_CAPTURES
-        detail = (f"{THRASH_LIMIT} captures in a row were evicted before they verified: the calls cycle through "
-                  f"more shape keys than max_captures={self._book.max_captures} holds, so keys past the captured "
-                  "ones run eager (raise max_captures to hold them all)")
-        positions = self._key_positions or ()
-        varying = [positions[i] for i in varying_scalars(list(self._book.slots)) if i < len(positions)]
-        if varying:
-            names = ", ".join(f"`{self._names[p]}`" if p < len(self._names) and self._names[p] else f"input {p}"
-                              for p in varying)
-            detail += (f"; the keys differ in the value of {names}: a CUDA graph bakes a Python number in, so "
-                       "each value needs a capture of its own; passed as a tensor, one capture serves every value")
+        detail = thrash_detail(THRASH_LIMIT, self._book.max_captures, list(self._book.slots),
+                               self._key_positions or (), self._names)
         self._book.limit(Decline.MAX_CAPTURES, detail, kind="thrashing")
         self._set_state()
         return self._eager(args, Decline.MAX_CAPTURES)
@@ -120,13 +112,12 @@ class Transitions:
         self._report(reason, detail)
         self._set_state()
 
-    def _report(self, reason: Decline, detail: str) -> None:
+    def _report(self, reason: Decline, detail: str, then: str = "that shape key runs eager from now on") -> None:
         self._stats.decline(reason.value, detail)
         self._scope.timing.note(f"cuda_graph_declined {self.name}: {reason.value}: {detail}")
         self._scope.events.warn_once(
-            f"decline:{reason.value}",
-            "graphdispatch: CUDA graph declined for %s (%s): %s; that shape key runs eager from now on",
-            self.name, reason.value, detail,
+            f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
+            self.name, reason.value, detail, then,
         )
         self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
 

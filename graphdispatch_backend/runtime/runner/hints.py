@@ -1,0 +1,65 @@
+"""What the report says when a runner's shape keys do not come back, naming the inputs.
+
+Two patterns keep a piece from replaying without anything being wrong with it:
+
+- churn: every call brings a shape key not seen before (a growing KV cache, a sequence
+  length that changes every call). A capture serves one shape, so the calls only warm keys
+  that never return: they are counted `shape_churn`, not `warmup` (the fast path is not on
+  its way), and the detail names the inputs whose shapes change.
+- thrashing: keys cycle through more values than max_captures holds, one call each, so
+  each capture is evicted before it verified (runner/book.py): the keys past the captured
+  ones decline `max_captures`, and the detail names the Python-number inputs the keys
+  differ in (a CUDA graph bakes a number in; a tensor would serve every value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from graphdispatch_backend.runtime.keys import is_scalar_item, varying
+
+CHURN_CALLS = 16  # calls in a row, each with a new shape key: the keys churn (a first pass over a
+# server's size buckets brings a dozen new keys in a row; a decode loop, one per token)
+NAMED = 4  # inputs named in a detail, at most
+
+
+def _names(positions: Sequence[int], names: Sequence[str]) -> str:
+    """The inputs by name; a size symbol goes unsaid next to the tensor it sizes (`x.size().0`)."""
+    named = [names[p] if p < len(names) and names[p] else f"input {p}" for p in positions]
+    named = [n for n in named if not any(n.startswith(f"{other}.") for other in named if other != n)]
+    shown = ", ".join(f"`{n}`" for n in named[:NAMED])
+    return shown + (f" and {len(named) - NAMED} more" if len(named) > NAMED else "")
+
+
+def _varying(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], scalars: bool | None) -> list[int]:
+    """Input positions whose key items differ (scalars only, tensors only, or both)."""
+    keys = list(keys)
+    out = []
+    for i in varying(keys):
+        if i >= len(key_positions):
+            continue
+        if scalars is None or scalars == any(is_scalar_item(k[i]) for k in keys if i < len(k)):
+            out.append(key_positions[i])
+    return out
+
+
+def churn_detail(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> str:
+    detail = (f"each of the last {CHURN_CALLS} calls had a shape key not seen before: a captured graph serves "
+              "one shape, so these calls only warm keys that do not come back (pad inputs to a few fixed "
+              "sizes, or use a static KV cache)")
+    changing = _varying(keys, key_positions, None)
+    return f"{detail}; the keys differ in {_names(changing, names)}" if changing else detail
+
+
+def thrash_detail(limit: int, max_captures: int, keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int],
+                  names: Sequence[str]) -> str:
+    detail = (f"{limit} captures in a row were evicted before they verified: the calls cycle through more shape "
+              f"keys than max_captures={max_captures} holds, so keys past the captured ones run eager (raise "
+              "max_captures to hold them all)")
+    numbers = _varying(keys, key_positions, True)
+    if numbers:
+        detail += (f"; the keys differ in the value of {_names(numbers, names)}: a CUDA graph bakes a Python "
+                   "number in, so each value needs a capture of its own; passed as a tensor, one capture "
+                   "serves every value")
+    return detail
