@@ -133,3 +133,25 @@ def test_without_the_lift_every_value_is_a_capture_of_its_own(monkeypatch: pytes
     (piece,) = [p["cuda_graph"] for p in graph["pieces"] if p["capturable"]]
     assert graph["split_reasons"] == {} and piece["shape_keys"] > 4
     assert graph["cuda_graph"]["replays"] == 0
+
+
+def test_a_diffusers_unet_called_with_int_timesteps_replays():
+    """What a new user hit: diffusers' UNet2DConditionModel with `t` an int, as samplers that
+    loop over `range` pass it. Before the lift, every timestep was a shape key of its own
+    and no call replayed."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
+    compiled = torch.compile(unet, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    x, text = torch.randn(1, 4, 8, 8), torch.randn(1, 5, 32)
+    steps = list(range(999, 0, -125))  # 8 timesteps, twice
+    with torch.no_grad():
+        for t in steps * 2:
+            assert torch.equal(compiled(x, t, text).sample, unet(x, t, text).sample), t
+    graph = accounted_graphs()[-1]
+    assert graph["split_reasons"] == {"scalar_input": 1}
+    assert graph["cuda_graph"]["captures"] == 1 and graph["cuda_graph"]["declines"] == {}
+    assert graph["cuda_graph"]["replays"] == graph["calls"] - 5  # warmup 3, verification 2
