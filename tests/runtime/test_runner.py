@@ -496,6 +496,24 @@ def test_a_shape_key_new_on_every_call_is_shape_churn_not_warmup():
     assert cg["replays"] == 8 - 3 and cg["captures"] == 1
 
 
+def test_a_python_number_new_on_every_call_is_churn_that_says_so():
+    """A step counter `t` that never repeats, used in math (not liftable): shape_churn, and the
+    detail says a tensor would serve every value."""
+    lin = nn.Linear(8, 8).eval()
+
+    def f(x: torch.Tensor, t: int) -> torch.Tensor:
+        return lin(x) * t
+
+    compiled = torch.compile(f, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for t in range(1, 21):
+            assert torch.equal(compiled(x, t), f(x, t)), t
+    cg = accounted_graphs()[-1]["cuda_graph"]
+    detail = cg["decline_details"]["shape_churn"]
+    assert "the keys differ in `t`" in detail and "`t` is a Python number" in detail and "as a tensor" in detail
+
+
 # -- every decline reason, forced ----------------------------------------------------------
 
 

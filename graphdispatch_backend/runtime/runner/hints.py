@@ -19,8 +19,9 @@ from typing import Any
 
 from graphdispatch_backend.runtime.keys import is_scalar_item, varying
 
-CHURN_CALLS = 16  # calls in a row, each with a new shape key: the keys churn (a first pass over a
-# server's size buckets brings a dozen new keys in a row; a decode loop, one per token)
+# Calls in a row, each with a new shape key, before the keys count as churning: a decode
+# loop brings one per token; a first pass over a server's size buckets, a dozen in a row.
+CHURN_CALLS = 16
 NAMED = 4  # inputs named in a detail, at most
 
 
@@ -44,12 +45,27 @@ def _varying(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], scal
     return out
 
 
+def _numbers(keys: list[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> list[int]:
+    """Scalar inputs whose value differs, bar the sizes Dynamo passes for dynamic shapes
+    (`x.size().0`): a Python number the caller passes."""
+    sized = (".size()", ".stride()", ".storage_offset()")
+    return [p for p in _varying(keys, key_positions, True)
+            if not (p < len(names) and any(mark in names[p] for mark in sized))]
+
+
 def churn_detail(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> str:
     detail = (f"each of the last {CHURN_CALLS} calls had a shape key not seen before: a captured graph serves "
               "one shape, so these calls only warm keys that do not come back (pad inputs to a few fixed "
               "sizes, or use a static KV cache)")
+    keys = list(keys)
     changing = _varying(keys, key_positions, None)
-    return f"{detail}; the keys differ in {_names(changing, names)}" if changing else detail
+    if changing:
+        detail += f"; the keys differ in {_names(changing, names)}"
+    numbers = _numbers(keys, key_positions, names)
+    if numbers:
+        detail += (f"; {_names(numbers, names)} {'is a Python number' if len(numbers) == 1 else 'are Python numbers'}"
+                   " whose value a CUDA graph bakes in: passed as a tensor, one capture serves every value")
+    return detail
 
 
 def thrash_detail(limit: int, max_captures: int, keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int],
@@ -57,7 +73,7 @@ def thrash_detail(limit: int, max_captures: int, keys: Iterable[tuple[Any, ...]]
     detail = (f"{limit} captures in a row were evicted before they verified: the calls cycle through more shape "
               f"keys than max_captures={max_captures} holds, so keys past the captured ones run eager (raise "
               "max_captures to hold them all)")
-    numbers = _varying(keys, key_positions, True)
+    numbers = _numbers(list(keys), key_positions, names)
     if numbers:
         detail += (f"; the keys differ in the value of {_names(numbers, names)}: a CUDA graph bakes a Python "
                    "number in, so each value needs a capture of its own; passed as a tensor, one capture "
