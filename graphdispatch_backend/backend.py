@@ -58,6 +58,16 @@ _DETAILS = {
 }
 
 
+def _fixed_shapes(piece: fx.GraphModule) -> bool:
+    """No tensor input of the piece has a symbolic size or stride: in a graph with symbols
+    (a Python int lifted out of the piece, say), Dynamo's guards still fix these shapes."""
+    for node in piece.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
+            return False
+    return True
+
+
 def make_contain(strict: bool) -> Contain:
     """Run a thunk of third-party code (artifact, capture, export) and hand back what it
     raised instead of raising. Only StrictModeError (graphdispatch's own, under `strict`)
@@ -305,7 +315,7 @@ class _Builder:
                              verify_inputs=opts.verify_inputs, state_names=state,
                              input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
                              suspects=suspects, device=device, mutated=info.mutated, wide=info.wide,
-                             guarded=guarded, static_shapes=guarded and not self.dynamic,
+                             guarded=guarded, static_shapes=guarded and (not self.dynamic or _fixed_shapes(piece)),
                              agreement=agreement if info.collectives else None)
         return call_target(runner, f"gd_piece_{info.index}")
 

@@ -135,6 +135,18 @@ def test_without_the_lift_every_value_is_a_capture_of_its_own(monkeypatch: pytes
     assert graph["cuda_graph"]["replays"] == 0
 
 
+
+def test_the_piece_after_the_lift_computes_no_shape_key(monkeypatch: pytest.MonkeyPatch):
+    """The graph has a symbol (t), but its piece's tensors have fixed shapes that Dynamo's
+    guards ensure: the piece's runner is keyless, as a static graph's is."""
+    runner_mod = sys.modules["graphdispatch_backend.runtime.runner.runner"]
+    keys = []
+    real = runner_mod.layout_key
+    monkeypatch.setattr(runner_mod, "layout_key", lambda values: keys.append(1) or real(values))
+    graph = _denoise({}, STEPS, rounds=1)
+    assert graph["cuda_graph"]["replays"] > 0
+    assert keys == []  # none: the piece is keyless
+
 def test_a_diffusers_unet_called_with_int_timesteps_replays():
     """What a new user hit: diffusers' UNet2DConditionModel with `t` an int, as samplers that
     loop over `range` pass it. Before the lift, every timestep was a shape key of its own
