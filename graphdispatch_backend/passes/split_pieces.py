@@ -7,9 +7,11 @@ op (`with_effects`: a linalg error check must raise on every singular input), ha
 dynamic output shape (`nonzero`, `masked_select`, boolean indexing: its sizes are known only
 after it ran), is a collective on a graph that is not on CUDA (gloo work cannot be
 captured; NCCL collectives stay inside, as vLLM captures them), produces a tensor on
-another device than the graph's (a CPU tensor in a CUDA graph), or is an artifact call
-whose manifest says `"capturable": false`. Such nodes stay inline, in order; each maximal
-run of other nodes with real work becomes one piece, called through `make_piece`.
+another device than the graph's (a CPU tensor in a CUDA graph), is an artifact call
+whose manifest says `"capturable": false`, or makes a tensor out of a Python-number input
+(marked by lift_scalars.py, which moved it to the top: the piece then takes its tensor).
+Such nodes stay inline, in order; each maximal run of other nodes with real work becomes
+one piece, called through `make_piece`.
 A graph with no such node is left alone: it is captured whole. An allocation of
 uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) whose every user stays
 inline goes inline with its first user (dropout2d's `new_empty` feeds `bernoulli`, rrelu's
