@@ -127,16 +127,19 @@ def test_single_repeated_integer_value_waits_then_declines_with_advice(caplog):
 class PtrMemo:
     """The stale-read double: a kernel with a host-side cache keyed by input address, right
     on its capture inputs and on every fresh tensor, stale on the static buffer once its
-    values change (what a graph that reads a captured address instead of the buffer does)."""
+    values change (what a graph that reads a captured address instead of the buffer does).
+    The cache keeps each tensor it saw alive, as the runner's and the mutation tests' doubles
+    do: the runner's own derived sets are freed, and a later call's fresh tensor put at one
+    of their addresses would read the double's stale entry in plain eager too."""
 
     def __init__(self) -> None:
-        self.memo: dict[int, torch.Tensor] = {}
+        self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         hit = self.memo.get(x.data_ptr())
         if hit is None:
-            hit = self.memo[x.data_ptr()] = x * 2 + 1
-        return (hit + 0,)
+            hit = self.memo[x.data_ptr()] = (x, x * 2 + 1)
+        return (hit[1] + 0,)
 
 
 @pytest.mark.parametrize("repeated", [True, False], ids=["repeated values", "varying values"])
