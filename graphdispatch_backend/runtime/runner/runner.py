@@ -207,7 +207,9 @@ class GraphRunner(HotPath, Publish, Transitions):
         entry.observations.append(tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args))
         if len(entry.observations) <= self._warmup:
             return self._eager(args, self._warming())
-        if self._book.thrashing(key):
+        # not in a piece holding collectives: a rank declining alone would leave the others
+        # waiting in the capture's agreement below
+        if self._agreement is None and self._book.thrashing(key):
             return self._thrashing(entry, args)
         if self._book.make_room(key) is not None:
             with self._stats.lock:
