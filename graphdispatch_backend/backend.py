@@ -59,8 +59,9 @@ _DETAILS = {
 
 
 def _fixed_shapes(piece: fx.GraphModule) -> bool:
-    """No tensor input of the piece has a symbolic size or stride: in a graph with symbols
-    (a Python int lifted out of the piece, say), Dynamo's guards still fix these shapes."""
+    """No tensor input of the piece has a symbolic size or stride, so Dynamo's guards fix
+    its shapes: true of every piece of a static graph, and of a piece in a graph with
+    symbols whose tensors do not depend on them (a Python int lifted out of the piece)."""
     for node in piece.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
@@ -183,8 +184,6 @@ class _Builder:
         self.mutated: list[int] | None = None
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
         self.agreement: Agreement | None = None
-        # sizes may change from call to call (a symbolic input): runners key every call by shape
-        self.dynamic = any(o.kind == "symbol" for o in origins)
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
         self.guarded = torch._guards.CompileContext.try_get() is not None
 
@@ -315,7 +314,7 @@ class _Builder:
                              verify_inputs=opts.verify_inputs, state_names=state,
                              input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
                              suspects=suspects, device=device, mutated=info.mutated, wide=info.wide,
-                             guarded=guarded, static_shapes=guarded and (not self.dynamic or _fixed_shapes(piece)),
+                             guarded=guarded, static_shapes=guarded and _fixed_shapes(piece),
                              agreement=agreement if info.collectives else None)
         return call_target(runner, f"gd_piece_{info.index}")
 

@@ -60,18 +60,15 @@ def lift_scalars(gm: fx.GraphModule, ctx: PassContext) -> None:
     if ctx.pieces_spec is None:  # nothing is captured: nothing to keep a value out of
         return
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if not placeholders:
+    # scalar inputs used by factories only (any other use keeps the scalar in the piece)
+    scalars = [n for n in placeholders if _is_scalar_input(n) and n.users and all(map(_is_factory, n.users))]
+    # their factories, in order, bar those that also read a scalar used elsewhere: no gain
+    lifted = list(dict.fromkeys(u for s in scalars for u in s.users if all(n in scalars for n in u.all_input_nodes)))
+    if not lifted:
         return
-    lifted: list[fx.Node] = []
-    for node in placeholders:
-        if _is_scalar_input(node) and node.users and all(_is_factory(u) for u in node.users):
-            lifted += [u for u in node.users if u not in lifted]
-    # a factory that also reads a scalar used elsewhere leaves that scalar in the piece: no gain
-    lifted = [n for n in lifted if all(all(_is_factory(u) for u in s.users) for s in n.all_input_nodes)]
     anchor = placeholders[-1]
     for node in lifted:
         anchor.append(node)
         node.meta[SCALAR_INPUT_META] = True
         anchor = node
-    if lifted:
-        gm.recompile()
+    gm.recompile()

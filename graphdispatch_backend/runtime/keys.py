@@ -26,7 +26,6 @@ def layout_key(values: Iterable[Any]) -> tuple[Any, ...]:
     return tuple((v.shape, v.stride()) if isinstance(v, torch.Tensor) else scalar_key(v) for v in values)
 
 
-
 def is_scalar_item(item: tuple[Any, ...]) -> bool:
     """A key item of a scalar input, `(type, value)`; a tensor's is `(shape, strides)`."""
     return isinstance(item[0], type)

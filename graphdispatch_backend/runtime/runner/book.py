@@ -147,7 +147,4 @@ class EntryBook:
         calls, for the log); each call is counted as eager."""
         if (reason, kind) not in self._limits_hit:
             self._limits_hit.add((reason, kind))
-            if then is None:
-                self._report(reason, detail)
-            else:
-                self._report(reason, detail, then)
+            self._report(reason, detail, then)

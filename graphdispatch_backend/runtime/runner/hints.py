@@ -14,7 +14,7 @@ Two patterns keep a piece from replaying without anything being wrong with it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from graphdispatch_backend.runtime.keys import is_scalar_item, varying
@@ -33,9 +33,8 @@ def _names(positions: Sequence[int], names: Sequence[str]) -> str:
     return shown + (f" and {len(named) - NAMED} more" if len(named) > NAMED else "")
 
 
-def _varying(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], scalars: bool | None) -> list[int]:
+def _varying(keys: Sequence[tuple[Any, ...]], key_positions: Sequence[int], scalars: bool | None) -> list[int]:
     """Input positions whose key items differ (scalars only, tensors only, or both)."""
-    keys = list(keys)
     out = []
     for i in varying(keys):
         if i >= len(key_positions):
@@ -45,7 +44,7 @@ def _varying(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], scal
     return out
 
 
-def _numbers(keys: list[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> list[int]:
+def _numbers(keys: Sequence[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> list[int]:
     """Scalar inputs whose value differs, bar the sizes Dynamo passes for dynamic shapes
     (`x.size().0`): a Python number the caller passes."""
     sized = (".size()", ".stride()", ".storage_offset()")
@@ -53,11 +52,10 @@ def _numbers(keys: list[tuple[Any, ...]], key_positions: Sequence[int], names: S
             if not (p < len(names) and any(mark in names[p] for mark in sized))]
 
 
-def churn_detail(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> str:
+def churn_detail(keys: Sequence[tuple[Any, ...]], key_positions: Sequence[int], names: Sequence[str]) -> str:
     detail = (f"each of the last {CHURN_CALLS} calls had a shape key not seen before: a captured graph serves "
               "one shape, so these calls only warm keys that do not come back (pad inputs to a few fixed "
               "sizes, or use a static KV cache)")
-    keys = list(keys)
     changing = _varying(keys, key_positions, None)
     if changing:
         detail += f"; the keys differ in {_names(changing, names)}"
@@ -68,12 +66,12 @@ def churn_detail(keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int], 
     return detail
 
 
-def thrash_detail(limit: int, max_captures: int, keys: Iterable[tuple[Any, ...]], key_positions: Sequence[int],
+def thrash_detail(limit: int, max_captures: int, keys: Sequence[tuple[Any, ...]], key_positions: Sequence[int],
                   names: Sequence[str]) -> str:
     detail = (f"{limit} captures in a row were evicted before they verified: the calls cycle through more shape "
               f"keys than max_captures={max_captures} holds, so keys past the captured ones run eager (raise "
               "max_captures to hold them all)")
-    numbers = _numbers(list(keys), key_positions, names)
+    numbers = _numbers(keys, key_positions, names)
     if numbers:
         detail += (f"; the keys differ in the value of {_names(numbers, names)}: a CUDA graph bakes a Python "
                    "number in, so each value needs a capture of its own; passed as a tensor, one capture "

@@ -112,12 +112,14 @@ class Transitions:
         self._report(reason, detail)
         self._set_state()
 
-    def _report(self, reason: Decline, detail: str, then: str = "that shape key runs eager from now on") -> None:
+    def _report(self, reason: Decline, detail: str, then: str | None = None) -> None:
+        """Count and log a decline; `then` says what becomes of the calls (by default the
+        shape key runs eager for good)."""
         self._stats.decline(reason.value, detail)
         self._scope.timing.note(f"cuda_graph_declined {self.name}: {reason.value}: {detail}")
         self._scope.events.warn_once(
             f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
-            self.name, reason.value, detail, then,
+            self.name, reason.value, detail, then or "that shape key runs eager from now on",
         )
         self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
 
