@@ -31,6 +31,7 @@ from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
+from graphdispatch_backend.passes.locate_writes import WritePlan
 from graphdispatch_backend.passes.ops import collective_groups, effect_tokens, nondeterministic_suspects
 from graphdispatch_backend.runtime.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.autograd import backward_fallback, without_history
@@ -39,6 +40,7 @@ from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.eager_check import EagerCheck
 from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
+from graphdispatch_backend.runtime.world import Region, Writes
 from graphdispatch_backend.session import Session, session_for
 
 # Dynamo steers its own tracing with these; they must pass through any backend untouched.
@@ -145,10 +147,14 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         t for _, t in gm.named_buffers(remove_duplicate=False)]
     n_lifted = len(lifted)
     if builder.mutated is not None:
-        positions = builder.mutated
+        # the lowered graph's inputs are aot's (parameters and buffers lifted first): its write
+        # plan locates regions of those, when they are these one to one (no effect token, no
+        # merged duplicate or synthetic base; else written inputs are snapshotted whole)
+        plan = builder.write_plan if builder.placeholders == n_lifted + len(example_inputs) else None
+        writes = Writes(builder.mutated, plan, session.options.max_snapshot_bytes, [o.name for o in origins])
 
-        def mutated(args: Sequence[Any]) -> list[torch.Tensor]:
-            return [lifted[i] if i < n_lifted else args[i - n_lifted] for i in positions]
+        def locate(args: Sequence[Any]) -> list[Region]:
+            return writes.regions([*lifted, *args])
 
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
         dynamic = any(o.kind == "symbol" for o in origins)
@@ -156,7 +162,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
             if record.kind == "autograd" else None
         compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
-                              session.options.strict, keyed, mutated, dynamic, session.timing, builder.suspects,
+                              session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
                               builder.agreement, gradients)
     if session.exporter is None:
         return compiled
@@ -182,6 +188,8 @@ class _Builder:
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
         self.mutated: list[int] | None = None
+        self.write_plan: WritePlan | None = None  # where the forward writes them (passes/locate_writes.py)
+        self.placeholders = 0  # the forward's placeholders
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
@@ -230,6 +238,7 @@ class _Builder:
         agreement = agreement_for(collective_groups(gm))
         if role != "backward":
             self.suspects, self.agreement = suspects, agreement
+            self.placeholders = len(placeholders)
         engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens])
         record.cuda_graph_mode = engine or "off"
         scope = self.session.scope(engine) if engine else None
@@ -248,6 +257,10 @@ class _Builder:
         else:
             run_pipeline(gm, ctx)
         record.stripped_assertions = ctx.stripped_assertions
+        if role != "backward":
+            self.write_plan = ctx.write_plan
+        record.input_writes = [{"input": self._input_name(w.position, placeholders), "in_place": w.in_place,
+                                "detail": w.detail} for w in ctx.writes]
         if role != "backward":
             record.regions = [self.artifacts.region_entry(r, ctx.outcomes.get(r.name), role == "inference")
                               for r in ctx.regions]
@@ -279,6 +292,11 @@ class _Builder:
         return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
                              lambda detail: self._contract_mismatch(record, detail),
                              guarded=self.guarded and role != "backward")
+
+    def _input_name(self, position: int, placeholders: list[fx.Node]) -> str:
+        if position < len(self.origins) and self.origins[position] is not None:
+            return self.origins[position].name
+        return placeholders[position].name
 
     def _engine_for(self, placeholders: list[fx.Node]) -> tuple[str | None, Decline | None, str]:
         """(engine, why there is none, the device the pieces run on: `cuda:N` or a type)."""
@@ -313,7 +331,10 @@ class _Builder:
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state,
                              input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
-                             suspects=suspects, device=device, mutated=info.mutated, wide=info.wide,
+                             suspects=suspects, device=device,
+                             writes=Writes(info.mutated, info.write_plan, opts.max_snapshot_bytes,
+                                           [o.name if o is not None else "" for o in info.input_origins]),
+                             wide=info.wide,
                              guarded=guarded, static_shapes=guarded and _fixed_shapes(piece),
                              agreement=agreement if info.collectives else None)
         return call_target(runner, f"gd_piece_{info.index}")

@@ -52,6 +52,15 @@ class CudaGraphUnavailable(GraphDispatchError):
         self.detail = detail
 
 
+class SnapshotRefused(GraphDispatchError):
+    """What one call writes cannot be snapshotted within `max_snapshot_bytes` (runtime/world.py):
+    a check or capture that needs the snapshot does not run."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
 class CudaGraphWarmingUp(CudaGraphUnavailable):
     """Not a refusal: the entry still collects warmup observations. Its own type, so a
     reworded message can never turn every warmup into a permanent decline."""
@@ -94,6 +103,9 @@ class Decline(str, enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"  # an allocation failed: eager this call, tried again later
     MULTI_DEVICE = "multi_device"  # the graph's tensors span several CUDA devices
     RANK_DISAGREEMENT = "rank_disagreement"  # another rank of the graph's process groups reached a verdict
+    # the graph writes an input where graphdispatch cannot locate, and a whole snapshot of it
+    # is larger than max_snapshot_bytes: nothing that needs the snapshot (a check, a capture) runs
+    SNAPSHOT_TOO_LARGE = "snapshot_too_large"
 
 
 class SplitReason(str, enum.Enum):

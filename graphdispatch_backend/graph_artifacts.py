@@ -22,8 +22,10 @@ from graphdispatch_backend.artifacts.patterns import generalize
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.diagnostics.report import GraphRecord, SubstitutionRecord
 from graphdispatch_backend.errors import AuthoringFailure, Rejection, StrictModeError
+from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.region import Region
 from graphdispatch_backend.runtime.gate import ArtifactGate
+from graphdispatch_backend.runtime.world import Writes
 from graphdispatch_backend.session import Session
 
 
@@ -72,12 +74,17 @@ class GraphArtifacts:
                                      artifact.id, exc)
             return None
         sub = SubstitutionRecord(region.name, artifact.id, capturable=artifact.manifest.capturable,
-                                 kind=generalize(region.module))
+                                 kind=generalize(region.module), mutates=list(region.mutates))
         self.record.substitutions.append(sub)
+        # the inputs the kernel writes in place (matching checked they are the region's), and where
+        written = [region.input_names.index(name) for name in region.mutates]
+        writes = Writes(written, plan_writes(native) if written else None, session.options.max_snapshot_bytes,
+                        region.input_names)
         gate = ArtifactGate(artifact=fn, native=native, record=sub, parity=artifact.manifest.parity,
                             contain=session.contain, events=session.events, timing=session.timing,
                             speed_gate=session.options.speed_gate, strict=session.options.strict,
-                            kernel_inputs=region.kernel_positions)
+                            kernel_inputs=region.kernel_positions, writes=writes,
+                            snapshot_limit=session.options.max_snapshot_bytes)
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return call_target(gate, f"gd_artifact_{artifact.id}")

@@ -38,6 +38,9 @@ class Options:
     report_dir: where dispatch.json, timing.json and region exports go.
     export_regions: export every region for kernel authors at flush.
     strict: raise GraphDispatchError instead of falling back.
+    max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
+        writes it at places graphdispatch cannot locate (runtime/world.py); located writes
+        (a KV cache's rows) are snapshotted row by row, whatever this says.
     """
 
     artifacts: tuple[str, ...] = ()
@@ -51,6 +54,7 @@ class Options:
     report_dir: str | None = None
     export_regions: bool = False
     strict: bool = False
+    max_snapshot_bytes: int = 256 * 2**20
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -139,6 +143,7 @@ _KINDS = {
     "report_dir": "path",
     "export_regions": "bool",
     "strict": "bool",
+    "max_snapshot_bytes": "int",
 }
 
 

@@ -94,6 +94,8 @@ class Region:
     ops: dict[str, int] = dataclasses.field(default_factory=dict)
     convex: bool = True
     deterministic: bool = True
+    # kernel inputs the region writes in place (a KV cache's rows, after passes/reinplace.py)
+    mutates: list[str] = dataclasses.field(default_factory=list)
     # per size input (by position): its expression and where each symbol is a tensor input's dim
     size_exprs: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # graph() taken when the region was tagged (first region of its fingerprint only):
@@ -144,6 +146,7 @@ class Region:
             "ops": dict(sorted(self.ops.items())),
             "convex": self.convex,
             "deterministic": self.deterministic,
+            "mutates": list(self.mutates),
         }
 
     def graph(self) -> dict[str, Any]:

@@ -58,12 +58,16 @@ def _spec(entry: dict[str, Any]) -> str:
     return f"{entry.get('dtype')}[{shape}]"
 
 
-def signature(entry: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """The manifest `signature` of a region report entry: tensor inputs and outputs."""
-    return {
+def signature(entry: dict[str, Any]) -> dict[str, list[Any]]:
+    """The manifest `signature` of a region report entry: tensor inputs and outputs, and the
+    inputs it writes in place (`mutates`, only when it writes any)."""
+    sig: dict[str, list[Any]] = {
         "inputs": [{"name": i["name"], "shape": i["shape"], "dtype": i["dtype"]} for i in entry["inputs"]],
         "outputs": [{"shape": o["shape"], "dtype": o["dtype"]} for o in entry["outputs"]],
     }
+    if entry.get("mutates"):
+        sig["mutates"] = list(entry["mutates"])
+    return sig
 
 
 def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.json") -> str:

@@ -74,6 +74,7 @@ class Manifest:
     torch_min: str | None
     torch_max_exclusive: str | None
     description: str
+    mutates: tuple[str, ...] = ()  # inputs (by name) the kernel writes in place
 
     def file(self, path: str) -> FileEntry:
         """The declared entry for `path`; KeyError (naming it) if the manifest does not declare it."""
@@ -175,13 +176,14 @@ def parse_manifest(data: Any) -> Manifest:
     fp = None
     if "fingerprint" in region:
         fp = _str(region["fingerprint"], "region.fingerprint", _HEX32, "32 lowercase hex characters")
-    sig = _keys(top["signature"], "signature", {"inputs", "outputs"}, set())
+    sig = _keys(top["signature"], "signature", {"inputs", "outputs"}, {"mutates"})
     entries = []
     for side, named in (("inputs", True), ("outputs", False)):
         items = sig[side]
         if not isinstance(items, list) or (side == "outputs" and not items):
             raise ManifestError(f"signature.{side}", "must be a list" + (" (non-empty)" if side == "outputs" else ""))
         entries.append(tuple(_entry(e, f"signature.{side}[{i}]", named) for i, e in enumerate(items)))
+    mutates = _mutates(sig.get("mutates", []), [e.name for e in entries[0]])
     entry = _keys(top["entry_point"], "entry_point", {"file", "symbol"}, set())
     entry_file = _path(entry["file"], "entry_point.file")
     if not entry_file.endswith(".py"):
@@ -216,7 +218,21 @@ def parse_manifest(data: Any) -> Manifest:
         capturable=_bool(top.get("capturable", True), "capturable"),
         **(_torch_range(top["torch"]) if "torch" in top else {"torch_min": None, "torch_max_exclusive": None}),
         description=_str(top["description"], "description") if "description" in top else "",
+        mutates=mutates,
     )
+
+
+def _mutates(value: Any, names: list[str | None]) -> tuple[str, ...]:
+    """`signature.mutates`: names of inputs the kernel writes in place, each once (as a
+    custom op's `mutates_args`)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ManifestError("signature.mutates", f"must be a list of input names, got {value!r}")
+    for name in value:
+        if name not in names:
+            raise ManifestError("signature.mutates", f"{name!r} is not one of signature.inputs' names")
+    if len(set(value)) != len(value):
+        raise ManifestError("signature.mutates", "names an input twice")
+    return tuple(value)
 
 
 def _bool(value: Any, field: str) -> bool:

@@ -70,7 +70,22 @@ def signature_miss(manifest: Manifest, region: Region) -> str | None:
     region's size inputs (dynamic shapes) are not part of it: a kernel never gets them."""
     return _signature_miss(manifest.inputs, region.kernel_names, region.kernel_specs, "inputs") or (
         _signature_miss(manifest.outputs, None, region.output_specs, "outputs")
-    )
+    ) or _mutates_miss(manifest, region)
+
+
+def _mutates_miss(manifest: Manifest, region: Region) -> str | None:
+    """The inputs the kernel writes in place must be the ones the region writes: a kernel
+    that writes what the region only reads would corrupt it, one that skips a write would
+    leave it stale."""
+    declared, written = set(manifest.mutates), set(region.mutates)
+    if declared == written:
+        return None
+    if written - declared:
+        names = ", ".join(repr(n) for n in sorted(written - declared))
+        return (f"the region writes {names} in place (a cache update): declare it in signature.mutates "
+                "and write it in place in the kernel")
+    names = ", ".join(repr(n) for n in sorted(declared - written))
+    return f"signature.mutates names {names}, which the region does not write"
 
 
 def torch_miss(manifest: Manifest, torch_version: str) -> str | None:

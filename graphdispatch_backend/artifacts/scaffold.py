@@ -161,8 +161,12 @@ def kernel_source(kind: Kind, graph: dict[str, Any], artifact_id: str, source: s
            "",
            "Calls the region's ATen ops in the native order on the same arguments, casts included",
            "(artifacts run with autocast off), so it passes bitwise parity as written: edit from here,",
-           "and keep the signature (the region's tensor inputs, in the report's order).",
-           '"""']
+           "and keep the signature (the region's tensor inputs, in the report's order)."]
+    if kind.entry.get("mutates"):
+        doc += ["",
+                f"It writes {', '.join(kind.entry['mutates'])} in place, as the region does (its `_` ops): keep",
+                "those writes in place and return only the region's outputs (signature.mutates)."]
+    doc.append('"""')
     imports = [f"import {m}" for m in sorted(writer.imports)]
     return "\n".join(doc + [""] + imports + ["", "", f"def forward({params}):"] + body) + "\n"
 
@@ -227,6 +231,8 @@ def scaffold_command(directory: str, pattern: str, out: str, fingerprint: str | 
         return 1
     sig = manifest["signature"]
     counts = ", ".join(f"{len(sig[k])} {k[:-1] if len(sig[k]) == 1 else k}" for k in ("inputs", "outputs"))
+    if sig.get("mutates"):
+        counts += f", writes {', '.join(sig['mutates'])} in place"
     print(f"wrote {Path(out) / KERNEL_NAME} and {Path(out) / MANIFEST_NAME}: artifact {manifest['id']} for "
           f"`{pattern}` (fingerprint {manifest['region']['fingerprint']}), {counts}, parity bitwise")
     print(f"next: python -m graphdispatch_backend artifacts verify {out}; then compile with "

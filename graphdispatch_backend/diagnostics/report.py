@@ -103,6 +103,11 @@ class CudaGraphStats:
             }
 
 
+def _plain(value: Any) -> Any:
+    """A copy of a record's field for its dict (containers copied under the record's lock)."""
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+
+
 @dataclasses.dataclass
 class SubstitutionRecord:
     """One region served by one artifact, behind its parity gate."""
@@ -124,12 +129,13 @@ class SubstitutionRecord:
     first_mismatch_index: list[int] | None = None
     speed: dict[str, float] | None = None  # speed_gate: median ms of both
     shadow: dict[str, float] = dataclasses.field(default_factory=dict)  # timing="shadow"
+    mutates: list[str] = dataclasses.field(default_factory=list)  # inputs the kernel writes in place
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         with self.lock:
             return {
-                f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+                f.name: _plain(getattr(self, f.name))
                 for f in dataclasses.fields(self)
                 if f.name != "lock"
             }
@@ -150,6 +156,8 @@ class GraphRecord:
     eager_calls: int = 0
     eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
     eager_checks: int = 0  # calls on which the lowered graph was compared with real eager
+    unchecked: int = 0  # due checks skipped: what the call writes could not be snapshotted
+    unchecked_detail: str | None = None
     lowering: dict[str, Any] | None = None  # set when the lowering was found wrong
     contract_mismatches: int = 0
     contract_detail: str | None = None
@@ -164,6 +172,8 @@ class GraphRecord:
     pieces: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     piece_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list)
     split_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    # inputs the graph writes into: each written in place, or copied back whole (and why)
+    input_writes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     error: str | None = None
     export: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # an autograd graph's backward: its own calls, pieces and captures (None: inference)
@@ -249,6 +259,7 @@ class GraphRecord:
             "cuda_graph": self.cuda_graph(counts),
             "pieces": pieces,
             "split_reasons": dict(self.split_reasons),
+            "input_writes": list(self.input_writes),
             "substitutions": [s.to_dict() for s in self.substitutions],
             "regions": self.regions,
             "module_rejections": dict(self.module_rejections),
@@ -283,9 +294,10 @@ class GraphRecord:
 
     def _lowering_check(self) -> dict[str, Any]:
         """How the lowered graph compared with real eager (runtime/eager_check.py)."""
+        skipped = {"skipped": self.unchecked, "skipped_detail": self.unchecked_detail} if self.unchecked else {}
         if self.lowering is not None:
-            return {"checked": self.eager_checks, **self.lowering}
-        return {"checked": self.eager_checks, "status": "bitwise" if self.eager_checks else "unchecked"}
+            return {"checked": self.eager_checks, **self.lowering, **skipped}
+        return {"checked": self.eager_checks, "status": "bitwise" if self.eager_checks else "unchecked", **skipped}
 
     def _stats_per_piece(self) -> list[CudaGraphStats | None]:
         stats = iter(self.piece_stats)

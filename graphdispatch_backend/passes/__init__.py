@@ -13,6 +13,8 @@ import torch.fx as fx
 from graphdispatch_backend.errors import GraphDispatchError
 from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.lift_scalars import lift_scalars
+from graphdispatch_backend.passes.locate_writes import locate_writes
+from graphdispatch_backend.passes.reinplace import reinplace
 from graphdispatch_backend.passes.split_pieces import split_pieces
 from graphdispatch_backend.passes.strip_assertions import strip_assertions
 from graphdispatch_backend.passes.substitute import substitute
@@ -20,7 +22,8 @@ from graphdispatch_backend.passes.tag_regions import tag_regions
 
 Pass = Callable[[fx.GraphModule, PassContext], None]
 
-PIPELINE: tuple[Pass, ...] = (strip_assertions, tag_regions, substitute, lift_scalars, split_pieces)
+PIPELINE: tuple[Pass, ...] = (strip_assertions, reinplace, locate_writes, tag_regions, substitute, lift_scalars,
+                              split_pieces)
 # a backward's inputs are saved tensors and gradients: no region to tag or substitute
 BACKWARD_PIPELINE: tuple[Pass, ...] = (strip_assertions, lift_scalars, split_pieces)
 

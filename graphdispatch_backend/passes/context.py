@@ -43,6 +43,7 @@ class PieceInfo:
     mutated: tuple[int, ...] = ()  # input positions the piece writes into
     wide: tuple[int, ...] = ()  # input positions the piece reads with as_strided (whole storage)
     collectives: bool = False  # the piece holds collectives (captured inside: NCCL)
+    write_plan: Any = None  # where the piece writes its inputs (passes/locate_writes.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +53,16 @@ class PieceInfo:
             "split_reasons": dict(self.reasons),
             "ops": self.ops,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteOutcome:
+    """What passes/reinplace.py made of the writes into one input: in place, or still a
+    whole copy back (and why)."""
+
+    position: int  # the placeholder's position
+    in_place: bool
+    detail: str
 
 
 @dataclasses.dataclass
@@ -69,6 +80,8 @@ class PassContext:
     pieces_spec: PieceSpec | None = None
     # results
     stripped_assertions: int = 0
+    writes: list[WriteOutcome] = dataclasses.field(default_factory=list)
+    write_plan: Any = None  # passes/locate_writes.py's WritePlan of the whole graph (None: writes no input)
     regions: list[Region] = dataclasses.field(default_factory=list)
     outcomes: dict[str, MatchOutcome] = dataclasses.field(default_factory=dict)
     substitutions: list[SubstitutionInfo] = dataclasses.field(default_factory=list)

@@ -85,8 +85,14 @@ def nondeterministic_suspects(gm: fx.GraphModule) -> list[str]:
     return list(seen)
 
 
-def _writes(node: fx.Node) -> list[fx.Node]:
-    """The nodes a call writes into (schema arguments marked `(a!)`)."""
+WRITES_META = "gd_writes"  # a substituted region's call: the positions of the arguments it writes
+
+
+def writes(node: fx.Node) -> list[fx.Node]:
+    """The nodes a call writes into (schema arguments marked `(a!)`; for an artifact's call,
+    the region inputs its manifest says it mutates)."""
+    if WRITES_META in node.meta:
+        return [node.args[i] for i in node.meta[WRITES_META] if isinstance(node.args[i], fx.Node)]
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.is_mutable:
         return []
@@ -98,11 +104,34 @@ def _writes(node: fx.Node) -> list[fx.Node]:
     return written
 
 
+def is_view(node: fx.Node) -> bool:
+    """A call whose result is a view of its first argument (`slice`, `select`, `view`, ...)."""
+    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+
+
+def _returns_self(node: fx.Node) -> bool:
+    """An in-place call (`index_copy_`, `copy_`, ...): its result is its written first argument."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns or not schema.arguments:
+        return False
+    first, ret = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and ret is not None and ret.is_write
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """The node whose memory `node` is: through views and the results of in-place writes."""
+    while (is_view(node) or _returns_self(node)) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def written_inputs(gm: fx.GraphModule) -> set[int]:
-    """Placeholder positions the graph writes into (aot's in-graph `copy_` of a mutated
-    input, kept with keep_inference_input_mutations)."""
+    """Placeholder positions the graph writes into, directly (aot's in-graph `copy_` of a
+    mutated input, kept with keep_inference_input_mutations) or through a view (a write
+    made in place by passes/reinplace.py: `index_copy_(select(cache, 0, 1), ...)`)."""
     position = {ph: i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    return {position[n] for node in gm.graph.nodes for n in _writes(node) if n in position}
+    return {position[root] for node in gm.graph.nodes for n in writes(node)
+            if (root := alias_root(n)) in position}
 
 
 _STORAGE_READERS = {"aten::as_strided", "aten::as_strided_copy", "aten::as_strided_scatter", "aten::set_"}
@@ -123,7 +152,7 @@ def storage_readers(gm: fx.GraphModule) -> set[int]:
                 schema = getattr(user.target, "_schema", None)
                 if schema is not None and schema.name in _STORAGE_READERS:
                     found.add(i)
-                elif schema is not None and getattr(user.target, "is_view", False):
+                elif schema is not None and is_view(user):
                     frontier.append(user)
     return found
 

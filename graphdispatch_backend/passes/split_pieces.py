@@ -44,6 +44,7 @@ from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo
 from graphdispatch_backend.passes.lift_scalars import SCALAR_INPUT_META
+from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.passes.ops import (
     allocates_uninitialized,
     draws_random,
@@ -143,7 +144,8 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     if not reasons:
         origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
         ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins, tuple(sorted(written_inputs(gm))),
-                                tuple(sorted(storage_readers(gm))), any(is_collective(n) for n in calls))]
+                                tuple(sorted(storage_readers(gm))), any(is_collective(n) for n in calls),
+                                plan_writes(gm))]
         return
     runs: list[tuple[bool, list[fx.Node]]] = []
     for node in calls:
@@ -171,6 +173,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         info.input_origins = tuple(_origin(ctx, placeholders, n) for n in inputs)
         piece_gm = extract(nodes, inputs, outputs)
         info.mutated = tuple(sorted(written_inputs(piece_gm)))
+        info.write_plan = plan_writes(piece_gm)
         info.wide = tuple(sorted(storage_readers(piece_gm)))
         info.collectives = any(is_collective(n) for n in nodes)
         target = spec.make_piece(piece_gm, info)

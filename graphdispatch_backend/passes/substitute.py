@@ -29,6 +29,8 @@ import torch.fx as fx
 
 from graphdispatch_backend.errors import Rejection
 from graphdispatch_backend.passes.context import PassContext, SubstitutionInfo
+from graphdispatch_backend.passes.locate_writes import WRITE_PLAN_META, plan_writes
+from graphdispatch_backend.passes.ops import WRITES_META
 from graphdispatch_backend.passes.subgraph import extract, replace_with_call
 from graphdispatch_backend.passes.tag_regions import is_convex
 
@@ -64,6 +66,7 @@ def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
             outcome.selected = None
             continue
         capturable = bool(artifact.manifest.capturable)
+        written = tuple(region.input_names.index(name) for name in region.mutates)
         items = replace_with_call(
             gm, region.nodes, region.inputs, region.outputs, target,
             {
@@ -71,6 +74,8 @@ def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
                 "gd_capturable": capturable,
                 "nn_module_stack": region.nodes[-1].meta.get("nn_module_stack", {}),
                 "gd_regions": (),
+                # what the call writes, and where: split_pieces and locate_writes read them
+                **({WRITES_META: written, WRITE_PLAN_META: plan_writes(native)} if written else {}),
             },
         )
         taken.update(region.nodes)

@@ -33,7 +33,7 @@ from torch.utils._sympy.printers import PythonPrinter
 from graphdispatch_backend.artifacts.fingerprint import fingerprint, node_key
 from graphdispatch_backend.capture.names import clean_module_name, instance_of, region_name
 from graphdispatch_backend.passes.context import PassContext
-from graphdispatch_backend.passes.ops import draws_random
+from graphdispatch_backend.passes.ops import alias_root, draws_random, is_view, writes
 from graphdispatch_backend.passes.subgraph import boundary
 from graphdispatch_backend.region import Region, TensorSpec
 
@@ -122,6 +122,17 @@ def _describe(
     )
     region.convex = is_convex(region.nodes, order, position)
     region.deterministic = not any(draws_random(n) for n in region.nodes)
+    written = {_region_input(w, region.inputs) for n in region.nodes for w in writes(n)}
+    region.mutates = [name for node, name in zip(region.inputs, region.input_names) if node in written]
+
+
+def _region_input(node: fx.Node, inputs: list[fx.Node]) -> fx.Node | None:
+    """The region input whose memory `node` is (through views and in-place results)."""
+    while node not in inputs:
+        if not (is_view(node) or alias_root(node) is not node) or not node.args:
+            return None
+        node = node.args[0]
+    return node
 
 
 def _size_exprs(region: Region) -> dict[int, dict[str, Any]]:
@@ -146,7 +157,9 @@ def _size_exprs(region: Region) -> dict[int, dict[str, Any]]:
 
 
 def is_convex(nodes: list[fx.Node], order: list[fx.Node], position: dict[fx.Node, int]) -> bool:
-    """No path leaves the node set and re-enters it.
+    """No path leaves the node set and re-enters it, and no node between its members reads
+    or writes the memory they write (or writes what they read): cutting the set out runs
+    all its members at once, which must not reorder a write and a read of the same memory.
 
     Only nodes between the first and last member (graph order is topological) can lie on
     such a path: walk them once, marking outsiders that depend on a member; a member that
@@ -155,12 +168,19 @@ def is_convex(nodes: list[fx.Node], order: list[fx.Node], position: dict[fx.Node
     members = set(nodes)
     first, last = min(position[n] for n in nodes), max(position[n] for n in nodes)
     span = order[first : last + 1]
+    written = {alias_root(w) for n in nodes for w in writes(n)}
+    read = {alias_root(a) for n in nodes for a in n.all_input_nodes}
     tainted: set[fx.Node] = set()
     for node in span:
         deps = node.all_input_nodes
         if node in members:
             if any(d in tainted for d in deps):
                 return False
-        elif any(d in members or d in tainted for d in deps):
+            continue
+        if any(d in members or d in tainted for d in deps):
             tainted.add(node)
+        if written and any(alias_root(d) in written for d in deps):
+            return False  # reads or writes memory a member writes
+        if any(alias_root(w) in read for w in writes(node)):
+            return False  # writes memory a member reads
     return True

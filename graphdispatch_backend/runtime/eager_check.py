@@ -37,7 +37,7 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import Contain, Decline, StrictModeError
+from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused, StrictModeError
 from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.calls import mark_entry
@@ -45,7 +45,7 @@ from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import compare, compare_aliasing
-from graphdispatch_backend.runtime.world import World
+from graphdispatch_backend.runtime.world import Region, World
 
 MAX_KEYS = 16  # shape keys of a dynamic graph that are checked; 0 turns the check off
 
@@ -77,7 +77,7 @@ class EagerCheck:
         contain: Contain,
         strict: bool,
         keyed: Sequence[int],
-        mutated: Callable[[Sequence[Any]], list[torch.Tensor]],
+        locate: Callable[[Sequence[Any]], list[Region]],
         dynamic: bool,
         timing: Timing,
         suspects: Sequence[str] = (),
@@ -91,7 +91,7 @@ class EagerCheck:
         self._contain = contain
         self._strict = strict
         self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
-        self._mutated = mutated  # the tensors among the inputs the graph writes into
+        self._locate = locate  # where in its inputs this call will write (runtime/world.py)
         self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         self._dynamic = dynamic
@@ -135,10 +135,9 @@ class EagerCheck:
 
     # -- the check ----------------------------------------------------------------------
     def _check(self, args: Sequence[Any]) -> Any:
-        mutated = self._mutated(args)
-        before, exc = self._contain(lambda: World.take(mutated))
+        before, exc = self._contain(lambda: World.take(self._locate(args)))
         if exc is not None:  # nothing ran yet
-            return self._abandon(args, f"snapshot of the mutated inputs raised {type(exc).__name__}: {exc}")
+            return self._unsnapshotted(args, exc)
         raw, exc = self._contain(lambda: self._eager(*args))
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
             self._own(before.restore)
@@ -235,10 +234,27 @@ class EagerCheck:
         self._give_up(reason, detail, gradients)
         return raw
 
-    def _abandon(self, args: Sequence[Any], detail: str) -> Any:
-        self._give_up(Decline.CHECK_FAILED, detail)
+    def _unsnapshotted(self, args: Sequence[Any], exc: Exception) -> Any:
+        """What this call writes could not be snapshotted, so it is not checked. Too large
+        for max_snapshot_bytes (it always will be): the compiled graph answers, unchecked,
+        and the report says why. Memory short this once: the Dynamo graph answers (eager's
+        values), and the next due call tries again. Anything else: check_failed."""
+        if isinstance(exc, SnapshotRefused):
+            with self._record.lock:
+                self._record.unchecked += 1
+                self._record.unchecked_detail = exc.detail
+            self._events.warn_once(f"unchecked:{self._record.name}", "graphdispatch: %s is not checked against "
+                                   "eager: %s", self._record.name, exc.detail)
+            return self._compiled(*args)
+        reason = Decline.OUT_OF_MEMORY if is_out_of_memory(exc) else Decline.CHECK_FAILED
+        if reason is Decline.CHECK_FAILED:
+            self._give_up(reason, f"snapshot of the written inputs raised {type(exc).__name__}: {exc}")
+        else:
+            with self._record.lock:
+                self._record.unchecked += 1
+                self._record.unchecked_detail = f"snapshotting what the call writes ran out of memory: {exc}"
         out = self._eager(*args)
-        self._record.called(False, Decline.CHECK_FAILED.value)
+        self._record.called(False, reason.value)
         return out
 
     def _own(self, step: Callable[[], Any]) -> None:

@@ -1,9 +1,11 @@
 """ArtifactGate: the call a substituted region makes, with its parity gate and demotion.
 
 On the first call per shape key the native region and the artifact run on the same live
-inputs (native first; the inputs are snapshotted so an artifact that writes into them is
-caught and undone); the artifact serves only if its outputs pass the manifest's parity
-(shapes, dtypes, strides, then bits or allclose with NaN/inf in place). Raising at any
+inputs, each from the same state (runtime/beside.py: an artifact that writes into an input
+it does not declare is caught, and undone where a copy fit `max_snapshot_bytes`; the
+inputs it declares in `signature.mutates`, a KV cache's rows, it must write as native
+does, and nowhere else); the artifact serves only if its outputs pass the manifest's
+parity (shapes, dtypes, strides, then bits or allclose with NaN/inf in place). Raising at any
 call, a wrong output at any call, failing parity, mutating an input, or (with
 `speed_gate`) not being faster, demotes the artifact to the native region for the rest of
 the session; the run goes on with the native output. Under `strict` a demotion raises.
@@ -34,9 +36,11 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion, StrictModeError
+from graphdispatch_backend.runtime.beside import Beside, Outcome
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
+from graphdispatch_backend.runtime.world import Writes
 
 SPEED_REPEATS = 7
 _reference = threading.local()
@@ -81,6 +85,8 @@ class ArtifactGate:
         speed_gate: bool = False,
         strict: bool = False,
         kernel_inputs: Sequence[int] | None = None,
+        writes: Writes | None = None,
+        snapshot_limit: int | None = None,
     ) -> None:
         if kernel_inputs is None:
             self._artifact = artifact
@@ -105,6 +111,9 @@ class ArtifactGate:
         self.demoted = False
         self._tolerant = parity.mode != "bitwise"
         record.parity_mode = parity.mode
+        # native and artifact side by side, each from the same state (runtime/beside.py); the
+        # inputs the manifest says the kernel writes (signature.mutates), and where
+        self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain)
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:
@@ -127,6 +136,9 @@ class ArtifactGate:
                 with self._lock:
                     return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
+            if self._beside.mutates:  # both would write: every call is judged side by side instead
+                with self._lock:
+                    return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
             return self._shadow(inputs, expected)
         outs = self._served(inputs, expected)
         if outs is None:
@@ -178,48 +190,78 @@ class ArtifactGate:
                native_answer: bool = False) -> Sequence[Any]:
         with self._record.lock:
             self._record.gates += 1
-        snapshot = [(a, a.clone()) for a in inputs if isinstance(a, torch.Tensor)]
-        native = self._run_native(inputs)
-        result, exc = self._contain(lambda: self._artifact(*inputs))
-        touched = [(a, before) for a, before in snapshot if not _same(a, before)]
-        for a, before in touched:
-            a.copy_(before)  # undo the artifact's write before anything else reads it
-        if touched:
-            self._demote(Demotion.MUTATED_INPUT, f"wrote into {len(touched)} of its inputs")
-            return native
-        if exc is not None:
-            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
-            return native
-        outs = _as_tuple(result)
-        if recheck and _meta(outs) != self._passed[key]:  # what any later call would call a bad output
-            self._demote(Demotion.BAD_OUTPUT,
-                         f"returned {_describe(outs)}, expected {_describe_meta(self._passed[key])}")
-            return native
-        if not all(isinstance(o, torch.Tensor) for o in outs):
-            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}; tensors expected")
-            return native
-        p = self._parity
-        mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
-        if mismatch is not None:
-            self._demote(Demotion.PARITY, str(mismatch), mismatch)
+        o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity)
+        if o.unjudged is not None:  # graphdispatch's own step failed (memory): no verdict this call
+            self._timing.note(f"artifact {self._record.artifact} not judged at {self._record.region}: {o.unjudged}")
+            return o.native if o.native is not None else self._run_native(inputs)
+        native = o.native
+        assert native is not None
+        verdict = self._verdict(key, o, recheck)
+        if verdict is not None:
+            self._contain(o.keep_native)
+            self._demote(*verdict)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
+        p = self._parity
         with self._record.lock:
             self._record.parity = "passed"
         if self._speed_gate and not recheck and not self._faster(inputs):
             return native
+        outs = _as_tuple(o.result)
         self._passed[key] = _meta(outs)
         if not recheck:  # a passed re-check is routine; a failed one is a demotion event
             self._events.decision("parity", {"region": self._record.region, "artifact": self._record.artifact,
                                              "verdict": "passed", "mode": p.mode})
         if native_answer:  # the eager check wants the lowering's own bits (see native_regions)
+            self._contain(o.keep_native)
             return native
         with self._record.lock:
             self._record.calls += 1
             self._record.native_calls -= 1  # the native run here was the reference, not a fallback
         return outs
 
+    def _verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:
+        """Why the artifact is demoted after this side-by-side run, or None (it passed)."""
+        if o.touched:
+            names = ", ".join(f"input {i}" for i in o.touched)
+            undone = "" if o.undone else (" (too large to copy beforehand: the write could not be undone; "
+                                          "those inputs may hold what it wrote)")
+            return Demotion.MUTATED_INPUT, f"wrote into {len(o.touched)} of its inputs ({names}){undone}", None
+        if o.raised is not None:
+            return Demotion.RAISED, f"{type(o.raised).__name__}: {o.raised}", None
+        outs = _as_tuple(o.result)
+        if recheck and _meta(outs) != self._passed.get(key, _meta(outs)):  # what a later call would call bad
+            expected = _describe_meta(self._passed[key])
+            return Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {expected}", None
+        if not all(isinstance(out, torch.Tensor) for out in outs):
+            return Demotion.BAD_OUTPUT, f"returned {_describe(outs)}; tensors expected", None
+        p = self._parity
+        assert o.native is not None
+        mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
+        if mismatch is not None:
+            return Demotion.PARITY, str(mismatch), mismatch
+        if o.writes is not None:
+            return Demotion.PARITY, o.writes.describe(f"the rows it writes in place ({self._written()})"), o.writes
+        if o.outside:
+            return Demotion.PARITY, (f"it wrote {self._written()} beyond the rows the region writes (its writes "
+                                     "there were not undone)"), None
+        return None
+
+    def _written(self) -> str:
+        return ", ".join(self._record.mutates) or "its declared inputs"
+
     def _faster(self, inputs: Sequence[Any]) -> bool:
+        if self._beside.mutates:  # timed runs write too: put the written rows back after them
+            world, exc = self._contain(lambda: self._beside.snapshot(inputs))
+            if exc is not None:
+                return True  # not timed this call (memory): no verdict on speed
+            try:
+                return self._timed(inputs)
+            finally:
+                self._contain(world.restore)
+        return self._timed(inputs)
+
+    def _timed(self, inputs: Sequence[Any]) -> bool:
         native_ms = _median_ms(lambda: self._native(*inputs), inputs)
         # The artifact runs SPEED_REPEATS + 1 more times here: raising in any of them demotes
         # like raising at any other call, instead of escaping into the user's forward.
@@ -279,10 +321,6 @@ class ArtifactGate:
         # reason are one line; the report lists every region
         self._events.warn_once(f"demote:{record.artifact}:{record.kind or record.region}:{reason.value}",
                                "graphdispatch: %s; the run goes on", message)
-
-
-def _same(a: torch.Tensor, before: torch.Tensor) -> bool:
-    return compare([before], [a], "bitwise", check_strides=False) is None
 
 
 def _describe(outs: Sequence[Any] | None) -> str:

@@ -37,7 +37,7 @@ def checked(eager: Callable[..., Any], compiled: Callable[..., Any],
         return out
 
     check = EagerCheck(eager, counted, record, Events(), make_contain(False), strict=False, keyed=[0],
-                       mutated=lambda args: [], dynamic=False, timing=Timing(), suspects=suspects)
+                       locate=lambda args: [], dynamic=False, timing=Timing(), suspects=suspects)
     return check, record
 
 

@@ -73,7 +73,7 @@ class Entry:
     identity: LayoutIdentity | None = None  # their layouts too, where no Dynamo guard ensures them
     gate_state: tuple[bool, ...] = ()
     verified: int = 0
-    last_inputs: list[torch.Tensor] | None = None
+    last_inputs: list[torch.Tensor] | None = None  # digests of the moving inputs last verified on
     waits: int = 0
     recaptures: int = 0
     out_of_memory: int = 0  # failed allocations in a row; the next try waits 2**n calls

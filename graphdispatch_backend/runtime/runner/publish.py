@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime.digest import digest
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
 from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict
@@ -102,9 +103,12 @@ class Publish:
             entry.state, entry.last_inputs = State.VERIFIED, None
             self._set_state()
         elif live:
-            last, exc = self._scope.contain(lambda: [args[pos].clone() for pos, _ in entry.moving])
+            # a fingerprint of each moving input, not a copy: one hidden state kept per compiled
+            # block until its next call would be the whole model's activations (runtime/digest.py)
+            last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
             if exc is not None:
-                self._decline(entry, Decline.CHECK_FAILED, f"keeping the verified inputs raised {type(exc).__name__}")
+                self._decline(entry, Decline.CHECK_FAILED,
+                              f"fingerprinting the verified inputs raised {type(exc).__name__}")
             entry.last_inputs = last
         return expected
 

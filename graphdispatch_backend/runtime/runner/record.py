@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
+from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.contract import LayoutIdentity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.runner.entry import Entry, State
@@ -35,7 +35,7 @@ from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 from graphdispatch_backend.runtime.runner.scope import DeviceRuntime, RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import follow
-from graphdispatch_backend.runtime.world import World
+from graphdispatch_backend.runtime.world import World, Writes
 
 CONSTANT_OUTPUTS = (type(None), bool, int, float)
 _data_ptr = torch.Tensor.data_ptr
@@ -48,7 +48,7 @@ def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
 
 
 def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
-           device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], mutated: Sequence[int],
+           device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], writes: Writes,
            wide: Sequence[int], guarded: bool, lockstep: bool = False) -> list[tuple[int, torch.Tensor]]:
     """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
     raise CudaGraphUnavailable with the reason otherwise."""
@@ -67,8 +67,7 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         buf = scope.buffers.get(pos, args[pos], wide=pos in wide)
         static_args[pos] = buf
         buffers.append((pos, buf))
-    writes = [static_args[p] for p in mutated if p < len(static_args) and isinstance(static_args[p], torch.Tensor)]
-    inputs = InputPlan(buffers, mutated, wide, args)
+    inputs = InputPlan(buffers, writes.positions, wide, args)
     if lockstep:  # collectives inside: no warmup run that one rank would make alone
         capture = lambda: scope.engine.capture(fn, static_args, device.device, warmup=False)
     else:
@@ -77,7 +76,8 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         _, exc = scope.contain(lambda: _fill(inputs, args, device))
         if exc is not None:
             raise _refusal(exc, "copying the inputs in")
-        before, exc = scope.contain(lambda: World.take(writes))
+        # the regions of the inputs (or their buffers) the capture's own run writes
+        before, exc = scope.contain(lambda: World.take(writes.regions(static_args)))
         if exc is not None:
             raise _refusal(exc, "snapshotting the inputs the graph writes")
         with device.guard():
@@ -119,6 +119,8 @@ def _fill(inputs: InputPlan, args: Sequence[Any], device: DeviceRuntime) -> None
 
 
 def _refusal(exc: Exception, doing: str) -> CudaGraphUnavailable:
+    if isinstance(exc, SnapshotRefused):
+        return CudaGraphUnavailable(Decline.SNAPSHOT_TOO_LARGE, exc.detail)
     if is_out_of_memory(exc):
         return CudaGraphUnavailable(Decline.OUT_OF_MEMORY, f"{doing}: {type(exc).__name__}: {exc}")
     return CudaGraphUnavailable(Decline.CAPTURE_FAILED, f"{type(exc).__name__}: {exc}")

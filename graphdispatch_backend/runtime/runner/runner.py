@@ -50,6 +50,7 @@ from graphdispatch_backend.runtime.runner.scope import RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
 from graphdispatch_backend.runtime.runner.transitions import Transitions
 from graphdispatch_backend.runtime.runner.verify import Verifier
+from graphdispatch_backend.runtime.world import Writes
 
 __all__ = ["MAX_PARAMETER_SETS", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
@@ -74,6 +75,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         suspects: Sequence[str] = (),
         device: Any = "cpu",
         mutated: Sequence[int] = (),
+        writes: Writes | None = None,
         wide: Sequence[int] = (),
         guarded: bool = False,
         static_shapes: bool = False,
@@ -88,7 +90,9 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._state = state_names  # position -> parameter/buffer name
         self._names = tuple(input_names)  # position -> where the input comes from ("" if unknown)
         self._gates = tuple(gates)
-        self._mutated = tuple(mutated)  # positions the piece writes into
+        # where the piece writes its inputs (positions, and the regions of a call: world.py)
+        self._writes = writes if writes is not None else Writes(mutated)
+        self._mutated = self._writes.positions
         self._wide = tuple(wide)  # positions the piece reads with as_strided
         self._guarded = guarded  # inputs come through Dynamo's guards (sizes, strides)
         self._static_shapes = static_shapes
@@ -97,7 +101,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._acquire, self._release = self._device.lock.acquire, self._device.lock.release
         self._book = EntryBook(max_captures, self._device.lock, self._report)
         self._slots = self._book.slots  # shape key -> its entries (read on every call)
-        self._verifier = Verifier(fn, scope.contain, mutated, suspects)
+        self._verifier = Verifier(fn, scope.contain, self._writes, suspects)
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None
@@ -238,7 +242,7 @@ class GraphRunner(HotPath, Publish, Transitions):
 
     def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
         buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,
-                         self._mutated, self._wide, self._guarded, lockstep=self._agreement is not None)
+                         self._writes, self._wide, self._guarded, lockstep=self._agreement is not None)
         with self._stats.lock:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)

@@ -21,34 +21,35 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
-from graphdispatch_backend.runtime.parity import bitwise_equal, compare, compare_aliasing
+from graphdispatch_backend.runtime.digest import same_values
+from graphdispatch_backend.runtime.parity import compare, compare_aliasing
 from graphdispatch_backend.runtime.runner.derive import derive
-from graphdispatch_backend.runtime.world import World
+from graphdispatch_backend.runtime.world import World, Writes
 
 Verdict = tuple[Decline, str] | None
 NO_SET = (Decline.VERIFY_NOT_DISTINCT, "")  # no derived set could be made or run
 
 
 class Verifier:
-    def __init__(self, fn: Callable[..., Sequence[Any]], contain: Contain, mutated: Sequence[int] = (),
+    def __init__(self, fn: Callable[..., Sequence[Any]], contain: Contain, writes: Writes | None = None,
                  suspects: Sequence[str] = ()) -> None:
         self._fn = fn  # the piece, run eagerly
         self._contain = contain
-        self._mutated = tuple(mutated)  # positions of inputs the piece writes into
+        self._writes = writes if writes is not None else Writes(())  # where the piece writes its inputs
         self._suspects = ", ".join(suspects) or "no known nondeterministic op (a custom op?)"
 
     def world(self, args: Sequence[Any]) -> World:
-        return World.take([args[p] for p in self._mutated])
+        return World.take(self._writes.regions(args))
 
     def repeats(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
                 last: Sequence[torch.Tensor] | None) -> bool | None:
-        """True when the live moving inputs hold the values of the last verified set;
-        None when comparing them raised."""
+        """True when the live moving inputs hold the values of the last verified set (`last`:
+        their digests); None when comparing them raised."""
         if not moving or last is None:
             return False
-        same, exc = self._contain(lambda: all(bitwise_equal(args[pos], prev) for (pos, _), prev in zip(moving, last)))
+        same, exc = self._contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
         return None if exc is not None else bool(same)
 
     def live(self, args: Sequence[Any], serve: Callable[[Sequence[Any]], Sequence[Any]],
@@ -57,18 +58,24 @@ class Verifier:
         call and advances the world once); the replay's effect on the world is undone."""
         before, exc = self._contain(lambda: self.world(args))
         if exc is not None:
-            return eager(args), (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
+            return eager(args), unsnapshotted(exc)
         replayed, failed = self._contain(lambda: serve(args))
         replay_state, exc = self._contain(before.swap)
-        expected = eager(args)
+        try:  # the user's own run: it must not fail for the memory the replay's outputs hold
+            expected = eager(args)
+        except (RuntimeError, MemoryError) as oom:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(oom):
+                raise  # the user's own error, as eager raises it
+            del replayed, replay_state  # freed before eager runs again
+            return self._fn(*args), (Decline.OUT_OF_MEMORY, f"eager beside the replay: {type(oom).__name__}: {oom}")
         if failed is not None:
             reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
             return expected, (reason, f"{type(failed).__name__}: {failed}")
         if exc is not None:
             return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
-        eager_after, exc = self._contain(lambda: self.world(args))
+        eager_after, exc = self._contain(before.now)
         if exc is not None:
-            return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
+            return expected, unsnapshotted(exc)
         return expected, self.judge(args, expected, replayed, replay_state, before, eager_after)
 
     def judge(self, args: Sequence[Any], expected: Sequence[Any], replayed: Sequence[Any], replay_state: World,
@@ -107,7 +114,7 @@ class Verifier:
         NO_SET when none could be made or eager raised on it. The world is left as it was."""
         verdict, exc = self._contain(lambda: self._derived(moving, args, live, serve, salt))
         if exc is not None:
-            return Decline.CHECK_FAILED, f"a derived verification set raised {type(exc).__name__}: {exc}"
+            return unsnapshotted(exc, "a derived verification set")
         return verdict
 
     def _derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any], live: Sequence[Any],
@@ -132,6 +139,16 @@ class Verifier:
             finally:
                 before.restore()
         return NO_SET
+
+
+def unsnapshotted(exc: Exception, doing: str = "snapshot") -> tuple[Decline, str]:
+    """The verdict when a snapshot (or a step around it) raised: too large for
+    max_snapshot_bytes (for good), out of memory (this once), else check_failed."""
+    if isinstance(exc, SnapshotRefused):
+        return Decline.SNAPSHOT_TOO_LARGE, exc.detail
+    if is_out_of_memory(exc):
+        return Decline.OUT_OF_MEMORY, f"{doing}: {type(exc).__name__}: {exc}"
+    return Decline.CHECK_FAILED, f"{doing} raised {type(exc).__name__}: {exc}"
 
 
 def _states(eager_after: World, replay_state: World) -> Any:

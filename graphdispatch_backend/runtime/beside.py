@@ -1,0 +1,139 @@
+"""Beside: a region's native run and its artifact's, on the same live inputs, from the same state.
+
+An artifact is judged against its native region on the inputs of a live call (runtime/gate.py).
+Both may write into those inputs: the ones the manifest declares (`signature.mutates`, a KV
+cache's rows) they must write alike; any other write is the artifact's fault. So:
+
+1. what the region writes is snapshotted where it writes it (runtime/world.py: the rows);
+   every other tensor input is guarded: copied while the copies fit `max_snapshot_bytes`
+   (a write into it is then undone), past that fingerprinted only (runtime/digest.py: the
+   write is caught, not undone, and the report says so);
+2. native runs; its writes are kept aside (and, for a bitwise artifact, the fingerprint of
+   each declared input: a kernel writing beyond the rows the region writes is caught);
+3. the inputs are put back, and the artifact runs from the same state;
+4. the outcome says what differs: an undeclared write (`touched`), the declared writes
+   (`writes`), a write outside them (`outside`); `keep_native()` then leaves the inputs as
+   the native run left them, else they stay as the artifact left them.
+
+Every allocation here is graphdispatch's own: the gate runs this inside `contain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.runtime.digest import digest
+from graphdispatch_backend.runtime.parity import Mismatch, compare
+from graphdispatch_backend.runtime.world import World, Writes
+
+
+@dataclasses.dataclass
+class Guard:
+    """One tensor input the artifact must not write: a copy (undoable) or a fingerprint."""
+
+    position: int
+    tensor: torch.Tensor
+    copy: torch.Tensor | None
+    print_: torch.Tensor | None
+
+    def touched(self) -> bool:
+        if self.copy is not None:
+            return compare([self.copy], [self.tensor], check_strides=False) is not None
+        return not torch.equal(digest(self.tensor), self.print_)
+
+    def undo(self) -> bool:
+        """Put the values back; False when only a fingerprint was kept."""
+        if self.copy is None:
+            return False
+        self.tensor.copy_(self.copy)
+        return True
+
+
+@dataclasses.dataclass
+class Outcome:
+    native: Sequence[Any] | None  # None: native did not run (unjudged before it)
+    result: Any = None
+    raised: Exception | None = None
+    touched: list[int] = dataclasses.field(default_factory=list)  # undeclared inputs the artifact wrote
+    undone: bool = True  # every such write was put back
+    writes: Mismatch | None = None  # the declared writes against native's
+    outside: bool = False  # a declared input differs from native's beyond the regions compared
+    unjudged: str | None = None  # a snapshot step failed: nothing was judged; the inputs are native's
+    before: World | None = None
+    native_world: World | None = None
+
+    def keep_native(self) -> None:
+        """Leave the declared inputs as the native run wrote them."""
+        if self.before is not None and self.native_world is not None:
+            self.before.restore()
+            self.native_world.restore()
+
+
+class Beside:
+    def __init__(self, writes: Writes, limit: int | None, contain: Contain) -> None:
+        self._writes = writes  # where the region writes its declared inputs
+        self._limit = limit  # bytes of copies for undoing an undeclared write
+        self._contain = contain
+        self.mutates = bool(writes)
+
+    def run(self, inputs: Sequence[Any], native: Callable[..., Sequence[Any]], artifact: Callable[..., Any],
+            parity: Any) -> Outcome:
+        """`native` is the user's own computation: what it raises propagates, as in eager;
+        the artifact and every step of graphdispatch's own are contained."""
+        declared = sorted(self._writes.positions)
+        bitwise = parity.mode == "bitwise"
+        prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared)),
+                                               World.take(self._writes.regions(inputs))))
+        if exc is not None:
+            return Outcome(None, unjudged=_failed("guarding the inputs", exc))
+        guards, before = prepared
+        native_out = native(*inputs)
+        kept, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if bitwise else [], before.swap()))
+        if exc is not None:
+            return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
+        prints, native_world = kept
+        result, raised = self._contain(lambda: artifact(*inputs))
+        judged, exc = self._contain(lambda: self._judge(inputs, declared, guards, before, native_world, prints,
+                                                         parity))
+        if exc is not None:
+            outcome = Outcome(native_out, before=before, native_world=native_world,
+                              unjudged=_failed("comparing the artifact's writes", exc))
+            self._contain(outcome.keep_native)
+            return outcome
+        touched, undone, writes, outside = judged
+        return Outcome(native_out, result, raised, touched, undone, writes, outside, None, before, native_world)
+
+    def _judge(self, inputs: Sequence[Any], declared: list[int], guards: list[Guard], before: World,
+               native_world: World, prints: list[torch.Tensor], parity: Any) -> tuple[list[int], bool, Any, bool]:
+        touched = [g for g in guards if g.touched()]
+        undone = all([g.undo() for g in touched])
+        writes = before.now().compare_with(native_world, parity.mode, parity.rtol, parity.atol) if declared else None
+        outside = bool(prints) and writes is None and not all(
+            torch.equal(digest(inputs[p]), d) for p, d in zip(declared, prints))
+        return [g.position for g in touched], undone, writes, outside
+
+    def snapshot(self, inputs: Sequence[Any]) -> World:
+        """The declared writes' regions now (the speed gate's repeated runs put them back)."""
+        return World.take(self._writes.regions(inputs))
+
+    def _guards(self, inputs: Sequence[Any], declared: set[int]) -> list[Guard]:
+        guards, room = [], self._limit
+        for i, t in enumerate(inputs):
+            if i in declared or not isinstance(t, torch.Tensor):
+                continue
+            size = t.numel() * t.element_size()
+            if room is None or size <= room:
+                room = None if room is None else room - size
+                guards.append(Guard(i, t, t.clone(), None))
+            else:
+                guards.append(Guard(i, t, None, digest(t)))
+        return guards
+
+
+def _failed(doing: str, exc: Exception) -> str:
+    return f"{doing} raised {type(exc).__name__}: {exc}"
