@@ -44,6 +44,7 @@ from functorch.compile import make_boxed_func
 from torch import nn
 
 import graphdispatch_backend
+from graphdispatch_backend.artifacts.catalog import signature
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
@@ -137,12 +138,10 @@ def write_bundle(
     return folder
 
 
-def manifest_from_region(region: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """A `signature` block copied from a region report entry (names, order, shapes, dtypes)."""
-    return {
-        "inputs": [{"name": i["name"], "shape": i["shape"], "dtype": i["dtype"]} for i in region["inputs"]],
-        "outputs": [{"shape": o["shape"], "dtype": o["dtype"]} for o in region["outputs"]],
-    }
+def manifest_from_region(region: dict[str, Any]) -> dict[str, list[Any]]:
+    """A `signature` block copied from a region report entry (names, order, shapes, dtypes,
+    and the inputs it writes in place)."""
+    return signature(region)
 
 
 def accounted_graphs(report: dict[str, Any] | None = None) -> list[dict[str, Any]]:

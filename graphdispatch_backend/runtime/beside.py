@@ -5,9 +5,10 @@ Both may write into those inputs: the ones the manifest declares (`signature.mut
 cache's rows) they must write alike; any other write is the artifact's fault. So:
 
 1. what the region writes is snapshotted where it writes it (runtime/world.py: the rows);
-   every other tensor input is guarded: copied while the copies fit `max_snapshot_bytes`
-   (a write into it is then undone), past that fingerprinted only (runtime/digest.py: the
-   write is caught, not undone, and the report says so);
+   every tensor input is also guarded: copied while the copies fit `max_snapshot_bytes`
+   (a write the artifact should not have made is then undone, wherever it wrote), past
+   that fingerprinted only (runtime/digest.py: the write is caught, not undone, and the
+   report says so);
 2. native runs; its writes are kept aside (and, for a bitwise artifact, the fingerprint of
    each declared input: a kernel writing beyond the rows the region writes is caught);
 3. the inputs are put back, and the artifact runs from the same state;
@@ -63,13 +64,19 @@ class Outcome:
     undone: bool = True  # every such write was put back
     writes: Mismatch | None = None  # the declared writes against native's
     outside: bool = False  # a declared input differs from native's beyond the regions compared
+    outside_undone: bool = True  # ... and a whole copy of it puts that back
     unjudged: str | None = None  # a snapshot step failed: nothing was judged; the inputs are native's
     before: World | None = None
     native_world: World | None = None
 
+    copied: list[Guard] = dataclasses.field(default_factory=list)  # declared inputs copied whole
+
     def keep_native(self) -> None:
-        """Leave the declared inputs as the native run wrote them."""
+        """Leave the declared inputs as the native run wrote them (wherever the artifact
+        wrote, where a whole copy was kept; else on the regions the region writes)."""
         if self.before is not None and self.native_world is not None:
+            for guard in self.copied:
+                guard.undo()
             self.before.restore()
             self.native_world.restore()
 
@@ -91,7 +98,7 @@ class Beside:
                                                World.take(self._writes.regions(inputs))))
         if exc is not None:
             return Outcome(None, unjudged=_failed("guarding the inputs", exc))
-        guards, before = prepared
+        (guards, copied), before = prepared
         native_out = native(*inputs)
         kept, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if bitwise else [], before.swap()))
         if exc is not None:
@@ -101,12 +108,13 @@ class Beside:
         judged, exc = self._contain(lambda: self._judge(inputs, declared, guards, before, native_world, prints,
                                                          parity))
         if exc is not None:
-            outcome = Outcome(native_out, before=before, native_world=native_world,
+            outcome = Outcome(native_out, before=before, native_world=native_world, copied=copied,
                               unjudged=_failed("comparing the artifact's writes", exc))
             self._contain(outcome.keep_native)
             return outcome
         touched, undone, writes, outside = judged
-        return Outcome(native_out, result, raised, touched, undone, writes, outside, None, before, native_world)
+        return Outcome(native_out, result, raised, touched, undone, writes, outside,
+                       not outside or len(copied) == len(declared), None, before, native_world, copied)
 
     def _judge(self, inputs: Sequence[Any], declared: list[int], guards: list[Guard], before: World,
                native_world: World, prints: list[torch.Tensor], parity: Any) -> tuple[list[int], bool, Any, bool]:
@@ -121,18 +129,24 @@ class Beside:
         """The declared writes' regions now (the speed gate's repeated runs put them back)."""
         return World.take(self._writes.regions(inputs))
 
-    def _guards(self, inputs: Sequence[Any], declared: set[int]) -> list[Guard]:
-        guards, room = [], self._limit
-        for i, t in enumerate(inputs):
-            if i in declared or not isinstance(t, torch.Tensor):
-                continue
+    def _guards(self, inputs: Sequence[Any], declared: set[int]) -> tuple[list[Guard], list[Guard]]:
+        """Guards of the undeclared tensor inputs, and whole copies of the declared ones,
+        while the copies fit the limit (declared first: they are written for sure)."""
+        guards, copied, room = [], [], self._limit
+        tensors = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
+        order = sorted(tensors, key=lambda i: i not in declared)
+        for i in order:
+            t = inputs[i]
             size = t.numel() * t.element_size()
-            if room is None or size <= room:
+            fits = room is None or size <= room
+            if fits:
                 room = None if room is None else room - size
-                guards.append(Guard(i, t, t.clone(), None))
+            if i in declared:
+                if fits:
+                    copied.append(Guard(i, t, t.clone(), None))
             else:
-                guards.append(Guard(i, t, None, digest(t)))
-        return guards
+                guards.append(Guard(i, t, t.clone(), None) if fits else Guard(i, t, None, digest(t)))
+        return guards, copied
 
 
 def _failed(doing: str, exc: Exception) -> str:

@@ -199,7 +199,10 @@ class ArtifactGate:
         verdict = self._verdict(key, o, recheck)
         if verdict is not None:
             self._contain(o.keep_native)
-            self._demote(*verdict)
+            reason, detail, mismatch = verdict
+            if o.outside and "beyond the rows" not in detail:
+                detail += f"; {self._beyond(o)}"
+            self._demote(reason, detail, mismatch)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
         p = self._parity
@@ -243,9 +246,13 @@ class ArtifactGate:
         if o.writes is not None:
             return Demotion.PARITY, o.writes.describe(f"the rows it writes in place ({self._written()})"), o.writes
         if o.outside:
-            return Demotion.PARITY, (f"it wrote {self._written()} beyond the rows the region writes (its writes "
-                                     "there were not undone)"), None
+            return Demotion.PARITY, self._beyond(o), None
         return None
+
+    def _beyond(self, o: Outcome) -> str:
+        undone = "undone" if o.outside_undone else ("not undone: too large to copy within max_snapshot_bytes; it may "
+                                            "hold what the artifact wrote")
+        return f"it wrote {self._written()} beyond the rows the region writes ({undone})"
 
     def _written(self) -> str:
         return ", ".join(self._record.mutates) or "its declared inputs"

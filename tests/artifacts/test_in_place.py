@@ -1,0 +1,232 @@
+"""Artifacts that write in place: a region that writes a cache's row (after passes/reinplace.py)
+is served by a kernel declaring it in `signature.mutates`, which must write what the region
+writes, where it writes it, and nothing else; a scaffolded transformers static-cache
+attention does so as written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend.artifacts.scaffold import scaffold
+from graphdispatch_backend.runtime.world import World
+from graphdispatch_backend.testing import accounted_graphs, manifest_from_region, region_entry, write_bundle
+
+ROWS = 256
+
+
+class Attn(nn.Module):
+    """Writes its key row into a cache buffer, then reads the whole cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(ROWS, 8))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        k = self.proj(x)
+        self.cache.index_copy_(0, pos, k)
+        return self.cache.sum(0, keepdim=True) + k
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, pos) * 2
+
+
+KERNEL = """
+import torch.nn.functional as F
+
+NAMES = {names!r}
+
+
+def forward(*inputs):
+    a = dict(zip(NAMES, inputs))
+    k = F.linear(a["input0"], a["proj.weight"], a["proj.bias"])
+    {write}
+    out = a["cache"].sum(0, keepdim=True) + k
+    {after}
+    return out
+"""
+RIGHT = 'a["cache"].index_copy_(0, a["input1"], k)'
+WRITES = {  # (the write, what it does after computing its output)
+    "right": (RIGHT, "pass"),
+    "wrong_row": ('a["cache"].index_copy_(0, (a["input1"] + 1) % a["cache"].shape[0], k)', "pass"),
+    "extra_row": (RIGHT, 'a["cache"][(a["input1"] + 3) % 256] = 1.0  # a row the region never writes'),
+    "scribble": (RIGHT, 'a["proj.weight"].add_(1.0)'),
+}
+
+
+def _make() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _args(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(1, 8, generator=torch.Generator().manual_seed(i)), torch.tensor([i * 5 % ROWS])
+
+
+def _bundle(root: Path, write: str = "right", declare: bool = True) -> dict[str, Any]:
+    region = region_entry(_make(), *_args(0), name="attn", cuda_graphs=False)
+    sig = manifest_from_region(region)
+    if not declare:
+        sig.pop("mutates")
+    names = [i["name"] for i in region["inputs"]]
+    write_bundle(root / "attn", "attn-kernel", "attn", sig["inputs"], sig["outputs"],
+                 KERNEL.format(names=names, write=WRITES[write][0], after=WRITES[write][1]),
+                 **({} if declare else {}))
+    if declare:  # write_bundle writes the signature's inputs and outputs: add the writes
+        path = root / "attn" / "artifact.json"
+        manifest = json.loads(path.read_text())
+        manifest["signature"]["mutates"] = sig["mutates"]
+        path.write_text(json.dumps(manifest))
+    return region
+
+
+def _serve(root: Path, options: dict[str, Any], calls: int = 10) -> dict[str, Any]:
+    """`calls` calls of the compiled model next to eager: outputs, cache and weights bit for bit."""
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model, ref = _make(), _make()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(root), "warmup": 1,
+                                                                      **options})
+    with torch.no_grad():
+        for i in range(calls):
+            x, pos = _args(i)
+            assert torch.equal(compiled(x, pos), ref(x, pos)), i
+            assert torch.equal(model.attn.cache, ref.attn.cache), i
+            assert torch.equal(model.attn.proj.weight, ref.attn.proj.weight), i
+    (graph,) = accounted_graphs()
+    (sub,) = graph["substitutions"]
+    return sub
+
+
+def test_the_region_reports_what_it_writes(tmp_path):
+    region = _bundle(tmp_path)
+    assert region["mutates"] == ["cache"]
+    assert manifest_from_region(region)["mutates"] == ["cache"]
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_kernel_writing_its_row_in_place_serves(tmp_path, cuda_graphs):
+    _bundle(tmp_path)
+    sub = _serve(tmp_path, {"cuda_graphs": cuda_graphs})
+    assert (sub["parity"], sub["demoted"], sub["mutates"]) == ("passed", False, ["cache"]), sub
+    assert sub["calls"] + sub["replays"] >= 8
+
+
+def test_the_gate_snapshots_the_row_not_the_cache(tmp_path, monkeypatch):
+    _bundle(tmp_path)
+    sizes: list[int] = []
+    take = World.take.__func__
+    monkeypatch.setattr(World, "take", classmethod(lambda cls, regions: sizes.append(
+        (world := take(cls, regions)).nbytes) or world))
+    _serve(tmp_path, {"cuda_graphs": False})
+    assert sizes and max(sizes) <= 8 * 4, sizes  # one row of 8 floats
+
+
+def test_an_undeclared_write_is_a_signature_rejection_that_says_what_to_declare(tmp_path):
+    _bundle(tmp_path, declare=False)
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(_make(), backend="graphdispatch", options={"artifacts": str(tmp_path)})(*_args(0))
+    (graph,) = accounted_graphs()
+    (region,) = [r for r in graph["regions"] if r["name"] == "attn"]
+    (rejection,) = region["rejections"]
+    assert rejection["reason"] == "signature"
+    assert "the region writes 'cache' in place (a cache update): declare it in signature.mutates" in rejection["detail"]
+
+
+@pytest.mark.parametrize(("write", "detail"), [
+    ("wrong_row", "the rows it writes in place (cache): values: bits differ"),
+    ("extra_row", "it wrote cache beyond the rows the region writes (undone)"),
+])
+def test_a_kernel_writing_other_rows_is_demoted_and_the_cache_is_native(tmp_path, write, detail):
+    _bundle(tmp_path, write)
+    sub = _serve(tmp_path, {"cuda_graphs": False})  # every value, the cache's included, as eager's
+    assert (sub["demoted"], sub["reason"]) == (True, "parity"), sub
+    assert detail in sub["detail"], sub["detail"]
+
+
+def test_a_cache_too_large_to_copy_is_caught_but_said_not_undone(tmp_path):
+    _bundle(tmp_path, "extra_row")
+    with pytest.raises(AssertionError):  # the row it wrote beyond its own stays written
+        _serve(tmp_path, {"cuda_graphs": False, "max_snapshot_bytes": 64})
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    (sub,) = graph["substitutions"]
+    assert (sub["demoted"], sub["reason"]) == (True, "parity") and "not undone" in sub["detail"], sub
+
+
+@pytest.mark.parametrize(("limit", "undone"), [(None, True), (16, False)])
+def test_a_write_into_an_undeclared_input_is_caught(tmp_path, limit, undone):
+    _bundle(tmp_path, "scribble")
+    options: dict[str, Any] = {"cuda_graphs": False}
+    if limit is not None:
+        options["max_snapshot_bytes"] = limit  # no copy fits: the write is caught by fingerprint only
+    if undone:
+        sub = _serve(tmp_path, options)
+    else:
+        with pytest.raises(AssertionError):  # the weights were not restored: not bitwise any more
+            _serve(tmp_path, options)
+        (graph,) = graphdispatch_backend.latest_report()["graphs"]
+        (sub,) = graph["substitutions"]
+    assert (sub["demoted"], sub["reason"]) == (True, "mutated_input"), sub
+    assert ("could not be undone" in sub["detail"]) is not undone, sub["detail"]
+
+
+# -- a transformers static-cache attention, scaffolded as an author would ---------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama() -> Any:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                      max_position_embeddings=512, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()  # random weights: nothing downloaded
+
+
+def _generate(options: dict[str, Any]) -> tuple[Any, Any]:
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model = _llama()
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=10, do_sample=False, cache_implementation="static", max_cache_len=128,
+              return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        model.forward = torch.compile(model.forward, backend="graphdispatch", options=options, dynamic=False)
+        out = model.generate(prompt, **kw)
+    graphdispatch_backend.flush()
+    assert torch.equal(ref.sequences, out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
+    return out, accounted_graphs()
+
+
+def test_a_scaffolded_static_cache_attention_writes_the_cache_rows_in_place(tmp_path):
+    _, graphs = _generate({"cuda_graphs": "emulate", "report_dir": str(tmp_path / "report")})
+    report = json.loads((tmp_path / "report" / "dispatch.json").read_text())
+    decode = [r for r in graphs[-1]["regions"] if r["module"] == "model.layers.0.self_attn"][0]
+    assert decode["mutates"] == ["input3", "input4", "input5"]  # the counter and both caches
+    manifest = scaffold(report, "model.layers.*.self_attn", tmp_path / "kernels" / "attn",
+                        fingerprint=decode["fingerprint"])
+    assert manifest["signature"]["mutates"] == ["input3", "input4", "input5"]
+    kernel = (tmp_path / "kernels" / "attn" / "kernel.py").read_text()
+    assert kernel.count("torch.ops.aten.index_copy_.default(") == 2  # the rows, in place
+    assert "index_copy.default(" not in kernel  # never the cache copied whole
+    _, graphs = _generate({"cuda_graphs": "emulate", "artifacts": str(tmp_path / "kernels")})
+    subs = graphs[-1]["substitutions"]
+    assert len(subs) == 2 and all(s["parity"] == "passed" and not s["demoted"] for s in subs), subs
+    assert all(s["replays"] > 0 and s["mutates"] == ["input3", "input4", "input5"] for s in subs), subs
