@@ -36,11 +36,11 @@ def digest(t: torch.Tensor) -> torch.Tensor:
     for part in _parts(t):
         ints = _as_int(part)
         for i in range(0, ints.numel(), CHUNK):
-            chunk = ints[i : i + CHUNK].to(torch.int64)
+            chunk = ints[i : i + CHUNK]  # the tensor's own memory (int64 data is not copied): read only
             weight = torch.arange(start + i, start + i + chunk.numel(), dtype=torch.int64, device=t.device)
             weight.mul_(_MULT).remainder_(_MOD).add_(1)
-            total[0] += chunk.sum()
-            total[1] += chunk.mul_(weight).sum()
+            total[0] += chunk.sum(dtype=torch.int64)
+            total[1] += weight.mul_(chunk).sum()
         start += ints.numel()
     return total
 

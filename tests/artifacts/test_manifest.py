@@ -359,3 +359,21 @@ def test_empty_torch_range_is_rejected(low, high):
 ])
 def test_version_tuple(text, expected):
     assert version_tuple(text) == expected
+
+
+def test_mutates_names_inputs_the_kernel_writes_in_place():
+    assert parse_manifest(valid()).mutates == ()
+    doc = edited("signature.mutates", ["input0"])
+    assert parse_manifest(doc).mutates == ("input0",)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("input0", "must be a list of input names"),
+    ([0], "must be a list of input names"),
+    (["cache"], "'cache' is not one of signature.inputs' names"),
+    (["input0", "input0"], "names an input twice"),
+])
+def test_a_bad_mutates_names_the_field(value, message):
+    with pytest.raises(ManifestError, match=re.escape(message)) as info:
+        parse_manifest(edited("signature.mutates", value))
+    assert info.value.field == "signature.mutates"

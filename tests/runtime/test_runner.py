@@ -28,6 +28,7 @@ from graphdispatch_backend.examples.dit import DiTConfig, example_inputs, make_m
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope, State
 from graphdispatch_backend.runtime.runner import book as book_mod
+from graphdispatch_backend.runtime.runner import transitions as transitions_mod
 from graphdispatch_backend.runtime.runner.transitions import MAX_RECAPTURES
 from graphdispatch_backend.testing import (
     LinearBlock,
@@ -43,13 +44,13 @@ from graphdispatch_backend.testing import (
 
 def make_runner(fn: Callable[..., Sequence[Any]], *, warmup: int = 2, max_captures: int = 8, verify_inputs: int = 2,
                 state: dict[int, str] | None = None, gates: Sequence[Any] = (), engine: Any = None,
-                scope: RuntimeScope | None = None) -> tuple[GraphRunner, CudaGraphStats]:
+                scope: RuntimeScope | None = None, mutated: Sequence[int] = ()) -> tuple[GraphRunner, CudaGraphStats]:
     """A runner on its own scope. Note warmup=1 sees one observation, so every tensor input
     counts as pinned until it moves; tests that feed new tensors use warmup >= 2."""
     scope = scope or RuntimeScope(engine or HostReplayEngine(), Timing(), Events(), make_contain(False))
     stats = CudaGraphStats()
     runner = GraphRunner(fn, "piece", scope, stats, warmup=warmup, max_captures=max_captures,
-                         verify_inputs=verify_inputs, state_names=state or {}, gates=gates)
+                         verify_inputs=verify_inputs, state_names=state or {}, gates=gates, mutated=mutated)
     return runner, stats
 
 
@@ -388,6 +389,33 @@ def test_pinned_inputs_that_keep_moving_end_up_moving_and_replay():
         assert same(runner(*args), four(*args))
     assert stats.replays == replays + 3 and stats.recaptures == 4
     assert_stats_accounted(stats, calls + 5)
+
+
+def test_a_buffer_replaced_after_a_while_is_pinned_again_at_its_new_address():
+    """A static KV cache that `generate` allocates anew for each request: it stays put for
+    many replays, then moves once. As a moving input every replay would copy it whole, in
+    and back; it is captured again reading it in place."""
+    def step(cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor]:
+        cache.index_copy_(0, pos, k)
+        return (cache.sum(0) + k[0],)
+
+    runner, stats = make_runner(step, warmup=2, verify_inputs=1, mutated=(0,))
+    for request in range(3):
+        cache, ref = torch.zeros(64, 4), torch.zeros(64, 4)
+        for i in range(24):
+            pos, k = torch.tensor([i]), torch.randn(1, 4)
+            assert same(runner(cache, pos, k), step(ref, pos, k)) and torch.equal(cache, ref)
+        (entry,) = runner._book.entries.values()
+        assert 0 in entry.pinned, request  # read in place: no whole copy per replay
+        assert entry.copy_bytes < cache.numel() * 4
+    assert stats.eager_by_reason["pinned_input_moved"] == 2 and stats.recaptures == 2
+    assert_stats_accounted(stats, 72)
+
+
+def test_without_re_pinning_the_replaced_buffer_is_copied_whole(monkeypatch):
+    monkeypatch.setattr(transitions_mod, "REPIN_AFTER", 10**9)
+    with pytest.raises(AssertionError):
+        test_a_buffer_replaced_after_a_while_is_pinned_again_at_its_new_address()
 
 
 def test_several_pinned_inputs_moving_at_once_are_demoted_together():

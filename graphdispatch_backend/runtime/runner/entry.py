@@ -76,6 +76,8 @@ class Entry:
     last_inputs: list[torch.Tensor] | None = None  # digests of the moving inputs last verified on
     waits: int = 0
     recaptures: int = 0
+    repins: int = 0  # re-captures that kept a moved input pinned at its new address
+    replays_at_capture: int = 0  # the runner's replay count when this entry was captured
     out_of_memory: int = 0  # failed allocations in a row; the next try waits 2**n calls
     skip: int = 0  # calls to answer eagerly before trying again after an out-of-memory
     reason: Decline | None = None

@@ -243,6 +243,7 @@ class GraphRunner(HotPath, Publish, Transitions):
     def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
         buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,
                          self._writes, self._wide, self._guarded, lockstep=self._agreement is not None)
+        entry.replays_at_capture = self._stats.replays
         with self._stats.lock:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)

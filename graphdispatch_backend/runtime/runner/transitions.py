@@ -3,7 +3,12 @@
 - A pinned input that moves (a new prompt's embeddings; an activation the allocator put at
   the same address during warmup) becomes moving for good, with every other pinned input
   that moved too: each such re-capture makes progress, so they are bounded by the number
-  of inputs and never end in a decline.
+  of inputs and never end in a decline. Except when it stayed put for REPIN_AFTER replays
+  first: a buffer that lives for a while and is then replaced (a static KV cache that
+  `generate` allocates anew for each request) is re-captured pinned at its new address
+  (at most MAX_REPINS times per entry), since as a moving input every replay would copy it
+  whole, in and back (cudagraph trees re-record on a static input's new address the same
+  way, up to `cudagraph_unexpected_rerecord_limit`).
 - An artifact demoted after capture (its kernels are in the graph) re-captures, at most
   MAX_RECAPTURES times.
 - An allocation failure backs off: the entry answers 2, 4, 8, ... calls eagerly, then
@@ -28,6 +33,8 @@ from graphdispatch_backend.runtime.runner.hints import thrash_detail
 
 MAX_RECAPTURES = 2
 MAX_BACKOFF = 1 << 10  # calls
+REPIN_AFTER = 16  # replays a moved input stayed at its address: a buffer replaced, not an activation
+MAX_REPINS = 16
 
 
 class Transitions:
@@ -69,7 +76,11 @@ class Transitions:
         if reason is Decline.PINNED_INPUT_MOVED:
             moved = {p for p, ident in zip(entry.pinned, _identities(entry))
                      if p not in self._state and ident is not None and layout_identity(args[p]) != ident}
-            self._recapture(entry, reason, detail, moved | {pos})
+            if self._stats.replays - entry.replays_at_capture >= REPIN_AFTER and entry.repins < MAX_REPINS:
+                entry.repins += 1  # it stayed put for a while: pinned again, at its new address
+                self._recapture(entry, reason, f"{detail}; captured again reading it in place", set())
+            else:
+                self._recapture(entry, reason, detail, moved | {pos})
         elif reason is Decline.ARTIFACT_DEMOTED and entry.recaptures < MAX_RECAPTURES:
             entry.recaptures += 1
             self._recapture(entry, reason, detail, set())

@@ -1,0 +1,58 @@
+"""digest: a fingerprint of a tensor's values in bounded memory: equal values, equal digests
+(whatever the layout); a changed bit, a permutation or a -0.0 changes it; the tensor is
+never written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdispatch_backend.runtime import digest as digest_mod
+from graphdispatch_backend.runtime.digest import digest, same_values
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.uint8, torch.bool, torch.complex64]
+
+
+def _values(dtype: torch.dtype) -> torch.Tensor:
+    x = torch.arange(1, 61).reshape(3, 4, 5) * 7 % 11
+    return (x % 2).bool() if dtype == torch.bool else x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_tensor_is_never_written(dtype):
+    """int64 data is read as is, not copied: an in-place step would overwrite the input
+    (it did: a verification's fingerprint of token ids rewrote them)."""
+    x = _values(dtype)
+    for t in (x, x.transpose(0, 2)):
+        before = t.clone()
+        digest(t)
+        assert torch.equal(t, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_equal_values_equal_digests_whatever_the_layout(dtype, monkeypatch):
+    x = _values(dtype)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(digest(x), digest(strided)) and same_values(strided, digest(x))
+    whole = digest(x)
+    monkeypatch.setattr(digest_mod, "CHUNK", 7)  # many chunks, rows split: the same digest
+    assert torch.equal(digest(x), whole) and torch.equal(digest(strided), whole)
+
+
+def test_a_change_anywhere_changes_it():
+    x = torch.randn(4, 5, 6)
+    base = digest(x)
+    y = x.clone()
+    y[3, 4, 5] = torch.nextafter(y[3, 4, 5], torch.tensor(float("inf")))
+    assert not torch.equal(digest(y), base)
+    assert not torch.equal(digest(x.flatten().flip(0).reshape(4, 5, 6)), base)  # a permutation
+    assert not torch.equal(digest(torch.tensor([0.0])), digest(torch.tensor([-0.0])))
+    nan = torch.tensor([float("nan")])
+    assert torch.equal(digest(nan), digest(nan.clone()))
+
+
+def test_an_expanded_tensor_is_read_in_bounded_pieces(monkeypatch):
+    monkeypatch.setattr(digest_mod, "CHUNK", 16)
+    x = torch.randn(5, 1).expand(5, 100)
+    assert torch.equal(digest(x), digest(x.contiguous()))
