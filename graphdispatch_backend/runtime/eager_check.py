@@ -44,7 +44,8 @@ from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.keys import layout_key
-from graphdispatch_backend.runtime.parity import compare, compare_aliasing
+from graphdispatch_backend.runtime.parity import Mismatch, compare, compare_aliasing
+from graphdispatch_backend.runtime.prints import Printed, differs, take_print
 from graphdispatch_backend.runtime.world import Region, World
 
 MAX_KEYS = 16  # shape keys of a dynamic graph that are checked; 0 turns the check off
@@ -63,8 +64,64 @@ def _flat(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-class _CheckFailed(Exception):
-    """One of the check's own steps raised (carried out of `contain` as a verdict)."""
+class _Reference:
+    """Eager's side of one check: its outputs, or (`lean`) their print and, once a mismatch
+    made eager run again, that second run's outputs (see `_check`)."""
+
+    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain) -> None:
+        self._args = args
+        self._raw: Any = raw
+        self._printed: Printed | None = None
+        self._second: list[Any] | None = None  # eager's second run (lean): answers and details
+        self._got: list[Any] | None = None
+        if lean:  # printed at once: an output may view an input the world puts back
+            printed, exc = contain(lambda: take_print(_flat(raw), args))
+            if exc is None:  # else the outputs stay: a print is a saving, never a requirement
+                self._printed = printed
+
+    def drop(self) -> None:
+        """Free the outputs once printed (the compiled run holds no second set)."""
+        if self._printed is not None:
+            self._raw = None
+
+    @property
+    def outputs(self) -> list[Any]:
+        return _flat(self._raw)
+
+    def compare(self, got: list[Any]) -> Mismatch | None:
+        self._got = got
+        if self._raw is None and self._printed is not None:
+            return differs(self._printed, got, self._args)
+        expected = _flat(self._raw)
+        return compare(expected, got) or compare_aliasing(expected, got, self._args)
+
+    def again(self, second: list[Any]) -> Mismatch | None:
+        """Eager's second run against its first."""
+        if self._raw is None and self._printed is not None:
+            self._second = second
+            return differs(self._printed, second, self._args)
+        return compare(_flat(self._raw), second)
+
+    def detail(self, detail: str) -> str:
+        """A lean mismatch's detail, with values (max abs diff, first index) from eager's
+        second run, which agreed with its first."""
+        if self._second is None or self._got is None:
+            return detail
+        full = compare(self._second, self._got) or compare_aliasing(self._second, self._got, self._args)
+        return f"differs from eager: {full}" if full is not None else detail
+
+    def answer(self, eager: Callable[..., Any], before: World, after: World,
+               own: Callable[[Callable[[], Any]], None]) -> Any:
+        """Eager's outputs, with the world as eager left it: kept, or run again (`own` runs
+        graphdispatch's own steps, contained)."""
+        if self._raw is not None:
+            if after is not None:
+                own(after.restore)
+            return self._raw
+        if self._second is not None:  # the world is the second run's already
+            return tuple(self._second)
+        own(before.restore)
+        return eager(*self._args)
 
 
 class EagerCheck:
@@ -142,11 +199,18 @@ class EagerCheck:
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
             self._own(before.restore)
             return self._compiled(*args)
-        expected = _flat(raw)
+        # Eager's outputs are printed and freed before the compiled run: the check holds one
+        # call's outputs at a time (runtime/prints.py). Not where the gradient check needs
+        # their history, nor where ranks must run every eager run in step (collectives).
+        # Printed now, before the world goes back: an output may be a view of a written input.
+        lean = self._gradients is None and self._agreement is None
+        ref = _Reference(raw, args, lean, self._contain)
         after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
         if exc is not None:
             self._record.called(False, Decline.CHECK_FAILED.value)  # the compiled graph never ran
             return self._verdict(Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}", raw, None)
+        ref.drop()
+        del raw
         with native_regions():  # judge the lowering; each artifact's gate judges the artifact
             out, exc = self._contain(lambda: self._compiled(*args))
         raised = exc is not None  # then the call was not counted (CompiledGraph counts as it returns)
@@ -157,32 +221,32 @@ class EagerCheck:
             local: Verdict = (reason, f"raised {type(exc).__name__}: {exc}")
         else:
             got = _flat(out)
-            mismatch, exc = self._contain(lambda: compare(expected, got) or compare_aliasing(expected, got, args)
-                                          or after.compare())
+            mismatch, exc = self._contain(lambda: ref.compare(got) or after.compare())
             if exc is not None:
                 local = (Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}")
             elif mismatch is not None:
                 local, forward = (Decline.LOWERING_MISMATCH, f"differs from eager: {mismatch}"), True
             elif self._gradients is not None and self._gradients.needed(args):
-                judged = self._gradients.judge(args, expected, got)  # blames eager's nondeterminism itself
+                judged = self._gradients.judge(args, ref.outputs, got)  # blames eager's nondeterminism itself
                 local = None if judged is None else (judged.reason, judged.detail)
                 gradients = () if judged is None else judged.gradients
             else:
                 local = None
-        verdict = self._settle(local, args, before, after, expected, forward)
+        verdict = self._settle(local, args, before, after, ref, forward)
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
         if verdict is None:
             with self._record.lock:
                 self._record.eager_checks += 1
             return out
+        del out
+        answer = ref.answer(self._eager, before, after, self._own)  # eager's outputs and world
         if verdict[0] is Decline.OUT_OF_MEMORY:  # memory was short this once: no verdict on the lowering
-            self._own(after.restore)
-            return raw
-        return self._verdict(*verdict, raw, after, gradients)
+            return answer
+        return self._verdict(*verdict, answer, None, gradients)
 
     def _settle(self, local: Verdict, args: Sequence[Any], before: World, after: World,
-                expected: list[Any], forward: bool) -> Verdict:
+                ref: _Reference, forward: bool) -> Verdict:
         """This rank's verdict, blamed on eager's nondeterminism where eager disagrees with
         itself (`forward`: it compared the forward's results; a gradient verdict is blamed by
         the gradient check), and agreed with every other rank of the graph's groups: the
@@ -191,13 +255,13 @@ class EagerCheck:
         agreement = self._agreement
         if agreement is None:
             if local is not None and forward:
-                return self._blame(args, before, after, expected, local[1])
+                return self._blame(args, before, after, ref, local[1])
             return local
         worst = _CODES[agreement.agree(_code(local))]
         if worst is None:
             return None
         if worst is Decline.LOWERING_MISMATCH:  # every rank runs the second eager run
-            blamed = self._blame(args, before, after, expected, local[1] if local else "")
+            blamed = self._blame(args, before, after, ref, local[1] if local else "")
             if local is not None and forward:
                 local = blamed
         worst = _CODES[agreement.agree(_code(local))]
@@ -207,19 +271,19 @@ class EagerCheck:
             return Decline.RANK_DISAGREEMENT, f"another rank of the graph's process groups found {worst.value}"
         return local
 
-    def _blame(self, args: Sequence[Any], before: World, after: World, expected: list[Any],
+    def _blame(self, args: Sequence[Any], before: World, after: World, ref: _Reference,
                detail: str) -> tuple[Decline, str]:
         """Run eager once more from the world before: if eager disagrees with itself, the
         mismatch is eager's nondeterminism, not the lowering's fault."""
         def again() -> Any:
             before.restore()
-            return compare(expected, _flat(self._eager(*args))) or after.compare()
+            return ref.again(_flat(self._eager(*args))) or after.compare()
 
         differs, exc = self._contain(again)
         if exc is None and differs is not None:
             suspects = ", ".join(self._suspects) or "no known nondeterministic op (a custom op?)"
             return Decline.EAGER_NONDETERMINISTIC, f"eager disagrees with itself ({differs}); suspects: {suspects}"
-        return Decline.LOWERING_MISMATCH, detail
+        return Decline.LOWERING_MISMATCH, ref.detail(detail)
 
     # -- verdicts -----------------------------------------------------------------------
     def _verdict(self, reason: Decline, detail: str, raw: Any, after: World | None,

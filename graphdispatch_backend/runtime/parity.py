@@ -160,7 +160,7 @@ def _storage(t: Any) -> int | None:
         return None
 
 
-def _aliasing(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[tuple[Any, ...] | None]:
+def aliasing(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[tuple[Any, ...] | None]:
     """Per output: which input or earlier output it shares memory with, and where."""
     by_ptr: dict[int, tuple[str, int, int]] = {}
     for j, t in enumerate(inputs):
@@ -187,15 +187,15 @@ def _aliasing(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[tuple[Any, 
 def compare_aliasing(expected: Sequence[Any], actual: Sequence[Any], inputs: Sequence[Any],
                      actual_inputs: Sequence[Any] | None = None) -> Mismatch | None:
     """Outputs share memory with the same inputs and outputs, at the same offsets."""
-    want = _aliasing(expected, inputs)
-    got = _aliasing(actual, inputs if actual_inputs is None else actual_inputs)
+    want = aliasing(expected, inputs)
+    got = aliasing(actual, inputs if actual_inputs is None else actual_inputs)
     for i, (w, g) in enumerate(zip(want, got)):
         if w is not None and g is not None and w != g:  # None: no storage of its own to compare
-            return Mismatch(i, "aliasing", f"{_say(g)}, expected {_say(w)}")
+            return Mismatch(i, "aliasing", f"{say_alias(g)}, expected {say_alias(w)}")
     return None
 
 
-def _say(alias: tuple[Any, ...] | None) -> str:
+def say_alias(alias: tuple[Any, ...] | None) -> str:
     if alias is None or alias[0] == "own":
         return "its own memory"
     return f"a view of {alias[0]} {alias[1]} at offset {alias[2]}"

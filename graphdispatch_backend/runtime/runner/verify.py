@@ -24,7 +24,8 @@ import torch
 from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
 from graphdispatch_backend.runtime.digest import same_values
-from graphdispatch_backend.runtime.parity import compare, compare_aliasing
+from graphdispatch_backend.runtime.parity import Mismatch, compare, compare_aliasing
+from graphdispatch_backend.runtime.prints import Printed, differs, take_print
 from graphdispatch_backend.runtime.runner.derive import derive
 from graphdispatch_backend.runtime.world import World, Writes
 
@@ -60,6 +61,10 @@ class Verifier:
         if exc is not None:
             return eager(args), unsnapshotted(exc)
         replayed, failed = self._contain(lambda: serve(args))
+        if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
+            # (printed before the world goes back: an output may view an input it puts back)
+            printed, oops = self._contain(lambda: take_print(replayed, args))
+            replayed = printed if oops is None else replayed
         replay_state, exc = self._contain(before.swap)
         try:  # the user's own run: it must not fail for the memory the replay's outputs hold
             expected = eager(args)
@@ -76,18 +81,16 @@ class Verifier:
         eager_after, exc = self._contain(before.now)
         if exc is not None:
             return expected, unsnapshotted(exc)
-        return expected, self.judge(args, expected, replayed, replay_state, before, eager_after)
+        return expected, self.judge(args, expected, replayed, replay_state, before, eager_after, serve)
 
-    def judge(self, args: Sequence[Any], expected: Sequence[Any], replayed: Sequence[Any], replay_state: World,
-              before: World, eager_after: World) -> Verdict:
-        """Eager's outputs against the replay's, and eager's world (`eager_after`) against
-        the replay's (`replay_state`); on a mismatch, eager again from `before`. The world
-        is left as eager left it."""
-        def differ() -> Any:
-            return (compare(list(expected), list(replayed)) or compare_aliasing(expected, replayed, args)
-                    or _states(eager_after, replay_state))
-
-        mismatch, exc = self._contain(differ)
+    def judge(self, args: Sequence[Any], expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
+              replay_state: World, before: World, eager_after: World,
+              serve: Callable[[Sequence[Any]], Sequence[Any]] | None = None) -> Verdict:
+        """Eager's outputs against the replay's (either side may be a print, runtime/prints.py),
+        and eager's world (`eager_after`) against the replay's (`replay_state`); on a mismatch,
+        eager again from `before`. The world is left as eager left it."""
+        mismatch, exc = self._contain(lambda: _outputs_differ(expected, replayed, args)
+                                      or _states(eager_after, replay_state))
         if exc is not None:
             return Decline.CHECK_FAILED, f"comparing the replay raised {type(exc).__name__}: {exc}"
         if mismatch is None:
@@ -98,15 +101,32 @@ class Verifier:
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
                     second = self._fn(*args)
-                return compare(list(expected), list(second)) or eager_after.compare()
+                return _outputs_differ(expected, second, args) or eager_after.compare()
             finally:
                 eager_after.restore()
 
-        differs, exc = self._contain(again)
-        if exc is None and differs is not None:
+        nondeterministic, exc = self._contain(again)
+        if exc is None and nondeterministic is not None:
             return (Decline.EAGER_NONDETERMINISTIC,
-                    f"eager disagrees with itself ({differs}); suspects: {self._suspects}")
+                    f"eager disagrees with itself ({nondeterministic}); suspects: {self._suspects}")
+        if mismatch is _PRINTED and serve is not None:
+            mismatch = self._replayed_again(args, expected, serve, before, eager_after) or mismatch
         return Decline.VERIFY_MISMATCH, str(mismatch)
+
+    def _replayed_again(self, args: Sequence[Any], expected: Sequence[Any] | Printed,
+                        serve: Callable[[Sequence[Any]], Sequence[Any]], before: World,
+                        eager_after: World) -> Mismatch | None:
+        """The replay's outputs were printed: replay once more for a mismatch's values (the
+        max abs diff, the first index), the world put back as eager left it."""
+        def replay() -> Mismatch | None:
+            before.restore()
+            try:
+                return _outputs_differ(expected, serve(args), args)
+            finally:
+                eager_after.restore()
+
+        detail, _ = self._contain(replay)
+        return detail
 
     def judge_derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any], live: Sequence[Any],
                       serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int) -> Verdict:
@@ -132,6 +152,7 @@ class Verifier:
                     return NO_SET
                 if n + 1 < len(candidates) and not _differs(expected, live):
                     continue  # the outputs ignore this change, so a stale read would hide: try the next
+                expected = take_print(expected, derived)  # freed before the replay runs
                 eager_after = before.swap()
                 replayed = serve(derived)
                 replay_state = eager_after.swap()
@@ -149,6 +170,20 @@ def unsnapshotted(exc: Exception, doing: str = "snapshot") -> tuple[Decline, str
     if is_out_of_memory(exc):
         return Decline.OUT_OF_MEMORY, f"{doing}: {type(exc).__name__}: {exc}"
     return Decline.CHECK_FAILED, f"{doing} raised {type(exc).__name__}: {exc}"
+
+
+_PRINTED = Mismatch(-1, "values", "the replay's outputs differ from eager's")  # values: replay again
+
+
+def _outputs_differ(expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
+                    args: Sequence[Any]) -> Mismatch | None:
+    """Eager's outputs against the replay's; either may be a print (then the mismatch has
+    no values: the caller runs again for those)."""
+    if isinstance(replayed, Printed):
+        return None if differs(replayed, list(expected), args) is None else _PRINTED  # type: ignore[arg-type]
+    if isinstance(expected, Printed):
+        return differs(expected, list(replayed), args)
+    return compare(list(expected), list(replayed)) or compare_aliasing(expected, replayed, args)
 
 
 def _states(eager_after: World, replay_state: World) -> Any:
