@@ -73,16 +73,18 @@ PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), 
 if scenario == "lowering_mismatch_unagreed":  # the rule removed: each rank acts on its own verdict
     importlib.import_module("graphdispatch_backend.backend").agreement_for = lambda names: None
 if scenario.startswith("lowering_mismatch") and rank == 1:
-    real_compare = eager_check_mod.compare
     forced = [1]
 
-    def compare(expected, actual, *args, **kwargs):  # the first check finds a difference
-        if forced[0]:
-            forced[0] -= 1
-            return Mismatch(0, "values", "forced on rank 1")
-        return real_compare(expected, actual, *args, **kwargs)
+    def forcing(real):
+        def compare(expected, actual, *args, **kwargs):  # the first check finds a difference
+            if forced[0]:
+                forced[0] -= 1
+                return Mismatch(0, "values", "forced on rank 1")
+            return real(expected, actual, *args, **kwargs)
+        return compare
 
-    eager_check_mod.compare = compare
+    eager_check_mod.compare = forcing(eager_check_mod.compare)
+    eager_check_mod.differs = forcing(eager_check_mod.differs)  # the lean check compares prints
 if scenario in ("verify_mismatch", "verify_mismatch_inside") and rank == 1:
     Verifier.judge = lambda self, *args: (gd.errors.Decline.VERIFY_MISMATCH, "forced on rank 1")
 if scenario in ("capture_failed", "capture_failed_inside") and rank == 1:
