@@ -58,7 +58,9 @@ class CompiledGraph:
         self._hot: Callable[[list[Any]], Sequence[Any] | None] | None = (
             replay_hot if guarded and eager_reason is None and not self._timed else None)
         if self._hot is not None:
-            record.hot_counts.append(lambda: run.hot_replays)  # type: ignore[attr-defined]
+            # the counters the runner writes its hot replays into: plain data the record
+            # owns, never the runner (a record outlives the graph: diagnostics/report.py)
+            record.hot_stats.append(run.stats)  # type: ignore[attr-defined]
         # no runner ever decides anything and Dynamo's guards stand in front: nothing to check
         self._trusted = guarded and eager_reason is not None and not self._timed
 
