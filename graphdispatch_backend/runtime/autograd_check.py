@@ -34,12 +34,10 @@ the user's would too, and leaves nothing to compare. Everything runs inside `con
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch._dynamo.utils
 
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Contain, Decline
@@ -142,30 +140,8 @@ def _lowered(run: Callable[[], Any]) -> Any:
     it compiled with donated buffers (saved tensors whose memory Inductor may reuse), as it
     does at once under dynamic shapes; graphdispatch's backward runs the ATen graph, which
     never writes into what it was saved."""
-    with _forgetting_compile_stacks(), torch._functorch.config.patch(donated_buffer=False):
+    with torch._functorch.config.patch(donated_buffer=False):
         return run()
-
-
-@contextlib.contextmanager
-def _forgetting_compile_stacks() -> Iterator[None]:
-    """aot compiles a backward lazily, on its first run: for this check, inside the call
-    of the compiled forward, whose frame runs Dynamo's transformed code. torch 2.13's
-    compile metrics (`MetricsContext._edits`, thread-local) keep a CapturedTraceback of
-    every metric a compile sets and never drop it once the context exits; a traceback
-    holds the code objects of its frames from C, where no garbage collection sees them.
-    Dynamo drops the compiled function from the module's globals only when that
-    transformed code dies, so a kept traceback would keep the compiled graph, its runners
-    and their captures for the process. The tracebacks this run added are dropped once no
-    metrics context is in progress (they serve only a duplicate-metric error inside one)."""
-    metrics = getattr(torch._dynamo.utils, "get_metrics_context", None)  # torch 2.13's; another may lack it
-    context = metrics() if metrics is not None else None
-    edits = getattr(context, "_edits", None)
-    before = len(edits) if isinstance(edits, list) else None
-    try:
-        yield
-    finally:
-        if before is not None and context is not None and not context.in_progress():
-            del edits[before:]  # type: ignore[index]
 
 
 def _differ(wrt: Sequence[tuple[str, torch.Tensor]], want: Sequence[torch.Tensor],
