@@ -17,7 +17,8 @@
   per round no more than under aot_eager (+0.5 MiB), for an inference graph, a training
   step and a graph with an artifact substituted; a scope that stays alive keeps no buffer
   or pool of a model that is gone; sessions with other options keep no scope; the report of
-  a model that is gone still balances and still holds its hot replays.
+  a model that is gone still balances and still holds its hot replays; a graph break
+  (a compile run from a transformed frame) keeps nothing alive either.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from graphdispatch_backend.runtime.cudagraph.cuda import _CudaGraph, _Pool
 from graphdispatch_backend.runtime.cudagraph.host import HostPool, HostReplayEngine, _HostGraph
 from graphdispatch_backend.runtime.eager_check import EagerCheck
 from graphdispatch_backend.runtime.gate import ArtifactGate
-from graphdispatch_backend.runtime.program import CompiledGraph
+from graphdispatch_backend.runtime.program import CompiledGraph, _FirstCall
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.inputs import StaticBuffers
@@ -303,7 +304,7 @@ def test_nothing_is_written_outside_report_dir(tmp_path):
 
 # What a compiled model owns through graphdispatch: none of it may be alive once the model is gone.
 OWNED = (GraphRunner, TimedGraphRunner, LockstepGraphRunner, Entry, _HostGraph, HostPool, HostReplayEngine,
-         RuntimeScope, StaticBuffers, CompiledGraph, EagerCheck, GradientCheck, ArtifactGate)
+         RuntimeScope, StaticBuffers, CompiledGraph, _FirstCall, EagerCheck, GradientCheck, ArtifactGate)
 ROUNDS, MEASURED = 20, 10  # rounds per backend; RSS slopes over the last MEASURED of them
 SLACK_MIB = 0.5  # RSS growth per round allowed beyond aot_eager's
 DIM = 512  # two 512 x 512 layers: 2 MiB of weights, so a model kept alive shows in RSS
@@ -318,10 +319,19 @@ class Pair(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def collect() -> None:
+    """Collect until nothing more is found: a collection can run Dynamo's CleanupHook (a
+    weakref callback that drops a compiled function from its module), whose release of the
+    graph's own cycles waits for the next collection."""
+    for _ in range(5):
+        if not gc.collect():
+            return
+
+
 def alive(*types: type) -> Counter[str]:
     """Live objects of exactly these types (type(), not isinstance(): gc also holds weak
     proxies, which raise once their referent is gone), by type name."""
-    gc.collect()
+    collect()
     wanted = set(types or OWNED)
     return Counter(type(o).__name__ for o in gc.get_objects() if type(o) in wanted)
 
@@ -353,7 +363,7 @@ def growth_per_round(one_round: Callable[[str], None], backend: str, after_each:
         one_round(backend)
         torch._dynamo.reset()
         after_each(index)
-        gc.collect()
+        collect()
         if _TRIM is not None:
             _TRIM(0)
         samples.append(rss_mib())
@@ -429,6 +439,33 @@ def test_rounds_with_an_artifact_leave_nothing_alive(tmp_path, counts):
         assert sub["parity"] == "passed" and sub["replays"] == 3 and graph["cuda_graph"]["replays"] == 3, graph
 
 
+class Broken(nn.Module):
+    """Two graphs: Dynamo compiles the second from inside the first one's transformed frame."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_a_model_with_a_graph_break_leaves_nothing_alive():
+    for index in range(3):
+        model = Broken().eval()
+        compiled = compile_with(model, "graphdispatch")
+        with torch.no_grad():
+            for _ in range(6):
+                compiled(torch.randn(8, 64))
+        del model, compiled
+        torch._dynamo.reset()
+        nothing_owned_left(index)
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    assert len(graphs) == 6 and all(g["cuda_graph"]["replays"] == 3 for g in graphs), graphs
+
+
 def test_a_scope_kept_alive_holds_no_buffer_or_pool_of_a_model_that_is_gone():
     # Hold the session's scope (as a live model of the session would): the buffers and the
     # pool of each model that is gone must go with its captures, not with the scope.
@@ -443,7 +480,7 @@ def test_a_scope_kept_alive_holds_no_buffer_or_pool_of_a_model_that_is_gone():
         assert len(scope.buffers) == 1 and scope.engine.pool_bytes() > 0, "the model did not capture in this scope"
         del model, compiled
         torch._dynamo.reset()
-        gc.collect()
+        collect()
         assert len(scope.buffers) == 0 and scope.buffers.nbytes == 0, f"round {index}: a buffer outlived its model"
         assert scope.engine.pool_bytes() == 0 and not alive(HostPool), f"round {index}: the pool outlived its graphs"
         assert not alive(GraphRunner, Entry, _HostGraph), f"round {index}: {dict(alive())}"
@@ -511,7 +548,7 @@ def test_a_cuda_graph_ends_its_use_of_the_pool_before_dropping_it():
         graph = _CudaGraph(Graph(), (), _Pool(Mem()))
         if gone:
             del graph
-            gc.collect()
+            collect()
         else:
             graph.reset()
             graph.reset()  # a second reset does nothing
