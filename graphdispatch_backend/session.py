@@ -1,8 +1,14 @@
 """Sessions: one per Options value (the compile identity), holding what its graphs share.
 
-A session owns the artifact registry, the report, timing, events, the runtime scopes
-(static buffers per engine) and the region exporter. `flush()` finalizes exports and
-writes `dispatch.json` and `timing.json`; it runs at process exit too.
+A session owns the artifact registry, the report, timing, events and the region exporter,
+and finds the runtime scopes (engine, pools, static buffers per engine) its runners share.
+`flush()` finalizes exports and writes `dispatch.json` and `timing.json`; it runs at
+process exit too.
+
+Lifetime: sessions are kept for the process (their reports, plain data, are written at
+exit), but a session holds its scopes weakly: the runners hold their scope, so a scope,
+its engine, pools and buffers go with the last runner (when every compiled model of the
+session is gone), and the next compile makes a new one.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import atexit
 import platform
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +52,8 @@ class Session:
             },
         )
         self.exporter = RegionExporter(options.report_dir) if options.export_regions else None
-        self._scopes: dict[str, RuntimeScope] = {}
+        # weak: the runners hold their scope (module docstring)
+        self._scopes: weakref.WeakValueDictionary[str, RuntimeScope] = weakref.WeakValueDictionary()
         self.report.runtime = self._runtime_figures
         self._lock = threading.Lock()
         for error in self.registry.errors:
@@ -59,16 +67,19 @@ class Session:
                 f"{e['bundle']} ({e['reason']}): {e['message']}" for e in self.registry.errors))
 
     def scope(self, engine: str) -> RuntimeScope:
+        """The scope the session's live runners of `engine` share, or a new one when none lives."""
         with self._lock:
-            if engine not in self._scopes:
+            scope = self._scopes.get(engine)
+            if scope is None:
                 impl = CudaGraphEngine() if engine == "cuda" else HostReplayEngine()
-                self._scopes[engine] = RuntimeScope(impl, self.timing, self.events, self.contain)
-            return self._scopes[engine]
+                scope = self._scopes[engine] = RuntimeScope(impl, self.timing, self.events, self.contain)
+            return scope
 
     def _runtime_figures(self) -> dict[str, Any]:
-        """Static input buffers are shared by every graph of the session: count them once."""
+        """Static input buffers are shared by every graph of the session: count them once
+        (those live runners hold; none once the session's models are gone)."""
         with self._lock:
-            scopes = dict(self._scopes)
+            scopes = dict(self._scopes.items())
         return {"static_buffers": {name: {"count": len(s.buffers), "bytes": s.buffers.nbytes}
                                    for name, s in scopes.items()},
                 "pools": {name: {"pool_bytes": s.engine.pool_bytes()} for name, s in scopes.items()}}

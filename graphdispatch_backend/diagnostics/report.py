@@ -68,6 +68,9 @@ class CudaGraphStats:
     evictions: int = 0  # shape keys whose captures were evicted (least recently used, past max_captures)
     live_captures: int = 0  # shape keys holding a capture now (at most max_captures)
     copy_bytes: int = 0  # bytes the replays copied: moving inputs in, mutated ones back, outputs out
+    # replays the runner's hot path answered (runtime/runner/hot.py): each is also a call of
+    # the graph, counted here rather than on the record (no record lock per replay)
+    hot_replays: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def replayed(self) -> None:
@@ -180,9 +183,9 @@ class GraphRecord:
     backward: GraphRecord | None = None
     role: str = ""  # "backward" for an autograd graph's backward record
     checks: int = 0  # a backward's runs made by the lowering check (counted in `calls` too)
-    # calls answered by a replay on a runner's hot path (runtime/program.py), counted by the
-    # runner under its device lock rather than here: each is a call and a replay
-    hot_counts: list[Callable[[], int]] = dataclasses.field(default_factory=list, repr=False)
+    # the stats of the runner serving the whole graph on its hot path (runtime/program.py):
+    # its hot replays, counted there under the device lock, are calls and replays of the graph
+    hot_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list, repr=False)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -202,7 +205,7 @@ class GraphRecord:
         """calls, replays, eager_calls and eager_by_reason read together, under the lock
         `called` takes: a report written while another thread calls the graph still adds up."""
         with self.lock:
-            hot = sum(count() for count in self.hot_counts)
+            hot = sum(s.hot_replays for s in self.hot_stats)
             return self.calls + hot, self.replays + hot, self.eager_calls, dict(self.eager_by_reason)
 
     def cuda_graph(self, counts: tuple[int, int, int, dict[str, int]] | None = None) -> dict[str, Any]:

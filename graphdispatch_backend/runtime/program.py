@@ -27,6 +27,7 @@ from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.calls import Answered, begin_call, end_call, take_entry
+from graphdispatch_backend.runtime.compile_stacks import forget_compile_stacks
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 
 
@@ -58,9 +59,12 @@ class CompiledGraph:
         self._hot: Callable[[list[Any]], Sequence[Any] | None] | None = (
             replay_hot if guarded and eager_reason is None and not self._timed else None)
         if self._hot is not None:
-            record.hot_counts.append(lambda: run.hot_replays)  # type: ignore[attr-defined]
+            # the counters the runner writes its hot replays into: plain data the record
+            # owns, never the runner (a record outlives the graph: diagnostics/report.py)
+            record.hot_stats.append(run.stats)  # type: ignore[attr-defined]
         # no runner ever decides anything and Dynamo's guards stand in front: nothing to check
         self._trusted = guarded and eager_reason is not None and not self._timed
+        self.__class__ = _FirstCall  # until the first call: no check on any later one
 
     def __call__(self, args: list[Any]) -> Sequence[Any]:
         hot = self._hot
@@ -117,3 +121,15 @@ class CompiledGraph:
             self._native(*args)
             timing.add("shadow.native_forward", timing.now() - start)
         return out
+
+
+class _FirstCall(CompiledGraph):
+    """A CompiledGraph before its first call, which comes after the compile that made it
+    (and after any compile run meanwhile from a transformed frame, after a graph break):
+    the call stacks those compiles recorded are dropped, so they cannot keep the graph
+    alive (runtime/compile_stacks.py). Then it is a plain CompiledGraph."""
+
+    def __call__(self, args: list[Any]) -> Sequence[Any]:
+        self.__class__ = CompiledGraph
+        forget_compile_stacks()
+        return CompiledGraph.__call__(self, args)

@@ -9,11 +9,22 @@
   to such an input dies.
 - A run in a fresh process, with its own working directory, HOME and TMPDIR: everything
   graphdispatch writes (reports at compile, at flush() and at exit; region exports; timing)
-  lands under report_dir, nothing anywhere else.
+  lands under report_dir, nothing anywhere else; the model is gone before exit and the
+  report written at exit still lists its graph.
+- Nothing outlives the compiled model (docs/design.md, sections 6 and 7): 20 rounds of
+  compile, calls that capture and replay, `torch._dynamo.reset()` and `del` leave no runner,
+  entry, captured graph, pool, scope or static buffer alive after any round, and RSS grows
+  per round no more than under aot_eager (+0.5 MiB), for an inference graph, a training
+  step and a graph with an artifact substituted; a scope that stays alive keeps no buffer
+  or pool of a model that is gone; sessions with other options keep no scope; the report of
+  a model that is gone still balances and still holds its hot replays; a graph break
+  (a compile run from a transformed frame) keeps nothing alive either.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -22,15 +33,30 @@ import sys
 import textwrap
 import threading
 import weakref
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import graphdispatch_backend
+from graphdispatch_backend import session as session_mod
+from graphdispatch_backend.backend import make_contain
+from graphdispatch_backend.options import Options
+from graphdispatch_backend.runtime.autograd_check import GradientCheck
+from graphdispatch_backend.runtime.cudagraph.cuda import _CudaGraph, _Pool
+from graphdispatch_backend.runtime.cudagraph.host import HostPool, HostReplayEngine, _HostGraph
+from graphdispatch_backend.runtime.eager_check import EagerCheck
+from graphdispatch_backend.runtime.gate import ArtifactGate
+from graphdispatch_backend.runtime.program import CompiledGraph, _FirstCall
+from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
+from graphdispatch_backend.runtime.runner.entry import Entry
+from graphdispatch_backend.runtime.runner.inputs import StaticBuffers
+from graphdispatch_backend.runtime.runner.runner import LockstepGraphRunner, TimedGraphRunner
 from graphdispatch_backend.testing import region_entry, write_bundle
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
@@ -48,38 +74,38 @@ def forward(*inputs):
 
 
 class Mlp(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 16) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 16)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 16) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(16)
-        self.mlp = Mlp()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
 
 
-def make() -> Net:
+def make(dim: int = 16) -> Net:
     torch.manual_seed(0)
-    return Net().eval()
+    return Net(dim).eval()
 
 
-def mlp_bundle(root: Path) -> Path:
+def mlp_bundle(root: Path, dim: int = 16) -> Path:
     """An exact MLP kernel, its manifest written from the region report of `mlp` (as an
     author would), batch size left open."""
-    region = region_entry(make(), torch.randn(4, 16), name="mlp", cuda_graphs=False)
+    region = region_entry(make(dim), torch.randn(4, dim), name="mlp", cuda_graphs=False)
     names = [i["name"] for i in region["inputs"]]
-    inputs = [{"name": i["name"], "shape": [None, 16] if i["name"] == "input0" else i["shape"], "dtype": i["dtype"]}
+    inputs = [{"name": i["name"], "shape": [None, dim] if i["name"] == "input0" else i["shape"], "dtype": i["dtype"]}
               for i in region["inputs"]]
-    write_bundle(root / "mlp", "mlp-exact", "mlp", inputs, [{"shape": [None, 16], "dtype": "float32"}],
+    write_bundle(root / "mlp", "mlp-exact", "mlp", inputs, [{"shape": [None, dim], "dtype": "float32"}],
                  KERNEL.format(names=names))
     return root
 
@@ -235,6 +261,8 @@ ISOLATED = textwrap.dedent('''
     graphdispatch_backend.flush()
     with torch.no_grad():
         compiled(torch.randn(4, 16))  # after flush: the report is written again at exit
+    del compiled, model  # gone before exit: the report written at exit still lists its graph
+    torch._dynamo.reset()
     print("ok")
 ''')
 
@@ -267,4 +295,261 @@ def test_nothing_is_written_outside_report_dir(tmp_path):
     assert {"dispatch.json", "timing.json", "regions"} <= written, sorted(written)
     assert not [p for p in written if p.endswith(".tmp")], sorted(written)  # atomic writes left nothing behind
     report = json.loads((report_dir / "dispatch.json").read_text())
-    assert report["graphs"][0]["calls"] == 6  # the last call, after flush(), was written at exit
+    (graph,) = report["graphs"]
+    assert graph["calls"] == 6  # the last call, after flush(), was written at exit
+    assert graph["cuda_graph"]["replays"] == 3 and graph["calls"] == 3 + graph["cuda_graph"]["eager_calls"], graph
+
+
+# -- nothing outlives the compiled model ---------------------------------------------------------
+
+# What a compiled model owns through graphdispatch: none of it may be alive once the model is gone.
+OWNED = (GraphRunner, TimedGraphRunner, LockstepGraphRunner, Entry, _HostGraph, HostPool, HostReplayEngine,
+         RuntimeScope, StaticBuffers, CompiledGraph, _FirstCall, EagerCheck, GradientCheck, ArtifactGate)
+ROUNDS, MEASURED = 20, 10  # rounds per backend; RSS slopes over the last MEASURED of them
+SLACK_MIB = 0.5  # RSS growth per round allowed beyond aot_eager's
+DIM = 512  # two 512 x 512 layers: 2 MiB of weights, so a model kept alive shows in RSS
+
+
+class Pair(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def collect() -> None:
+    """Collect until nothing more is found: a collection can run Dynamo's CleanupHook (a
+    weakref callback that drops a compiled function from its module), whose release of the
+    graph's own cycles waits for the next collection."""
+    for _ in range(5):
+        if not gc.collect():
+            return
+
+
+def alive(*types: type) -> Counter[str]:
+    """Live objects of exactly these types (type(), not isinstance(): gc also holds weak
+    proxies, which raise once their referent is gone), by type name."""
+    collect()
+    wanted = set(types or OWNED)
+    return Counter(type(o).__name__ for o in gc.get_objects() if type(o) in wanted)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc: hand freed heap pages back, so RSS says what is held
+
+
+def rss_mib() -> float:
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("RSS is read from /proc/self/statm")
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def slope(values: list[float]) -> float:
+    """Least-squares growth per round: one noisy round moves it little."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    return sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values)) / sum((i - mean_x) ** 2 for i in range(n))
+
+
+def growth_per_round(one_round: Callable[[str], None], backend: str, after_each: Callable[[int], None]) -> float:
+    """RSS growth per round (MiB) over the last MEASURED of ROUNDS rounds of `one_round`
+    (compile, call, `torch._dynamo.reset()`, the model dropped); `after_each` checks what
+    is left after every round (for both backends: its scan of every object costs memory too)."""
+    samples = []
+    for index in range(ROUNDS):
+        one_round(backend)
+        torch._dynamo.reset()
+        after_each(index)
+        collect()
+        if _TRIM is not None:
+            _TRIM(0)
+        samples.append(rss_mib())
+    return slope(samples[-MEASURED:])
+
+
+def compile_with(model: nn.Module, backend: str, options: dict | None = None) -> Callable[..., torch.Tensor]:
+    if backend == "graphdispatch":
+        return torch.compile(model, backend="graphdispatch", options={**EMULATE, **(options or {})})
+    return torch.compile(model, backend=backend)
+
+
+def inference_round(backend: str) -> None:
+    model = Pair().eval()
+    compiled = compile_with(model, backend)
+    with torch.no_grad():
+        for _ in range(6):  # warmup, capture and two verifications, then replays on the hot path
+            compiled(torch.randn(8, DIM))
+
+
+def training_round(backend: str) -> None:
+    model = Pair()
+    compiled = compile_with(model, backend)
+    for _ in range(6):  # forward and backward each warm, capture, verify and replay
+        compiled(torch.randn(8, DIM)).sum().backward()
+
+
+def nothing_owned_left(index: int) -> None:
+    left = alive()
+    assert not left, f"round {index}: alive after the model is gone: {dict(left)}"
+    for session in list(session_mod._SESSIONS.values()):
+        assert not session._scopes, f"round {index}: the session still finds a scope"
+
+
+def compare_with_aot_eager(one_round: Callable[[str], None], counts: Counter[str], name: str) -> None:
+    control = growth_per_round(one_round, "aot_eager", nothing_owned_left)
+    ours = growth_per_round(one_round, "graphdispatch", nothing_owned_left)
+    counts[f"lifetime:{name}_rss_kib_per_round_graphdispatch"] = round(ours * 1024)
+    counts[f"lifetime:{name}_rss_kib_per_round_aot_eager"] = round(control * 1024)
+    assert ours <= control + SLACK_MIB, (
+        f"RSS grows {ours:.3f} MiB per round under graphdispatch, {control:.3f} MiB under aot_eager")
+
+
+def test_inference_rounds_leave_nothing_alive(counts):
+    compare_with_aot_eager(inference_round, counts, "inference")
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    assert len(graphs) == ROUNDS and all(g["cuda_graph"]["replays"] == 3 for g in graphs)  # each round replayed
+
+
+def test_training_rounds_leave_nothing_alive(counts):
+    compare_with_aot_eager(training_round, counts, "training")
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    assert len(graphs) == ROUNDS and all(g["kind"] == "autograd" for g in graphs)
+    assert all(g["cuda_graph"]["replays"] == 3 and g["backward"]["cuda_graph"]["replays"] == 3 for g in graphs)
+
+
+def test_rounds_with_an_artifact_leave_nothing_alive(tmp_path, counts):
+    dim = 256  # fc1 and fc2: 1 MiB of weights
+    options = {"artifacts": str(mlp_bundle(tmp_path, dim))}
+
+    def one_round(backend: str) -> None:
+        model = make(dim)
+        compiled = compile_with(model, backend, options)
+        with torch.no_grad():
+            for _ in range(6):
+                compiled(torch.randn(4, dim))
+
+    compare_with_aot_eager(one_round, counts, "artifact")
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    assert len(graphs) == ROUNDS
+    for graph in graphs:
+        (sub,) = graph["substitutions"]
+        assert sub["parity"] == "passed" and sub["replays"] == 3 and graph["cuda_graph"]["replays"] == 3, graph
+
+
+class Broken(nn.Module):
+    """Two graphs: Dynamo compiles the second from inside the first one's transformed frame."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_a_model_with_a_graph_break_leaves_nothing_alive():
+    for index in range(3):
+        model = Broken().eval()
+        compiled = compile_with(model, "graphdispatch")
+        with torch.no_grad():
+            for _ in range(6):
+                compiled(torch.randn(8, 64))
+        del model, compiled
+        torch._dynamo.reset()
+        nothing_owned_left(index)
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    assert len(graphs) == 6 and all(g["cuda_graph"]["replays"] == 3 for g in graphs), graphs
+
+
+def test_a_scope_kept_alive_holds_no_buffer_or_pool_of_a_model_that_is_gone():
+    # Hold the session's scope (as a live model of the session would): the buffers and the
+    # pool of each model that is gone must go with its captures, not with the scope.
+    options = Options.resolve(EMULATE)
+    scope = session_mod.session_for(options, make_contain).scope("host")
+    for index in range(4):
+        model = Pair(64 * (index + 1)).eval()  # another layout each round: buffers do not carry over
+        compiled = torch.compile(model, backend="graphdispatch", options=EMULATE)
+        with torch.no_grad():
+            for _ in range(6):
+                compiled(torch.randn(8, 64 * (index + 1)))
+        assert len(scope.buffers) == 1 and scope.engine.pool_bytes() > 0, "the model did not capture in this scope"
+        del model, compiled
+        torch._dynamo.reset()
+        collect()
+        assert len(scope.buffers) == 0 and scope.buffers.nbytes == 0, f"round {index}: a buffer outlived its model"
+        assert scope.engine.pool_bytes() == 0 and not alive(HostPool), f"round {index}: the pool outlived its graphs"
+        assert not alive(GraphRunner, Entry, _HostGraph), f"round {index}: {dict(alive())}"
+    report = graphdispatch_backend.latest_report()
+    assert report["totals"]["static_buffers"] == {"host": {"count": 0, "bytes": 0}}
+    assert report["totals"]["pools"] == {"host": {"pool_bytes": 0}}
+
+
+def test_sessions_with_other_options_keep_no_scope():
+    for index in range(6):
+        options = {"warmup": 1 + index % 2}  # two sessions, used in turn
+        model = Pair(64).eval()
+        compiled = compile_with(model, "graphdispatch", options)
+        with torch.no_grad():
+            for _ in range(8):
+                compiled(torch.randn(8, 64))
+        del model, compiled
+        torch._dynamo.reset()
+        nothing_owned_left(index)
+    assert len(session_mod._SESSIONS) == 2
+    for session in session_mod._SESSIONS.values():  # each report keeps its graphs' figures, as plain data
+        report = session.report.to_dict()
+        assert len(report["graphs"]) == 3 and all(g["cuda_graph"]["replays"] > 0 for g in report["graphs"])
+        assert report["totals"]["static_buffers"] == {} and report["totals"]["pools"] == {}
+        balanced(report)
+
+
+def test_the_report_of_a_model_that_is_gone_balances_and_keeps_its_replays():
+    model = Pair(64).eval()
+    compiled = compile_with(model, "graphdispatch")
+    keep = [torch.randn(8, 64) for _ in range(12)]
+    with torch.no_grad():
+        for x in keep:
+            compiled(x)
+    before = graphdispatch_backend.latest_report()
+    (runner,) = [o for o in gc.get_objects() if type(o) is GraphRunner]
+    assert runner.hot_replays > 0, "no replay took the hot path: this test would prove nothing"
+    hot = runner.hot_replays
+    del model, compiled, runner
+    torch._dynamo.reset()
+    assert not alive(), dict(alive())
+    after = graphdispatch_backend.latest_report()
+    balanced(after)
+    (graph,) = after["graphs"]
+    assert graph["calls"] == 12 and graph["cuda_graph"]["replays"] == 9 >= hot, graph["cuda_graph"]
+    assert after["graphs"] == before["graphs"] and after["totals"]["replays"] == before["totals"]["replays"]
+
+
+def test_a_cuda_graph_ends_its_use_of_the_pool_before_dropping_it():
+    # CudaGraphEngine's order, on CPU with stand-ins: the graph's reset releases its use
+    # count of the pool first, so the MemPool's destructor (the last hold dropped) finds
+    # the pool unused and empties it; also when the graph is gone without a reset.
+    events: list[str] = []
+
+    class Graph:
+        def reset(self) -> None:
+            events.append("graph reset")
+
+    class Mem:
+        def __del__(self) -> None:
+            events.append("mempool dropped")
+
+    for gone in (False, True):
+        events.clear()
+        graph = _CudaGraph(Graph(), (), _Pool(Mem()))
+        if gone:
+            del graph
+            collect()
+        else:
+            graph.reset()
+            graph.reset()  # a second reset does nothing
+        assert events == ["graph reset", "mempool dropped"], (gone, events)

@@ -128,11 +128,14 @@ def test_static_buffers_are_keyed_by_position_and_layout():
     buffers = StaticBuffers()
     a = buffers.get(0, torch.empty(2, DIM))
     assert buffers.get(0, torch.empty(2, DIM)) is a
-    assert buffers.get(1, torch.empty(2, DIM)) is not a
-    assert buffers.get(0, torch.empty(DIM, 2).t()) is not a
-    assert buffers.get(0, torch.empty(2, DIM, dtype=torch.float64)) is not a
+    # held, as the captured entries that use them hold them
+    held = [buffers.get(1, torch.empty(2, DIM)), buffers.get(0, torch.empty(DIM, 2).t()),
+            buffers.get(0, torch.empty(2, DIM, dtype=torch.float64))]
+    assert all(b is not a for b in held)
     assert len(buffers) == 4
     assert buffers.nbytes == 3 * 2 * DIM * 4 + 2 * DIM * 8
+    del held
+    assert len(buffers) == 1 and buffers.get(0, torch.empty(2, DIM)) is a  # a buffer no entry uses is gone
 
 
 def test_buffer_keeps_layout_and_expanded_inputs_keep_their_strides():

@@ -5,13 +5,15 @@ device can show: a real capture replays right, also when the caller works on a
 non-default stream; an aborted capture gives its memory back and leaves the caller's
 stream as it was; eager work on another thread neither fails nor spoils a capture, and
 two threads capturing at once take turns; the
-shared pool keeps reserved memory flat across captures; outputs keep eager's aliasing;
+shared pool keeps reserved memory flat across captures, and goes with its last graph (a
+compiled model that is gone leaves no graph memory); outputs keep eager's aliasing;
 a KV cache is written in place; per-request streams in threads, a non-current device,
 misaligned inputs; and the whole runner replays bit for bit through torch.compile.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -326,6 +328,49 @@ def test_the_pool_keeps_reserved_memory_flat_across_captures():
     eight = _reserved_after(8)
     working_set = 256 * 4096 * 4 * 2  # up's and relu's outputs: the peak of one capture
     assert eight - one < working_set, (one, eight)
+
+
+def test_the_pool_goes_with_its_last_graph():
+    x, w = operands()
+    engine = CudaGraphEngine()
+    first = engine.capture(mlp, (x, w), x.device)
+    second = engine.capture(mlp, (x, w), x.device)
+    (pool,) = engine._pools.values()  # one pool while a graph uses it
+    pool_id = pool.mem.id
+    del pool
+    first.reset()
+    assert [p.mem.id for p in engine._pools.values()] == [pool_id] and engine.pool_bytes() > 0
+    del second  # gone unreset, as when its runner goes with the model
+    gc.collect()
+    torch.cuda.synchronize()
+    assert not list(engine._pools.values()) and engine.pool_bytes() == 0
+    third = engine.capture(mlp, (x, w), x.device)  # a new pool for the next capture
+    assert [p.mem.id for p in engine._pools.values()] != [pool_id]
+    third.reset()
+
+
+def test_a_compiled_model_that_is_gone_leaves_no_graph_memory():
+    import graphdispatch_backend
+
+    held = []
+    for _ in range(3):
+        torch._dynamo.reset()
+        graphdispatch_backend.reset()
+        model = _Block().cuda().eval()
+        compiled = torch.compile(model, backend="graphdispatch",
+                                 options={"cuda_graphs": True, "warmup": 1, "verify_inputs": 1})
+        with torch.no_grad():
+            for _ in range(4):
+                compiled(torch.randn(256, 1024, device="cuda"))
+        assert only_graph()["cuda_graph"]["replays"] >= 2
+        del model, compiled
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        held.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+    # the first round leaves what stays for the process (cuBLAS handles, workspaces); none after grows
+    assert held[2][0] <= held[1][0] <= held[0][0] and held[2][1] <= held[1][1], held
 
 
 @pytest.mark.parametrize("fn", [_raises_in_capture, _syncs_in_capture], ids=["raises", "syncs"])

@@ -9,6 +9,18 @@ tested on CPU through HostReplayEngine.
   capture, a MemPool object holds the same use count). A private pool per capture would
   keep one peak working set per capture: for 40 per-block captures of a 14B video model,
   hundreds of GB.
+- The pool lives as long as a graph uses it, no longer. Each captured graph holds the
+  MemPool; the engine only finds it (a weak reference). This follows the lifetime trees
+  give their pool (cudagraph_trees.py, `TreeManagerContainer`): the tree manager, whose
+  empty capture keeps the pool alive, is kept while any of its compiled functions lives
+  and dropped by a `weakref.finalize` when the last one dies. So a capture made while any
+  graph of the device lives joins that graph's pool (one working set for all), and once
+  the last graph is reset or gone the MemPool is dropped: its destructor releases the
+  pool's use count and empties its cached segments. Dropping it while a graph still used
+  it would be memory-safe (a captured CUDAGraph holds its own use count until reset) but
+  the next capture would start a second pool beside it. No cyclic garbage collection
+  runs on the capturing thread during a capture: it could drop another session's pool
+  there, and a cudaFree is forbidden on a capturing thread.
 - Static outputs are not owned: after capture only non-owning tensors over the output
   addresses are kept (trees' `_construct_storage_from_data_pointer`), so the pool hands
   that memory to later captures. The runner clones every output right after each replay
@@ -33,8 +45,8 @@ tested on CPU through HostReplayEngine.
   `clear_cublas_manager`): a persistent workspace allocated in the pool would otherwise be
   in use in two places once another graph reuses that memory.
 - A failed capture resets its graph after the aborted frames' tensors are freed (the
-  frames of every exception in its chain), then synchronizes; the pool survives (the
-  MemPool holds it). A warmup that raises still joins the capture stream back into the
+  frames of every exception in its chain), then synchronizes; the pool survives while
+  another graph uses it. A warmup that raises still joins the capture stream back into the
   caller's, so nothing after it (the eager answer, the restore of the inputs the graph
   writes) races a warmup kernel.
 """
@@ -42,9 +54,11 @@ tested on CPU through HostReplayEngine.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import traceback
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +79,21 @@ def _clear_frames(exc: BaseException) -> None:
         cur = cur.__context__
 
 
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No cyclic garbage collection on the capturing thread while it captures: a collection
+    there may finish a graph whose runner went with its model, and the reset and the
+    MemPool's cudaFree it then makes would be calls a capture forbids on its thread (one
+    capture at a time runs, so re-enabling cannot race another capture's)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _clear_cublas() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
@@ -79,10 +108,33 @@ def _unowned(t: torch.Tensor) -> torch.Tensor:
     return with_view_bits(made, view_bits(t))
 
 
+class _Pool:
+    """A device's MemPool, held by every graph captured into it and found weakly by the
+    engine (module docstring); a plain holder, so the weak reference never depends on
+    what the binding's type supports."""
+
+    __slots__ = ("__weakref__", "mem")
+
+    def __init__(self, mem: Any) -> None:
+        self.mem = mem
+
+
+def _release(graph: Any, pool: _Pool) -> None:
+    """The graph's use of its pool ends first (`reset`), then the graph's hold on the
+    MemPool (dropped when this returns): the MemPool's destructor, run by the last such
+    drop, finds the pool unused and empties its segments."""
+    graph.reset()
+
+
 class _CudaGraph:
-    def __init__(self, graph: Any, outputs: tuple[Any, ...]) -> None:
+    def __init__(self, graph: Any, outputs: tuple[Any, ...], pool: _Pool) -> None:
         self._graph = graph
         self.outputs = outputs
+        # Released in that order by reset(), or when the graph is gone unreset (its runner
+        # went with the compiled model), whatever order its attributes would be freed in;
+        # not at exit (the process frees it all).
+        self._release = weakref.finalize(self, _release, graph, pool)
+        self._release.atexit = False
 
     def replay(self) -> None:
         # cudaGraphLaunch on the current stream: the caller's, ordered after the device's
@@ -90,9 +142,9 @@ class _CudaGraph:
         self._graph.replay()
 
     def reset(self) -> None:
-        if self._graph is not None:
-            self._graph.reset()
+        # the outputs view pool memory: dropped before the pool may be
         self._graph, self.outputs = None, ()
+        self._release()  # once: a finalizer called or fired does nothing again
 
 
 class CudaGraphEngine:
@@ -100,7 +152,9 @@ class CudaGraphEngine:
 
     def __init__(self, warmup_iters: int = 1) -> None:
         self.warmup_iters = warmup_iters
-        self._pools: dict[int, Any] = {}
+        # weak: the graphs captured into a pool hold it (module docstring)
+        self._pools: weakref.WeakValueDictionary[int, _Pool] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
         self._streams: dict[int, CudaStreams] = {}
         self._capture_streams: dict[int, Any] = {}
 
@@ -115,13 +169,15 @@ class CudaGraphEngine:
             streams = self._streams[index] = CudaStreams(torch.device("cuda", index))
         return streams
 
-    def pool(self, device: Any) -> Any:
+    def pool(self, device: Any) -> _Pool:
+        """The device's pool: the one its live graphs share, or a new one when none lives."""
         index = self._index(device)
-        pool = self._pools.get(index)
-        if pool is None:
-            with torch.cuda.device(index):
-                pool = self._pools[index] = torch.cuda.MemPool()
-        return pool
+        with self._lock:
+            pool = self._pools.get(index)
+            if pool is None:
+                with torch.cuda.device(index):
+                    pool = self._pools[index] = _Pool(torch.cuda.MemPool())
+            return pool
 
     def guard(self, device: Any) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.device(self._index(device))
@@ -132,7 +188,7 @@ class CudaGraphEngine:
         for pool in list(self._pools.values()):
             # the segments only: MemPool.snapshot() would gather every block's stack trace
             total += sum(seg.get("total_size", 0)
-                         for seg in pool.snapshot(include_traces=False))
+                         for seg in pool.mem.snapshot(include_traces=False))
         return total
 
     def capture(self, fn: Fn, args: Sequence[Any], device: Any, warmup: bool = True) -> _CudaGraph:
@@ -157,9 +213,9 @@ class CudaGraphEngine:
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(index)  # as torch.cuda.graph's __enter__, without its cache flushes
             # The stream context restores the caller's stream even when capture_end raises.
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), _no_collection():
                 try:
-                    graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+                    graph.capture_begin(pool=pool.mem.id, capture_error_mode="thread_local")
                     try:
                         with recording(), torch.no_grad():
                             owned = tuple(fn(*args))
@@ -181,4 +237,4 @@ class CudaGraphEngine:
             outputs = tuple(made.setdefault(id(o), _unowned(o)) if isinstance(o, torch.Tensor)
                             and o.untyped_storage().data_ptr() not in held else o for o in owned)
             del owned
-        return _CudaGraph(graph, outputs)
+        return _CudaGraph(graph, outputs, pool)

@@ -12,7 +12,9 @@ rule of the runtime is broken (tests, and `cuda_graphs="emulate"`).
   capture: a runner that returns a static output without cloning it, or lets two
   pool-sharing graphs replay out of order, gives a wrong value on CPU. The arena is sized
   to each capture's working set (outputs plus the peak of live intermediates, measured
-  while capturing), so `pool_bytes` is what a CUDA pool would reserve.
+  while capturing), so `pool_bytes` is what a CUDA pool would reserve. As the CUDA engine's
+  MemPool (cudagraph/cuda.py), the pool is held by the graphs captured into it and only
+  found by the engine: it is freed once no graph uses it, and the next capture starts one.
 - Streams are HostStreams (cudagraph/streams.py): replays, copies and clones run only at
   synchronization points, in the order that exposes a missing wait.
 - A device guard: a capture must run under `guard(device)` for the graph's device, as a
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -126,10 +129,11 @@ class HostPool:
 
 class _HostGraph:
     def __init__(self, fn: Fn, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.UntypedStorage,
-                 blocks: list[tuple[int, torch.Tensor]], inference: bool) -> None:
+                 blocks: list[tuple[int, torch.Tensor]], inference: bool, pool: HostPool) -> None:
         self._fn: Fn | None = fn
         self._args = args
         self.outputs = outputs
+        self._pool: HostPool | None = pool  # the graphs captured into a pool keep it (module docstring)
         self._arena = arena  # kept alive: the blocks are views of it
         self._blocks = blocks  # (output index, its storage's bytes in the arena, as uint8)
         self._inference = inference  # the capture's mode: its pinned inputs may be inference tensors
@@ -147,7 +151,7 @@ class _HostGraph:
                 block.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
 
     def reset(self) -> None:
-        self._fn, self._args, self.outputs, self._arena, self._blocks = None, (), (), None, []
+        self._fn, self._args, self.outputs, self._arena, self._blocks, self._pool = None, (), (), None, [], None
 
 
 class HostReplayEngine:
@@ -159,7 +163,8 @@ class HostReplayEngine:
         """`devices`: the devices a test emulates, the first one current; the guard is then
         enforced. Without them (emulation) any device is accepted and no guard is needed."""
         self._devices = tuple(devices) if devices else ()
-        self._pools: dict[str, HostPool] = {}
+        # weak: the graphs captured into a pool hold it (module docstring)
+        self._pools: weakref.WeakValueDictionary[str, HostPool] = weakref.WeakValueDictionary()
         self._streams: dict[str, HostStreams] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -169,15 +174,21 @@ class HostReplayEngine:
         if self._devices and key not in self._devices:
             raise RuntimeError(f"host engine: no device {key} (devices: {', '.join(self._devices)})")
         with self._lock:
-            if key not in self._pools:
-                self._pools[key], self._streams[key] = HostPool(), HostStreams(key)
+            if key not in self._streams:
+                self._streams[key] = HostStreams(key)
         return key
 
     def streams(self, device: Any) -> HostStreams:
         return self._streams[self._key(device)]
 
     def pool(self, device: Any) -> HostPool:
-        return self._pools[self._key(device)]
+        """The device's pool: the one its live graphs share, or a new one when none lives."""
+        key = self._key(device)
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = HostPool()
+            return pool
 
     def pool_bytes(self) -> int:
         with self._lock:
@@ -220,7 +231,8 @@ class HostReplayEngine:
         for indices in groups.values():
             layout.append((indices, offset, fresh[indices[0]].untyped_storage().nbytes()))
             offset = _align(offset + layout[-1][2])
-        arena = self.pool(key).arena(max(offset, peak.peak))
+        pool = self.pool(key)
+        arena = pool.arena(max(offset, peak.peak))
         outputs = list(fresh)
         blocks = []
         for indices, start, nbytes in layout:
@@ -237,4 +249,4 @@ class HostReplayEngine:
                     made[id(out)] = with_view_bits(made[id(out)], view_bits(out))
                 outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
-        return _HostGraph(fn, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled())
+        return _HostGraph(fn, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool)

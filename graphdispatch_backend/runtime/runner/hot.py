@@ -63,7 +63,6 @@ def in_place(hot: Hot, args: Sequence[Any]) -> bool:
 class HotPath:
     # provided by GraphRunner (annotations only: nothing here shadows the runner's own)
     _hot: Hot | None
-    hot_replays: int
     _acquire: Callable[[], Any]  # the device lock's, bound once: cheaper than `with`
     _release: Callable[[], None]
     _streams: Any
@@ -75,10 +74,10 @@ class HotPath:
 
     def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
         """The replay of the entry the last replay served, when the pinned inputs are where
-        it read them: the call's outputs, counted in `hot_replays` (the graph's record adds
-        them to its calls and replays); or None, having done nothing (the caller takes the
-        slow path, `__call__`). A replay that raises is answered eagerly here, and said by
-        raising Answered (counted eager in the stats, not in `hot_replays`)."""
+        it read them: the call's outputs, counted in the stats' `hot_replays` (the graph's
+        record adds them to its calls and replays); or None, having done nothing (the caller
+        takes the slow path, `__call__`). A replay that raises is answered eagerly here, and
+        said by raising Answered (counted eager in the stats, not in `hot_replays`)."""
         hot = self._hot
         if hot is None:
             return None
@@ -101,7 +100,7 @@ class HotPath:
                     stats = self._stats
                     stats.replays += 1
                     stats.copy_bytes += nbytes
-                    self.hot_replays += 1
+                    stats.hot_replays += 1
                     if self._gates:
                         self._gates_replayed(entry)
                     return out

@@ -2,12 +2,16 @@
 
 StaticBuffers hold the moving inputs a captured graph reads. They are shared by every
 runner of a session by flat position, layout, alignment and grad mode, so 48 repeated
-pieces with one signature hold one buffer set, not 48. Each buffer keeps the caller's
-layout, gaps and all, and its alignment (the storage offset modulo 16 bytes), so kernels
-that choose a path by alignment (cuBLASLt, cuDNN, memory-efficient attention) see what
-eager saw; buffers made under inference mode are kept apart from the others (an inference
-tensor cannot be written outside it). Two kinds of input need more than their own
-elements (trees' `index_expanded_dims`, and `as_strided`):
+pieces with one signature hold one buffer set, not 48. The entries that captured with a
+buffer own it; StaticBuffers only finds it for the next capture (a weak reference), so a
+buffer is freed when the last entry using it is released (evicted, or gone with its
+runner when the compiled model is), and a later capture at that layout makes a new one.
+Each buffer keeps the caller's layout, gaps and all, and its alignment (the storage offset
+modulo 16 bytes), so kernels that choose a path by alignment (cuBLASLt, cuDNN,
+memory-efficient attention) see what eager saw; buffers made under inference mode are
+kept apart from the others (an inference tensor cannot be written outside it). Two kinds
+of input need more than their own elements (trees' `index_expanded_dims`, and
+`as_strided`):
 - an expanded input (stride 0 over a size > 1) keeps its strides: only the elements under
   the expansion are stored and copied;
 - an input the graph reads with `as_strided` (which may reach outside the view's own
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,7 +69,8 @@ def _aligned(shape: Sequence[int], stride: Sequence[int], like: torch.Tensor, al
 
 class StaticBuffers:
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        # weak values: the captured entries hold their buffers (see module docstring)
+        self._buffers: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -98,11 +104,14 @@ class StaticBuffers:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffers some captured entry still uses."""
         with self._lock:
             return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
 
     def __len__(self) -> int:
-        return len(self._buffers)
+        """Buffers some captured entry still uses."""
+        with self._lock:
+            return len(self._buffers)
 
 
 class InputPlan:

@@ -107,7 +107,6 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._key_positions: tuple[int, ...] | None = None
         self._keyless = False  # one shape key for good: no key is computed per call
         self._hot: Hot | None = None  # the entry the last replay served (keyless runners), see hot.py
-        self.hot_replays = 0  # calls replay_hot answered with a replay (counted under the device lock)
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
         self._param_positions: tuple[int, ...] = ()
         self._pick_params: Callable[[Sequence[Any]], Sequence[Any]] = lambda args: ()
@@ -120,6 +119,17 @@ class GraphRunner(HotPath, Publish, Transitions):
             self.__class__ = LockstepGraphRunner
         elif self._timing is not None:  # only then: the untimed hot path pays nothing for timing
             self.__class__ = TimedGraphRunner
+
+    @property
+    def stats(self) -> CudaGraphStats:
+        """The piece's counters, owned by its graph's record: the runner writes into them
+        (hot replays included), the report reads them, and they outlive the runner."""
+        return self._stats
+
+    @property
+    def hot_replays(self) -> int:
+        """Calls `replay_hot` answered with a replay (counted under the device lock)."""
+        return self._stats.hot_replays
 
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:

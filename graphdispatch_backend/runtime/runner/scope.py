@@ -6,6 +6,9 @@
   launches; the streams order the work on the device).
 - Static input buffers (runner/inputs.py), shared by every runner.
 - Timing, events and the `contain` boundary from backend.py.
+
+The runners hold their scope and the session only finds it (session.py): a scope, with its
+engine, pools and buffers, goes with the last runner that uses it.
 """
 
 from __future__ import annotations
