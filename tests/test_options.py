@@ -15,7 +15,7 @@ from graphdispatch_backend import Options, OptionsError
 
 VALID_KEYS = (
     "artifacts", "enable", "cuda_graphs", "warmup", "max_captures", "verify_inputs",
-    "speed_gate", "timing", "report_dir", "export_regions", "strict",
+    "speed_gate", "timing", "report_dir", "export_regions", "strict", "max_snapshot_bytes",
 )
 
 
@@ -43,7 +43,7 @@ def test_defaults():
     assert o.to_dict() == {
         "artifacts": [], "enable": None, "cuda_graphs": "auto", "warmup": 3, "max_captures": 8,
         "verify_inputs": 2, "speed_gate": False, "timing": "off", "report_dir": None,
-        "export_regions": False, "strict": False,
+        "export_regions": False, "strict": False, "max_snapshot_bytes": 256 * 2**20,
     }
 
 
