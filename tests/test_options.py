@@ -75,6 +75,8 @@ BAD_VALUES = [
     ("warmup", "3", "integer >= 1"),
     ("max_captures", 0, "integer >= 1"),
     ("max_captures", "8", "integer >= 1"),
+    ("max_snapshot_bytes", -1, "integer >= 0"),
+    ("max_snapshot_bytes", 1.5, "integer >= 0"),
     ("verify_inputs", 0, "integer >= 1"),
     ("verify_inputs", None, "integer >= 1"),
     ("speed_gate", 1, "True or False"),
