@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from graphdispatch_backend.passes import functional_writes
 from graphdispatch_backend.passes.context import PassContext, WriteOutcome
 from graphdispatch_backend.passes.reinplace import reinplace
 from graphdispatch_backend.testing import accounted_graphs, aten_graph, normalize, op_counts
@@ -234,8 +235,7 @@ def test_a_compiled_decode_step_writes_its_row_not_the_cache(cuda_graphs):
 
 
 def test_without_the_pass_the_cache_is_copied_whole(monkeypatch: pytest.MonkeyPatch):
-    module = sys.modules[reinplace.__module__]
-    monkeypatch.setattr(module, "in_place", lambda node: None)
-    monkeypatch.setattr(module, "_auto", lambda node: None)
+    monkeypatch.setattr(functional_writes, "in_place", lambda node: None)
+    monkeypatch.setattr(sys.modules[reinplace.__module__], "auto", lambda node: None)
     allocated = _decode_loop({"cuda_graphs": False, "warmup": 1})
     assert allocated >= 4096 * 64 * 4, allocated  # index_copy's new cache
