@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
@@ -69,6 +70,14 @@ def _fixed_shapes(piece: fx.GraphModule) -> bool:
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
             return False
     return True
+
+
+def generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """`gm`'s generated forward. A lazily recompiled GraphModule (what aot and Dynamo hand
+    over) has a stub `forward` until its first call, and the stub calls the module through
+    nn.Module's call machinery on every call (microseconds): compile it now, take the real one."""
+    _LazyGraphModule.force_recompile(gm)
+    return gm.forward
 
 
 def make_contain(strict: bool) -> Contain:
@@ -161,7 +170,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         # an autograd graph's check also compares the gradients of one backward
         gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
             if record.kind == "autograd" else None
-        compiled = EagerCheck(gm.forward, compiled, record, session.events, session.contain,
+        compiled = EagerCheck(generated_forward(gm), compiled, record, session.events, session.contain,
                               session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
                               builder.agreement, gradients)
     if session.exporter is None:
@@ -269,14 +278,14 @@ class _Builder:
         record.pieces = [p.to_dict() for p in ctx.pieces]
         record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
         # forward, not __call__: nn.Module's call machinery costs microseconds per call
-        run: Callable[..., Any] = gm.forward
+        run: Callable[..., Any] = generated_forward(gm)
         if scope is not None:
             if not ctx.split_reasons and ctx.pieces:
                 run = self._runner(scope, gm, ctx.pieces[0], device, record, suspects, agreement)
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
             if training and reason is None:
-                run = without_history(run, native.forward, self.session.events, record)
+                run = without_history(run, generated_forward(native), self.session.events, record)
         record.cuda_graph_reason = reason.value if reason else None
         record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
         # what runs instead: an autograd graph's lowered forward and backward, not the Dynamo graph
@@ -289,7 +298,7 @@ class _Builder:
             self.session.events.warn_once(
                 f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
                 record.name, reason.value, _DETAILS.get(reason), runs)
-        return CompiledGraph(run, native.forward, contract, record, self.session.timing, reason,
+        return CompiledGraph(run, generated_forward(native), contract, record, self.session.timing, reason,
                              lambda detail: self._contract_mismatch(record, detail),
                              guarded=self.guarded and role != "backward")
 
@@ -327,7 +336,7 @@ class _Builder:
         # A backward's inputs (saved tensors, gradients) pass no Dynamo guard: its runner
         # keys every call by layout and checks the layouts of what it reads in place.
         guarded = record.kind != "backward"
-        runner = GraphRunner(piece.forward, f"{record.name}.piece_{info.index}", scope, stats,
+        runner = GraphRunner(generated_forward(piece), f"{record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state,
                              input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
