@@ -172,7 +172,9 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
             if record.kind == "autograd" else None
         compiled = EagerCheck(generated_forward(gm), compiled, record, session.events, session.contain,
                               session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
-                              builder.agreement, gradients)
+                              builder.agreement, gradients,
+                              recheck="every" if session.options.timing == "shadow" else session.options.recheck,
+                              runners=builder.runners)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -199,6 +201,7 @@ class _Builder:
         self.mutated: list[int] | None = None
         self.write_plan: WritePlan | None = None  # where the forward writes them (passes/locate_writes.py)
         self.placeholders = 0  # the forward's placeholders
+        self.runners: list[GraphRunner] = []  # the forward's, in the order of its record's piece_stats
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
@@ -346,6 +349,8 @@ class _Builder:
                              wide=info.wide,
                              guarded=guarded, static_shapes=guarded and _fixed_shapes(piece),
                              agreement=agreement if info.collectives else None)
+        if record is self.record:
+            self.runners.append(runner)
         return call_target(runner, f"gd_piece_{info.index}")
 
     def _contract_mismatch(self, record: GraphRecord, detail: str) -> None:

@@ -17,6 +17,7 @@ from graphdispatch_backend.errors import OptionsError
 ENV_PREFIX = "GRAPHDISPATCH_"
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
 TIMING_MODES = ("off", "host", "sync", "shadow")
+RECHECK_MODES = ("doubling", "every")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -38,6 +39,9 @@ class Options:
     report_dir: where dispatch.json, timing.json and region exports go.
     export_regions: export every region for kernel authors at flush.
     strict: raise GraphDispatchError instead of falling back.
+    recheck: the calls checked against eager for the graph's whole life (runtime/schedule.py):
+        "doubling" (1st, 2nd, 4th, ... call of each shape key, then every ~1024, jittered),
+        an integer N (every Nth call) or "every".
     max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
         writes it at places graphdispatch cannot locate (runtime/world.py); located writes
         (a KV cache's rows) are snapshotted row by row, whatever this says.
@@ -46,7 +50,7 @@ class Options:
     artifacts: tuple[str, ...] = ()
     enable: tuple[str, ...] | None = None
     cuda_graphs: bool | str = "auto"
-    warmup: int = 3
+    warmup: int = 1
     max_captures: int = 8
     verify_inputs: int = 2
     speed_gate: bool = False
@@ -54,6 +58,7 @@ class Options:
     report_dir: str | None = None
     export_regions: bool = False
     strict: bool = False
+    recheck: str | int = "doubling"
     max_snapshot_bytes: int = 256 * 2**20
 
     @classmethod
@@ -126,6 +131,8 @@ def _from_env(key: str, text: str) -> Any:
             raise OptionsError(f"{ENV_PREFIX}{key.upper()}={text!r}: expected an integer") from None
     if key == "artifacts":
         return [p for p in text.split(os.pathsep) if p]
+    if kind == "recheck":
+        return int(text) if text.isdigit() else text
     if key == "enable":
         return text
     return text
@@ -143,6 +150,7 @@ _KINDS = {
     "report_dir": "path",
     "export_regions": "bool",
     "strict": "bool",
+    "recheck": "recheck",
     "max_snapshot_bytes": "int",
 }
 
@@ -164,6 +172,10 @@ def _validate(key: str, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         raise OptionsError(f"option 'cuda_graphs' must be one of {CUDA_GRAPH_MODES}, got {value!r}")
+    if key == "recheck":
+        if value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise OptionsError(f"option 'recheck' must be one of {RECHECK_MODES} or an integer >= 1, got {value!r}")
     if key == "timing":
         if value not in TIMING_MODES:
             raise OptionsError(f"option 'timing' must be one of {TIMING_MODES}, got {value!r}")

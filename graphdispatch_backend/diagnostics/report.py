@@ -133,6 +133,10 @@ class SubstitutionRecord:
     speed: dict[str, float] | None = None  # speed_gate: median ms of both
     shadow: dict[str, float] = dataclasses.field(default_factory=dict)  # timing="shadow"
     mutates: list[str] = dataclasses.field(default_factory=list)  # inputs the kernel writes in place
+    # demoted by a check of the whole graph (runtime/isolate.py): the call of its shape key that
+    # caught it, and the calls since the check before it, served unchecked
+    caught_at_call: int | None = None
+    unchecked_calls: int | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def to_dict(self) -> dict[str, Any]:

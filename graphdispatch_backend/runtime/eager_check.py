@@ -43,12 +43,14 @@ from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.gate import native_regions
+from graphdispatch_backend.runtime.isolate import ARTIFACT, CAPTURE, culprit
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare, compare_aliasing
 from graphdispatch_backend.runtime.prints import Printed, differs, take_print
+from graphdispatch_backend.runtime.schedule import Due
 from graphdispatch_backend.runtime.world import Region, World
 
-MAX_KEYS = 16  # shape keys of a dynamic graph that are checked; 0 turns the check off
+MAX_KEYS = 4096  # shape keys whose schedules are kept (past it they start over); 0 turns the check off
 
 Verdict = tuple[Decline, str] | None
 # agreement codes, the worst last: the largest code over the ranks is the agreed verdict
@@ -140,6 +142,8 @@ class EagerCheck:
         suspects: Sequence[str] = (),
         agreement: Agreement | None = None,
         gradients: GradientCheck | None = None,
+        recheck: str | int = "doubling",
+        runners: Sequence[Any] = (),
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -152,12 +156,18 @@ class EagerCheck:
         self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         self._dynamic = dynamic
-        self._counts: dict[tuple[Any, ...], int] = {}  # dynamic graphs: calls per shape key
-        self._calls = 0  # static graphs: one shape key (Dynamo guards the shapes)
+        self._recheck = recheck  # which calls are checked (runtime/schedule.py)
+        self._schedules: dict[tuple[Any, ...], Due] = {}  # dynamic graphs: per shape key
+        self._schedule = Due(recheck, record.name)  # static graphs: one shape key (Dynamo guards it)
         self._on = MAX_KEYS > 0
         self._declined: Decline | None = None
         self._timing = timing if timing.enabled else None
         self._gradients = gradients  # an autograd graph's: its backward is checked too
+        # an inference graph's pieces' runners (by the record's piece_stats): a mismatch is
+        # isolated (runtime/isolate.py) where ranks need not agree on every eager run
+        self._runners = tuple(runners)
+        self._isolates = gradients is None and agreement is None
+        self._n = self._previous = 0  # the checked call's number in its shape key, and the last check's
 
     def __call__(self, *args: Any) -> Any:
         if self._timing is not None:
@@ -174,18 +184,20 @@ class EagerCheck:
             return self._failed_later(args, exc)
 
     def _due(self, args: Sequence[Any]) -> bool:
-        """True on the 1st, 2nd, 4th, 8th, ... call of a shape key."""
-        if not self._dynamic:
-            n = self._calls = self._calls + 1
-            return n & (n - 1) == 0
-        key = layout_key(map(args.__getitem__, self._keyed))
-        n = self._counts.get(key)
-        if n is None:
-            if len(self._counts) >= MAX_KEYS:
-                return False
-            n = 0
-        n = self._counts[key] = n + 1
-        return n & (n - 1) == 0
+        """Whether this call is checked (the `recheck` schedule of its shape key)."""
+        due = self._schedule
+        if self._dynamic:
+            key = layout_key(map(args.__getitem__, self._keyed))
+            found = self._schedules.get(key)
+            if found is None:
+                if len(self._schedules) >= MAX_KEYS:
+                    self._schedules.clear()  # a bound on memory: the keys' schedules start over
+                found = self._schedules[key] = Due(self._recheck, f"{self._record.name}:{key}")
+            due = found
+        if due():
+            self._n, self._previous = due.n, due.previous
+            return True
+        return False
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -205,6 +217,7 @@ class EagerCheck:
         # Printed now, before the world goes back: an output may be a view of a written input.
         lean = self._gradients is None and self._agreement is None
         ref = _Reference(raw, args, lean, self._contain)
+        replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
         if exc is not None:
             self._record.called(False, Decline.CHECK_FAILED.value)  # the compiled graph never ran
@@ -233,17 +246,54 @@ class EagerCheck:
             else:
                 local = None
         verdict = self._settle(local, args, before, after, ref, forward)
+        isolated = False  # an artifact or a capture took the blame: eager's values answer, nothing else changes
+        if verdict is not None and verdict[0] is Decline.LOWERING_MISMATCH and forward and self._isolates:
+            verdict = self._isolate(args, before, after, ref, verdict, replays)
+            isolated = verdict is None
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
         if verdict is None:
             with self._record.lock:
                 self._record.eager_checks += 1
-            return out
+            if not isolated:
+                return out
         del out
         answer = ref.answer(self._eager, before, after, self._own)  # eager's outputs and world
+        if isolated:
+            return answer
         if verdict[0] is Decline.OUT_OF_MEMORY:  # memory was short this once: no verdict on the lowering
             return answer
         return self._verdict(*verdict, answer, None, gradients)
+
+    def _isolate(self, args: Sequence[Any], before: World, after: World, ref: _Reference,
+                 verdict: tuple[Decline, str], replays: list[int]) -> Verdict:
+        """The served call differed from eager, which agrees with itself: find the party at
+        fault (runtime/isolate.py). An artifact is demoted there, a capture declined here;
+        either way the graph keeps its lowering (None). The lowering's fault stays the
+        verdict. The world is left as eager left it."""
+        call = f"call {self._n} of {self._record.name}"
+        party, detail, demoted = culprit(self._compiled, args, before, after, ref.compare,
+                                         self._record.substitutions, call, self._contain)
+        unchecked = self._n - self._previous - 1  # served since the last check, which passed
+        message = (f"{self._record.name}: a served call differed from eager at {call}: the {party} was at fault; "
+                   f"the {unchecked} call(s) since the last check (call {self._previous}) were served unchecked")
+        for sub in demoted:
+            with sub.lock:
+                sub.caught_at_call, sub.unchecked_calls = self._n, unchecked
+        if party == ARTIFACT:
+            self._events.warn_once(f"culprit:{self._record.name}:{detail}", "graphdispatch: %s (%s); eager's values "
+                                   "answered it", message, detail)
+            return None
+        if party == CAPTURE:
+            now = [s.replays for s in self._record.piece_stats]
+            for runner, was, is_ in zip(self._runners, replays, now):
+                if is_ > was:  # it replayed in the checked call
+                    runner.distrust(Decline.VERIFY_MISMATCH, f"a replay differed from eager at {call}: "
+                                                             f"{verdict[1]}; {detail}")
+            self._events.warn_once(f"culprit:{self._record.name}:capture", "graphdispatch: %s; eager's values "
+                                   "answered it, and the pieces that replayed run eager", message)
+            return None
+        return verdict[0], f"{verdict[1]} (at {call}; {detail})" if detail else verdict[1]
 
     def _settle(self, local: Verdict, args: Sequence[Any], before: World, after: World,
                 ref: _Reference, forward: bool) -> Verdict:

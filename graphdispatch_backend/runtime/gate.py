@@ -24,6 +24,7 @@ sizes, so parity is checked per concrete shape.
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import threading
 import time
@@ -44,6 +45,18 @@ from graphdispatch_backend.runtime.world import Writes
 
 SPEED_REPEATS = 7
 _reference = threading.local()
+
+
+@contextlib.contextmanager
+def judging(call: str) -> Iterator[None]:
+    """Inside this block every gate that runs judges its artifact beside the native region
+    on these inputs (a demotion names `call`, and the inputs), and answers natively: the
+    eager check's culprit isolation (runtime/eager_check.py) runs the lowered graph so."""
+    _reference.judging = call
+    try:
+        yield
+    finally:
+        _reference.judging = None
 
 
 @contextlib.contextmanager
@@ -87,6 +100,7 @@ class ArtifactGate:
         kernel_inputs: Sequence[int] | None = None,
         writes: Writes | None = None,
         snapshot_limit: int | None = None,
+        input_names: Sequence[str] = (),
     ) -> None:
         if kernel_inputs is None:
             self._artifact = artifact
@@ -114,10 +128,14 @@ class ArtifactGate:
         # native and artifact side by side, each from the same state (runtime/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
         self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain)
+        self._names = tuple(input_names)  # the region's input names (for what a demotion says)
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:
             return self._run_native(inputs)
+        call = getattr(_reference, "judging", None)
+        if call is not None:
+            return self._judge_call(inputs, call)
         if self._tolerant and getattr(_reference, "on", False):
             return self._reference_call(inputs)
         key = layout_key(inputs)
@@ -159,6 +177,34 @@ class ArtifactGate:
             self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
             return None
         return outs
+
+    def _judge_call(self, inputs: Sequence[Any], call: str) -> Sequence[Any]:
+        """Inside judging(): the artifact beside native on this call's inputs; demoted if it
+        differs, naming the call and the inputs; the native outputs answer either way."""
+        with self._lock:
+            if self.demoted:
+                return self._run_native(inputs)
+            with self._record.lock:
+                self._record.gates += 1
+            o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity)
+            if o.unjudged is not None or o.native is None:
+                return o.native if o.native is not None else self._run_native(inputs)
+            verdict = self._verdict(layout_key(inputs), o, recheck=False)
+            self._contain(o.keep_native)
+            if verdict is not None:
+                reason, detail, mismatch = verdict
+                self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch)
+            return o.native
+
+    def _inputs(self, inputs: Sequence[Any]) -> str:
+        """The call's tensor inputs that are no parameters: name, shape, dtype, max |x|."""
+        said = []
+        for name, t in zip(self._names, inputs):
+            if isinstance(t, torch.Tensor) and re.fullmatch(r"input\d+", name or "input0"):
+                peak = f"{t.detach().abs().max().item():.4g}" if t.numel() and (
+                    t.is_floating_point() or t.is_complex()) else "-"
+                said.append(f"{name or '?'} {list(t.shape)} {str(t.dtype).replace('torch.', '')} max|x| {peak}")
+        return "; ".join(said) or "(parameters only)"
 
     def replayed(self) -> None:
         """The runner served one call of this region from a captured graph."""

@@ -71,15 +71,22 @@ def _where(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
+_CHUNK = 1 << 20  # elements: a mismatch's detail takes float64 copies of this much at a time
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> tuple[float | None, tuple[int, ...]]:
     first = _where(differ, a.shape)
     if a.dtype == torch.bool:
         return None, first
     wide = torch.complex128 if a.is_complex() else torch.float64
-    da, db = _resolved(a).to(wide), _resolved(b).to(wide)
-    finite = torch.isfinite(da) & torch.isfinite(db)
-    gap = (da - db).abs()[finite]  # complex: the modulus of the difference, not of |a| - |b|
-    return (float(gap.max()) if gap.numel() else None), first
+    flat_a, flat_b = _resolved(a).reshape(-1), _resolved(b).reshape(-1)
+    peak: float | None = None
+    for i in range(0, flat_a.numel(), _CHUNK):  # bounded memory, whatever the output's size
+        da, db = flat_a[i : i + _CHUNK].to(wide), flat_b[i : i + _CHUNK].to(wide)
+        gap = (da - db).abs()[torch.isfinite(da) & torch.isfinite(db)]  # complex: |a - b|, not |a| - |b|
+        if gap.numel():
+            peak = max(peak or 0.0, float(gap.max()))
+    return peak, first
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

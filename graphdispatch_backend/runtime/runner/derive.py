@@ -14,11 +14,13 @@ second set of moving-input values. A fixed prompt, `torch.ones(...)` or a seeded
 
 Integer and bool inputs that hold one repeated value have no derived set: when every
 moving input is like that, there is none, and the runner waits for distinct live values.
+Candidates are made one at a time, when the one before would not do: a verification holds
+one derived set at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -37,22 +39,47 @@ def _like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out.copy_(values)
 
 
-def permuted(t: torch.Tensor, salt: int) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
+def _fits(t: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """`out` (a static buffer) can take derived values of `t` in place, element for element."""
+    return (out is not None and out.shape == t.shape and out.dtype == t.dtype and out.is_contiguous()
+            and t.is_contiguous() and out.data_ptr() != t.data_ptr())
+
+
+def permuted(t: torch.Tensor, salt: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`t`'s elements shifted cyclically (flattened) by a pseudo-random offset of `salt`,
+    written into `out` where it fits (no copy besides), else into new memory."""
+    n = t.numel()
     gen = torch.Generator().manual_seed(_SEED + salt)
-    order = torch.randperm(flat.numel(), generator=gen).to(flat.device)
-    return _like(t, flat[order].reshape(t.shape))
+    shift = 1 + int(torch.randint(max(n - 1, 1), (1,), generator=gen))
+    if out is not None and _fits(t, out):
+        flat, dst = t.detach().reshape(-1), out.view(-1)
+        shift %= n
+        dst[shift:].copy_(flat[: n - shift])
+        dst[:shift].copy_(flat[n - shift :])
+        return out
+    rolled = torch.roll(t.detach().reshape(-1), shift).reshape(t.shape)
+    return rolled if rolled.stride() == t.stride() else _like(t, rolled)
 
 
-def derive(moving: Sequence[torch.Tensor], salt: int) -> list[list[torch.Tensor]]:
-    """Candidate derived sets for the moving inputs, in order of preference: each differs
-    from the live values in at least one input. Empty when no derivation changes anything."""
-    candidates: list[list[torch.Tensor]] = []
-    perm = [permuted(t, salt) if t.numel() > 1 else t for t in moving]
+def _doubled(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    if out is not None and _fits(t, out):
+        return torch.mul(t.detach(), 2, out=out)
+    return _like(t, t.detach() * 2)
+
+
+def derive(moving: Sequence[torch.Tensor], salt: int,
+           into: Sequence[torch.Tensor | None] | None = None) -> Iterator[list[torch.Tensor]]:
+    """Candidate derived sets for the moving inputs, in order of preference, made one at a
+    time: each differs from the live values in at least one input; none when no derivation
+    changes anything. `into`: the capture's static buffers, which take the derived values
+    where they fit (the verification then holds no copy of the inputs of its own)."""
+    outs = list(into) if into is not None else [None] * len(moving)
+    perm = [permuted(t, salt, o) if t.numel() > 1 else t for t, o in zip(moving, outs)]
     if any(p is not t and not bitwise_equal(p, t) for p, t in zip(perm, moving)):
-        candidates.append(perm)
-    doubled = [t.detach() * 2 if t.is_floating_point() or t.is_complex() else t for t in moving]
-    doubled = [_like(t, d) if d is not t else t for t, d in zip(moving, doubled)]
+        yield perm
+    del perm
+    doubled = [_doubled(t, o) for t, o in zip(moving, outs)]
     if any(d is not t and not bitwise_equal(d, t) for d, t in zip(doubled, moving)):
-        candidates.append(doubled)
-    return candidates
+        yield doubled

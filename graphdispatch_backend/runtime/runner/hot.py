@@ -25,6 +25,7 @@ import torch
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.calls import Answered
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.isolate import Isolation
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
 
@@ -71,6 +72,7 @@ class HotPath:
     _gates_changed: Callable[[Entry], bool]
     _gates_replayed: Callable[[Entry], None]
     _replay_failed: Callable[[Entry, Sequence[Any], BaseException], Sequence[Any]]
+    last_replayed: Entry | None
 
     def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
         """The replay of the entry the last replay served, when the pinned inputs are where
@@ -79,7 +81,7 @@ class HotPath:
         takes the slow path, `__call__`). A replay that raises is answered eagerly here, and
         said by raising Answered (counted eager in the stats, not in `hot_replays`)."""
         hot = self._hot
-        if hot is None:
+        if hot is None or Isolation.active:  # an isolation runs somewhere: the slow path decides
             return None
         entry, ptrs, pick, at, positions, nbytes = hot
         if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)
@@ -101,6 +103,7 @@ class HotPath:
                     stats.replays += 1
                     stats.copy_bytes += nbytes
                     stats.hot_replays += 1
+                    self.last_replayed = entry
                     if self._gates:
                         self._gates_replayed(entry)
                     return out

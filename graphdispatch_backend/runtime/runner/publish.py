@@ -1,6 +1,7 @@
 """Verify before publish: a captured entry becomes verified, or gets its verdict.
 
-    captured --(replay == eager, bit for bit, on `verify_inputs` distinct input sets)--> verified
+    captured --(replay == eager, bit for bit, on `verify_inputs` distinct input sets: the
+                capture call's own, then sets derived from them in the same call)--> verified
              --(a mismatch, a failed replay, an artifact demoted, another rank's verdict)--> declined
              --(the caller repeats the verified values)--> a derived set (runner/derive.py),
                or, after NOT_DISTINCT_LIMIT such calls without one, verify_not_distinct
@@ -59,14 +60,22 @@ class Publish:
                                                 lambda a: self._eager(a, Decline.VERIFYING))
         return self._conclude(entry, args, expected, verdict)
 
-    def _verify_derived(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
-        """The caller repeats the verified values: verify on a set derived from them."""
-        expected = self._eager(args, Decline.VERIFYING)
-        verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
-                                               salt=entry.verified)
+    def _verify_derived(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any] | None = None
+                        ) -> Sequence[Any]:
+        """Verify on a set derived from the live values: the caller repeats the verified
+        ones, or (`expected`: this call's eager answer) the capture call verifies at once."""
+        at_capture = expected is not None
+        if expected is None:
+            expected = self._eager(args, Decline.VERIFYING)
+        with self._device.lock:  # the derived values sit in the static buffers other replays share
+            verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
+                                                   salt=entry.verified)
         if self._agree(2 if verdict is NO_SET else int(verdict is not None)) == 2:
             verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
         if verdict is NO_SET:
+            if at_capture:  # no derived set: the next call's distinct values verify instead
+                self._keep_live(entry, args)
+                return expected
             entry.waits += 1
             if entry.waits > NOT_DISTINCT_LIMIT:
                 self._decline(entry, Decline.VERIFY_NOT_DISTINCT, (
@@ -102,15 +111,23 @@ class Publish:
         if entry.verified >= self._verify_inputs:
             entry.state, entry.last_inputs = State.VERIFIED, None
             self._set_state()
+        elif entry.verified == 1 and live:
+            # the capture call: the other sets are derived from its values now, so the next call
+            # replays (a new shape key's first replay is its warmup + 2nd call)
+            return self._verify_derived(entry, args, expected)
         elif live:
-            # a fingerprint of each moving input, not a copy: one hidden state kept per compiled
-            # block until its next call would be the whole model's activations (runtime/digest.py)
-            last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
-            if exc is not None:
-                self._decline(entry, Decline.CHECK_FAILED,
-                              f"fingerprinting the verified inputs raised {type(exc).__name__}")
-            entry.last_inputs = last
+            self._keep_live(entry, args)
         return expected
+
+    def _keep_live(self, entry: Entry, args: Sequence[Any]) -> None:
+        """Wait for distinct live values: keep a fingerprint of each moving input, not a
+        copy (one hidden state kept per compiled block until its next call would be the
+        whole model's activations; runtime/digest.py)."""
+        last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
+        if exc is not None:
+            self._decline(entry, Decline.CHECK_FAILED,
+                          f"fingerprinting the verified inputs raised {type(exc).__name__}")
+        entry.last_inputs = last
 
     def _serve_locked(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
         with self._device.lock:

@@ -39,6 +39,7 @@ from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.calls import mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
@@ -113,6 +114,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         # the piece holds collectives (NCCL, captured inside): every rank keeps one schedule
         self._agreement = agreement
         self._pending: tuple[Decline, str] | None = None  # a verdict waiting for the next agreement
+        self.last_replayed: Entry | None = None  # what a checked call blames (runtime/isolate.py)
         self._calls = 0
         self._fresh = 0  # calls in a row that brought a new shape key
         if agreement is not None:
@@ -133,10 +135,22 @@ class GraphRunner(HotPath, Publish, Transitions):
 
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:
+        if Isolation.active and isolating_here():  # runtime/isolate.py: the piece, eagerly, uncounted
+            return self._fn(*args)
         hot = self._hot
         if hot is not None and in_place(hot, args):
             return self._replay(hot[0], args)
         return self._dispatch(args)
+
+    def distrust(self, reason: Decline, detail: str) -> None:
+        """A checked call's replay of this piece differed from eager (runtime/isolate.py):
+        the entry that served it declines."""
+        entry = self.last_replayed
+        if entry is None or entry.state is not State.VERIFIED:
+            return
+        with self._lock:
+            self._hot = None
+            self._decline(entry, reason, detail)
 
     def _dispatch(self, args: Sequence[Any], key: tuple[Any, ...] | None = None) -> Sequence[Any]:
         key = self._key(args) if key is None else key
@@ -276,6 +290,7 @@ class GraphRunner(HotPath, Publish, Transitions):
                 else:
                     stats = self._stats
                     stats.replays += 1  # under the device lock: no other replay counts meanwhile
+                    self.last_replayed = entry
                     stats.copy_bytes += entry.copy_bytes
                     if self._gates:
                         self._gates_replayed(entry)
@@ -360,6 +375,8 @@ class TimedGraphRunner(GraphRunner):
     `shape_key` phase."""
 
     def __call__(self, *args: Any) -> Sequence[Any]:
+        if Isolation.active and isolating_here():
+            return self._fn(*args)
         timing = self._timing
         assert timing is not None
         start = timing.now()
