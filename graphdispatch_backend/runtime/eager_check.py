@@ -275,8 +275,9 @@ class EagerCheck:
         party, detail, demoted = culprit(self._compiled, args, before, after, ref.compare,
                                          self._record.substitutions, call, self._contain)
         unchecked = self._n - self._previous - 1  # served since the last check, which passed
-        message = (f"{self._record.name}: a served call differed from eager at {call}: the {party} was at fault; "
-                   f"the {unchecked} call(s) since the last check (call {self._previous}) were served unchecked")
+        message = f"{self._record.name}: a served call differed from eager at {call}: the {party} was at fault"
+        if self._previous:
+            message += f"; the {unchecked} call(s) since the last check (call {self._previous}) were served unchecked"
         for sub in demoted:
             with sub.lock:
                 sub.caught_at_call, sub.unchecked_calls = self._n, unchecked

@@ -56,26 +56,32 @@ class Publish:
                 return self._refuse(entry, args, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
             if self._agree(int(repeats)):  # one rank repeating its values: every rank derives a set
                 return self._verify_derived(entry, args)
+        derived: Verdict = NO_SET
+        printed: list[Any] = []
+        if first and self._verify_inputs > 1 and entry.moving:
+            # the capture call verifies a set derived from its values too, so the next call
+            # replays; derived first, while the call's own answer is not held yet
+            derived = self._verifier.judge_derived(entry.moving, args, None, lambda a: self._serve_locked(entry, a),
+                                                   salt=0, printed=printed)
+            if self._agree(2 if derived is NO_SET else int(derived is not None)) == 2:
+                derived = NO_SET  # some rank has no derived set: every rank waits for distinct values
         expected, verdict = self._verifier.live(args, lambda a: self._serve_locked(entry, a),
                                                 lambda a: self._eager(a, Decline.VERIFYING))
-        return self._conclude(entry, args, expected, verdict)
+        if derived is None and printed and not self._verifier.tells(printed[-1], expected, args):
+            derived = NO_SET  # the derived set's outputs are the live ones: it verified nothing more
+        out = self._conclude(entry, args, expected, verdict)
+        if verdict is None and derived is not NO_SET and entry.state is State.CAPTURED:
+            return self._conclude(entry, args, expected, derived, live=False)
+        return out
 
-    def _verify_derived(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any] | None = None
-                        ) -> Sequence[Any]:
-        """Verify on a set derived from the live values: the caller repeats the verified
-        ones, or (`expected`: this call's eager answer) the capture call verifies at once."""
-        at_capture = expected is not None
-        if expected is None:
-            expected = self._eager(args, Decline.VERIFYING)
-        with self._device.lock:  # the derived values sit in the static buffers other replays share
-            verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
-                                                   salt=entry.verified)
+    def _verify_derived(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
+        """The caller repeats the verified values: verify on a set derived from them."""
+        expected = self._eager(args, Decline.VERIFYING)
+        verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
+                                               salt=entry.verified)
         if self._agree(2 if verdict is NO_SET else int(verdict is not None)) == 2:
             verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
         if verdict is NO_SET:
-            if at_capture:  # no derived set: the next call's distinct values verify instead
-                self._keep_live(entry, args)
-                return expected
             entry.waits += 1
             if entry.waits > NOT_DISTINCT_LIMIT:
                 self._decline(entry, Decline.VERIFY_NOT_DISTINCT, (
@@ -111,12 +117,8 @@ class Publish:
         if entry.verified >= self._verify_inputs:
             entry.state, entry.last_inputs = State.VERIFIED, None
             self._set_state()
-        elif entry.verified == 1 and live:
-            # the capture call: the other sets are derived from its values now, so the next call
-            # replays (a new shape key's first replay is its warmup + 2nd call)
-            return self._verify_derived(entry, args, expected)
         elif live:
-            self._keep_live(entry, args)
+            self._keep_live(entry, args)  # the next call's distinct values verify again
         return expected
 
     def _keep_live(self, entry: Entry, args: Sequence[Any]) -> None:

@@ -53,6 +53,11 @@ class Verifier:
         same, exc = self._contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
         return None if exc is not None else bool(same)
 
+    def tells(self, printed: Printed, outputs: Sequence[Any], args: Sequence[Any]) -> bool:
+        """A derived set's outputs (printed) differ from the live ones: it tested something."""
+        told, exc = self._contain(lambda: differs(printed, list(outputs), args) is not None)
+        return bool(told) if exc is None else False
+
     def live(self, args: Sequence[Any], serve: Callable[[Sequence[Any]], Sequence[Any]],
              eager: Callable[[Sequence[Any]], Sequence[Any]]) -> tuple[Sequence[Any], Verdict]:
         """A replay on the live inputs, then the user's own eager run (which answers the
@@ -128,19 +133,24 @@ class Verifier:
         detail, _ = self._contain(replay)
         return detail
 
-    def judge_derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any], live: Sequence[Any],
-                      serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int) -> Verdict:
+    def judge_derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
+                      live: Sequence[Any] | None, serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int,
+                      printed: list[Printed] | None = None) -> Verdict:
         """Verify on a set derived from the live moving inputs (see module docstring);
-        NO_SET when none could be made or eager raised on it. The world is left as it was."""
-        verdict, exc = self._contain(lambda: self._derived(moving, args, live, serve, salt))
+        NO_SET when none could be made or eager raised on it. The world is left as it was.
+        Without `live` (the capture call, before its live run), the derived eager outputs'
+        print goes into `printed`: the caller tells afterwards whether they differ from the
+        live ones (outputs that ignore the change would hide a stale read)."""
+        verdict, exc = self._contain(lambda: self._derived(moving, args, live, serve, salt, printed))
         if exc is not None:
             return unsnapshotted(exc, "a derived verification set")
         return verdict
 
-    def _derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any], live: Sequence[Any],
-                 serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int) -> Verdict:
-        # made one at a time, into the capture's static buffers where they fit
-        candidates = derive([args[pos] for pos, _ in moving], salt, [buf for _, buf in moving])
+    def _derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
+                 live: Sequence[Any] | None, serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int,
+                 printed: list[Printed] | None) -> Verdict:
+        # made one at a time, in memory of their own: the replay copies them in as any call's
+        candidates = derive([args[pos] for pos, _ in moving], salt)
         values = next(candidates, None)
         while values is not None:
             derived = list(args)
@@ -152,12 +162,14 @@ class Verifier:
                     expected, exc = self._contain(lambda: self._fn(*derived))  # noqa: B023 (run at once)
                 if exc is not None:  # eager rejects these values (a data-dependent check)
                     return NO_SET
-                if not _differs(expected, live):  # the outputs ignore this change: a stale read would hide
+                if live is not None and not _differs(expected, live):  # outputs ignore the change: a stale read hides
                     following = next(candidates, None)
                     if following is not None:
                         values = following
                         continue
                 expected = take_print(expected, derived)  # freed before the replay runs
+                if printed is not None:
+                    printed.append(expected)
                 eager_after = before.swap()
                 replayed = serve(derived)
                 replay_state = eager_after.swap()
