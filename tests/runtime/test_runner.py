@@ -132,10 +132,11 @@ def test_block_stack_replays_after_warmup_and_verification():
     run_checked(emulate(model), model, inputs)
     graph = only_graph()
     cg = graph["cuda_graph"]
-    # 3 warmups, the capture call verifies (1), one more distinct input set verifies (2), then replays
+    # 1 warmup (the default), the capture call verifies on its live inputs and on a set derived
+    # from them (both in that call), then replays
     assert cg["state"] == "verified"
-    assert (cg["captures"], cg["replays"], cg["eager_calls"]) == (1, 2, 5)
-    assert cg["eager_by_reason"] == {"warmup": 3, "verifying": 2}
+    assert (cg["captures"], cg["replays"], cg["eager_calls"]) == (1, 5, 2)
+    assert cg["eager_by_reason"] == {"warmup": 1, "verifying": 1}
     assert graph["calls"] == 7 == cg["replays"] + cg["eager_calls"]
     assert cg["declines"] == {}
     assert cg["static_bytes"] > 0
@@ -150,9 +151,10 @@ def test_direct_runner_state_machine_counts():
         assert same(runner(x, w), affine(x, w))
         states.append(stats.state)
     assert states[:3] == ["warming"] * 3
-    assert states[3] == "captured" and states[4:] == ["verified"] * 4
-    assert (stats.captures, stats.replays) == (1, 3)
-    assert stats.eager_by_reason == {"warmup": 3, "verifying": 2}
+    # the capture call verifies live and derived inputs in the same call: verified at once
+    assert states[3:] == ["verified"] * 5
+    assert (stats.captures, stats.replays) == (1, 4)
+    assert stats.eager_by_reason == {"warmup": 3, "verifying": 1}
     assert_stats_accounted(stats, 8)
 
 
@@ -164,7 +166,7 @@ def test_outputs_returned_never_change_when_later_calls_replay():
     snapshots = [o.clone() for o in outs]
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(3)])  # more replays overwrite static outputs
     assert all(torch.equal(o, s) for o, s in zip(outs, snapshots))
-    assert only_graph()["cuda_graph"]["replays"] == 4 + 3
+    assert only_graph()["cuda_graph"]["replays"] == 5 + 3  # 2 warmups, the capture call verifies, 5 replays
 
 
 # -- scalar inputs are constants in the key -----------------------------------------------
@@ -215,7 +217,7 @@ def test_dynamic_int_through_compile_is_keyed_not_baked():
     (piece,) = graph["pieces"]
     assert piece["cuda_graph"]["shape_keys"] == 2
     assert graph["cuda_graph"]["captures"] == 2
-    assert graph["cuda_graph"]["replays"] == 4  # the 5th call of each n, and the last two
+    assert graph["cuda_graph"]["replays"] == 6  # the 4th and 5th call of each n, and the last two
 
 
 # -- tensors that move, restride or get reallocated -----------------------------------------
@@ -271,13 +273,13 @@ def test_moved_parameter_through_compile_is_correct_and_captured_anew():
     model = linear_stack(depth=1)
     compiled = emulate(model, warmup=2)
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
-    assert only_graph()["cuda_graph"]["replays"] == 2
+    assert only_graph()["cuda_graph"]["replays"] == 3  # 2 warmups, the capture call verifies, 3 replays
     model[0].lin.weight.data = torch.randn(8, 8)  # FSDP2 reshard / offload: a new storage under the graph
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
     cg = only_graph()["cuda_graph"]
     # the new parameter set is its own entry: warmed, captured and verified again, never replayed stale
     assert cg["captures"] == 2
-    assert cg["replays"] == 4
+    assert cg["replays"] == 6
 
 
 def test_blocks_sharing_one_graph_each_capture():
@@ -304,7 +306,7 @@ def test_blocks_sharing_one_graph_each_capture():
     graph = only_graph()
     cg = graph["cuda_graph"]
     assert cg["captures"] == 3 and cg["declines"] == {}
-    assert cg["replays"] == 3 * 2
+    assert cg["replays"] == 3 * 3  # per block: 2 warmups, the capture call verifies, 3 replays
     (piece,) = graph["pieces"]
     assert piece["cuda_graph"]["shape_keys"] == 1
 
@@ -447,7 +449,7 @@ def test_keys_that_only_warm_do_not_evict_the_captured_ones():
     cg = graph["cuda_graph"]
     assert cg["captures"] == 2 and cg["declines"] == {}
     assert cg["eager_by_reason"]["warmup"] == 2 + 2 + 3  # batch 2, 3, then 4 twice and 5: warming
-    assert cg["replays"] == 4  # batch 2 and 3 go on replaying
+    assert cg["replays"] == 6  # batch 2 and 3 replay twice each (their 4th, 5th call), and go on replaying
     assert graph["pieces"][0]["cuda_graph"]["shape_keys"] == 4
     assert graph["pieces"][0]["cuda_graph"]["evictions"] == 0
 
@@ -520,8 +522,8 @@ def test_a_shape_key_new_on_every_call_is_shape_churn_not_warmup():
     assert cg["declines"] == {"shape_churn": 1}
     assert cg["decline_details"]["shape_churn"].endswith("the keys differ in `x`")  # not its size symbol too
     # length 5 again (its first call was during the churn): one more warmup call, the capture's
-    # call (verified against eager), then replays (the second verification's served from one)
-    assert cg["replays"] == 8 - 3 and cg["captures"] == 1
+    # call (verified against eager on its live inputs and a set derived from them), then replays
+    assert cg["replays"] == 8 - 2 and cg["captures"] == 1
 
 
 def test_a_python_number_new_on_every_call_is_churn_that_says_so():
@@ -580,8 +582,8 @@ def test_training_graph_captures_its_forward_and_backward():
         assert torch.equal(p.grad, q.grad)
     graph = only_graph()
     assert graph["kind"] == "autograd"
-    assert graph["cuda_graph"]["eager_by_reason"] == {"warmup": 3, "verifying": 2}
-    assert graph["cuda_graph"]["replays"] == 3 and graph["backward"]["cuda_graph"]["replays"] > 0
+    assert graph["cuda_graph"]["eager_by_reason"] == {"warmup": 1, "verifying": 1}
+    assert graph["cuda_graph"]["replays"] == 6 and graph["backward"]["cuda_graph"]["replays"] > 0
 
 
 def test_non_tensor_output_declines():
@@ -660,12 +662,14 @@ def test_replay_failing_after_verification_declines_and_answers_eagerly():
     runner, stats = make_runner(affine, warmup=2, verify_inputs=2, engine=_FailsWhenServing(good_replays=3))
     w = torch.randn(4, 4)
     keep = [torch.randn(3, 4) for _ in range(9)]
-    for x in keep:  # 2 warmups, 2 verifying calls, 1 served replay, then the fault
+    # 2 warmups, the capture call verifying (2 good replays: the derived set's and the live
+    # one), 1 served replay, then the fault
+    for x in keep:
         assert same(runner(x, w), affine(x, w))
     assert stats.replays == 1
     assert stats.declines == {"replay_failed": 1}
     assert "device fault on replay" in stats.decline_details["replay_failed"]
-    assert stats.eager_by_reason["replay_failed"] == 4  # the failing call and every later one
+    assert stats.eager_by_reason["replay_failed"] == 5  # the failing call and every later one
     assert stats.state == "eager"
     assert_stats_accounted(stats, len(keep))
 
@@ -676,11 +680,11 @@ def test_replay_failing_after_verification_raises_under_strict():
     scope = RuntimeScope(_FailsWhenServing(good_replays=2), Timing(), Events(), make_contain(True))
     runner, _ = make_runner(affine, warmup=2, verify_inputs=2, scope=scope)
     w = torch.randn(4, 4)
-    keep = [torch.randn(3, 4) for _ in range(5)]
-    for x in keep[:4]:
+    keep = [torch.randn(3, 4) for _ in range(4)]
+    for x in keep[:3]:  # 2 warmups, the capture call verifying (its 2 good replays)
         runner(x, w)
     with pytest.raises(GraphDispatchError, match="device fault on replay"):
-        runner(keep[4], w)
+        runner(keep[3], w)  # the first served replay
 
 
 def test_capture_failed_through_compile_keeps_outputs_right(monkeypatch):
@@ -699,7 +703,8 @@ def test_verify_mismatch_declines():
         assert same(runner(x), (x * 2 + 1,))  # a verifying call answers with eager's output
     assert stats.declines == {"verify_mismatch": 1}
     assert "bits differ" in stats.decline_details["verify_mismatch"]
-    assert stats.eager_by_reason == {"warmup": 2, "verifying": 2, "verify_mismatch": 2}
+    # caught at the capture call, by the set derived from its inputs: the 3 later calls run eager
+    assert stats.eager_by_reason == {"warmup": 2, "verifying": 1, "verify_mismatch": 3}
     assert stats.replays == 0
 
 
@@ -761,9 +766,9 @@ def test_artifact_demoted_during_replay_is_recaptured_through_compile(tmp_path, 
     monkeypatch.delenv("GD_TEST_KERNEL_FAIL", raising=False)
     compiled = emulate(model, artifacts=str(tmp_path), warmup=2)
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
-    assert only_graph()["cuda_graph"]["replays"] == 2
+    assert only_graph()["cuda_graph"]["replays"] == 3
     monkeypatch.setenv("GD_TEST_KERNEL_FAIL", "1")  # the artifact raises inside the next replay: demoted
-    # replay (served native by the gate), artifact_demoted, 2 warmups, capture + 2 verifies, replay
+    # replay (served native by the gate), artifact_demoted, 2 warmups, the capture call (verifies), 2 replays
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(7)])
     graph = only_graph()
     (sub,) = graph["substitutions"]
@@ -771,7 +776,7 @@ def test_artifact_demoted_during_replay_is_recaptured_through_compile(tmp_path, 
     cg = graph["cuda_graph"]
     assert cg["eager_by_reason"]["artifact_demoted"] == 1
     assert cg["recaptures"] == 1 and cg["captures"] == 2
-    assert cg["replays"] == 2 + 1 + 1  # the demoting replay served native; one more after re-capture
+    assert cg["replays"] == 3 + 1 + 2  # the demoting replay served native; two more after re-capture
 
 
 class _Tupled(nn.Module):

@@ -2,8 +2,9 @@
 
 Callers that build the same values anew every call (a fixed prompt, `torch.ones`, a seeded
 `randn`) never supply a second distinct input set: the runner derives one from the live
-values. These tests show such loops replay from call warmup + verify_inputs + 1, bitwise,
-and that a replay right only on its capture inputs is still caught, with repeated and with
+values (a cyclic shift of their elements, or doubled), and the capture call verifies on it
+besides its own. These tests show such loops replay from call warmup + 2, bitwise, and
+that a replay right only on its capture inputs is still caught, with repeated and with
 varying values; an eager that rejects the derived values falls back to waiting.
 """
 
@@ -74,28 +75,41 @@ def test_permutation_keeps_the_values_and_the_layout():
     assert not torch.equal(permuted(ids, salt=1), out)  # another salt, another set
 
 
+def test_derived_sets_keep_the_inputs_alignment():
+    # eager on the derived set must take the path the replay's static buffer (which keeps
+    # the caller's alignment mod 16) does: kernels choose vectorized paths by it
+    for offset in (1, 2, 3):
+        x = torch.randn(40)[offset:]
+        for values in derive([x], salt=0):
+            assert values[0].data_ptr() % 16 == x.data_ptr() % 16 and values[0].stride() == x.stride()
+        ones = torch.ones(40)[offset:]
+        doubled = next(derive([ones], salt=0))
+        assert doubled[0].data_ptr() % 16 == ones.data_ptr() % 16
+
+
 def test_single_valued_float_is_doubled_and_single_valued_int_has_no_set():
     (doubled,) = derive([torch.ones(3, 4)], salt=0)
     assert torch.equal(doubled[0], torch.full((3, 4), 2.0))
-    assert derive([torch.full((5,), 7, dtype=torch.int64)], salt=0) == []
-    assert derive([torch.zeros(5, dtype=torch.bool)], salt=0) == []
-    assert derive([torch.zeros(4)], salt=0) == []  # zero doubles to zero
+    # derive makes its candidates one at a time (a generator): none at all here
+    assert list(derive([torch.full((5,), 7, dtype=torch.int64)], salt=0)) == []
+    assert list(derive([torch.zeros(5, dtype=torch.bool)], salt=0)) == []
+    assert list(derive([torch.zeros(4)], salt=0)) == []  # zero doubles to zero
 
 
 # -- the runner ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("values", ["randn", "ones", "arange"])
-def test_repeated_values_replay_from_warmup_plus_verify_plus_one(values):
+def test_repeated_values_replay_from_warmup_plus_two(values):
     runner, stats = make_runner(affine, warmup=3, verify_inputs=2)
     w = torch.randn(4, 4)
     make = {"randn": lambda: torch.randn(3, 4, generator=torch.Generator().manual_seed(7)),
             "ones": lambda: torch.ones(3, 4),
             "arange": lambda: torch.arange(12.0).reshape(3, 4)}[values]
     replayed = run_loop(runner, affine, lambda: (make(), w), 12)
-    assert replayed.index(True) == 3 + 2  # call 6: warmup 3, capture + verify, derived verify
-    assert all(replayed[5:])
-    assert stats.declines == {} and stats.eager_by_reason == {"warmup": 3, "verifying": 2}
+    assert replayed.index(True) == 3 + 1  # call 5: warmup 3, then the capture call verifies live + derived
+    assert all(replayed[4:])
+    assert stats.declines == {} and stats.eager_by_reason == {"warmup": 3, "verifying": 1}
 
 
 def test_repeated_integer_ids_are_permuted_not_invented():
@@ -152,7 +166,7 @@ def test_a_replay_right_only_on_its_capture_inputs_is_caught(repeated):
 
 
 def test_eager_that_rejects_the_derived_values_falls_back_to_waiting():
-    """A data-dependent check: the first element must stay the largest. Any permutation of the
+    """A data-dependent check: the first element must stay the largest. Any cyclic shift of the
     live values breaks it, so eager raises on the derived set: contained, the runner waits for
     distinct live values, and a distinct call then verifies."""
     def checked(x: torch.Tensor) -> tuple[torch.Tensor]:
@@ -192,4 +206,5 @@ def test_a_module_that_updates_a_buffer_in_forward_replays():
             assert same(compiled(x), ref(x)), f"call {i + 1}"
             assert torch.equal(model.steps, ref.steps)
     cg = graphdispatch_backend.latest_report()["graphs"][0]["cuda_graph"]
-    assert cg["replays"] == 12 - (3 + 2) and cg["eager_calls"] == 5 and cg["declines"] == {}
+    # 3 warmups, the capture call verifies (x doubled is its derived set), then replays
+    assert cg["replays"] == 12 - (3 + 1) and cg["eager_calls"] == 4 and cg["declines"] == {}

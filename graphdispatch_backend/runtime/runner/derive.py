@@ -6,16 +6,18 @@ kernel that reads a stale address, a host-side cache): verification therefore ne
 second set of moving-input values. A fixed prompt, `torch.ones(...)` or a seeded
 `torch.randn(...)` per call never supplies one, so the runner derives it:
 
-1. a permutation of each moving input's elements (a fixed pseudo-random one per salt, from
-   a private generator: the user's RNG is untouched): token ids, positions, masks and
-   indices stay valid, since every value stays one the input already held;
-2. floating inputs that hold one repeated value are unchanged by any permutation: they are
+1. each moving input's elements shifted cyclically (flattened) by a pseudo-random offset
+   per salt, from a private generator (the user's RNG is untouched): token ids,
+   positions, masks and indices stay valid, since every value stays one the input
+   already held;
+2. floating inputs that hold one repeated value are unchanged by any shift: they are
    doubled instead (exact in binary floating point, sign and zeros kept).
 
 Integer and bool inputs that hold one repeated value have no derived set: when every
 moving input is like that, there is none, and the runner waits for distinct live values.
 Candidates are made one at a time, when the one before would not do: a verification holds
-one derived set at a time.
+one derived set at a time. Each lies in memory of its own with its input's strides and
+alignment (mod 16 bytes), so eager on it takes the path the replay's static buffer does.
 """
 
 from __future__ import annotations
@@ -26,60 +28,48 @@ import torch
 
 from graphdispatch_backend.runtime.contract import writable_layout
 from graphdispatch_backend.runtime.parity import bitwise_equal
+from graphdispatch_backend.runtime.runner.inputs import ALIGN, aligned_empty
 
 _SEED = 0x5EED
 
 
 def _like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`values` (contiguous, t's shape) laid out with t's strides where that can be written."""
+    """`values` (contiguous, t's shape) laid out with t's strides where that can be written,
+    at t's alignment: kernels choose their path by it (vectorized loads, cuBLASLt), and the
+    replay reads a static buffer that keeps the caller's alignment, so eager on the derived
+    set must see the same one."""
     if writable_layout(t):
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        stride = t.stride()
     else:  # an expanded view: its elements share memory, so no new values fit its strides
-        out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    return out.copy_(values)
+        stride = torch.empty(t.shape, device="meta").stride()
+    return aligned_empty(t.shape, stride, t, t.data_ptr() % ALIGN).copy_(values)
 
 
-def _fits(t: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """`out` (a static buffer) can take derived values of `t` in place, element for element."""
-    return (out is not None and out.shape == t.shape and out.dtype == t.dtype and out.is_contiguous()
-            and t.is_contiguous() and out.data_ptr() != t.data_ptr())
-
-
-def permuted(t: torch.Tensor, salt: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`t`'s elements shifted cyclically (flattened) by a pseudo-random offset of `salt`,
-    written into `out` where it fits (no copy besides), else into new memory."""
+def permuted(t: torch.Tensor, salt: int) -> torch.Tensor:
+    """`t`'s elements shifted cyclically (flattened) by a pseudo-random offset of `salt`."""
     n = t.numel()
     gen = torch.Generator().manual_seed(_SEED + salt)
     shift = 1 + int(torch.randint(max(n - 1, 1), (1,), generator=gen))
-    if out is not None and _fits(t, out):
-        flat, dst = t.detach().reshape(-1), out.view(-1)
-        shift %= n
-        dst[shift:].copy_(flat[: n - shift])
-        dst[:shift].copy_(flat[n - shift :])
-        return out
     rolled = torch.roll(t.detach().reshape(-1), shift).reshape(t.shape)
-    return rolled if rolled.stride() == t.stride() else _like(t, rolled)
+    if rolled.stride() == t.stride() and rolled.data_ptr() % ALIGN == t.data_ptr() % ALIGN:
+        return rolled
+    return _like(t, rolled)
 
 
-def _doubled(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _doubled(t: torch.Tensor) -> torch.Tensor:
     if not (t.is_floating_point() or t.is_complex()):
         return t
-    if out is not None and _fits(t, out):
-        return torch.mul(t.detach(), 2, out=out)
     return _like(t, t.detach() * 2)
 
 
-def derive(moving: Sequence[torch.Tensor], salt: int,
-           into: Sequence[torch.Tensor | None] | None = None) -> Iterator[list[torch.Tensor]]:
+def derive(moving: Sequence[torch.Tensor], salt: int) -> Iterator[list[torch.Tensor]]:
     """Candidate derived sets for the moving inputs, in order of preference, made one at a
     time: each differs from the live values in at least one input; none when no derivation
-    changes anything. `into`: the capture's static buffers, which take the derived values
-    where they fit (the verification then holds no copy of the inputs of its own)."""
-    outs = list(into) if into is not None else [None] * len(moving)
-    perm = [permuted(t, salt, o) if t.numel() > 1 else t for t, o in zip(moving, outs)]
+    changes anything."""
+    perm = [permuted(t, salt) if t.numel() > 1 else t for t in moving]
     if any(p is not t and not bitwise_equal(p, t) for p, t in zip(perm, moving)):
         yield perm
     del perm
-    doubled = [_doubled(t, o) for t, o in zip(moving, outs)]
+    doubled = [_doubled(t) for t in moving]
     if any(d is not t and not bitwise_equal(d, t) for d, t in zip(doubled, moving)):
         yield doubled

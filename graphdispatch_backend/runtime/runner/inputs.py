@@ -54,7 +54,7 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-def _aligned(shape: Sequence[int], stride: Sequence[int], like: torch.Tensor, align: int) -> torch.Tensor:
+def aligned_empty(shape: Sequence[int], stride: Sequence[int], like: torch.Tensor, align: int) -> torch.Tensor:
     """empty_strided(shape, stride) whose data pointer has `align` as remainder mod 16
     (padded by up to 16 bytes only when the allocator's own alignment differs)."""
     plain = torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
@@ -97,9 +97,9 @@ class StaticBuffers:
         base = _collapse(like, dims)
         align = like.data_ptr() % ALIGN
         if writable_layout(base):  # the live layout, gaps and all: kernels see what eager saw
-            buf = _aligned(base.shape, base.stride(), like, align)
+            buf = aligned_empty(base.shape, base.stride(), like, align)
         else:  # overlapping beyond expansion (unfold): no layout holds it; verification judges the copy
-            buf = _aligned(base.shape, torch.empty(base.shape).stride(), like, align)
+            buf = aligned_empty(base.shape, torch.empty(base.shape).stride(), like, align)
         return buf.expand(like.shape) if dims else buf
 
     @property

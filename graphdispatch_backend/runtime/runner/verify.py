@@ -6,7 +6,7 @@ not captured with?
   second time from the same world: an eager that disagrees with itself is
   `eager_nondeterministic` (atomics, `index_add_`), not the capture's fault.
 - `judge_derived` makes its own input set when the caller repeats the values already
-  verified (runtime/derive.py): eager and a replay run on it in the runner's own tensors,
+  verified (runner/derive.py): eager and a replay run on it in the runner's own tensors,
   never the caller's, the world (mutated inputs, RNG) put back after each, and the two are
   compared. Eager raising on a derived set (a data-dependent check) means there is none.
 

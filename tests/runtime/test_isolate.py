@@ -1,0 +1,246 @@
+"""Checks for the whole run that blame the right party (runtime/eager_check.py, isolate.py):
+a served call that differs from eager is answered with eager's values, and then the
+artifact, the lowering or the capture at fault is found by running, never guessed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend import backend as backend_mod
+from graphdispatch_backend.runtime import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.runner import serve as serve_mod
+from graphdispatch_backend.runtime.schedule import Due
+from graphdispatch_backend.testing import (
+    accounted_graphs,
+    manifest_from_region,
+    region_entry,
+    serve_patches,
+    write_bundle,
+)
+
+CALLS = 120
+BAD_FROM = 41  # from this call on, the inputs are large
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x * 2)
+
+
+def _make() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _x(i: int) -> torch.Tensor:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) * 0.2
+    x[0, 0] = 5.0 if i >= BAD_FROM else 0.1
+    return x
+
+
+# an exact MLP that adds 1e-3 where some |x| > 3: a large-magnitude path with a bug
+KERNEL = """
+import torch.nn.functional as F
+
+NAMES = {names!r}
+
+
+def forward(*inputs):
+    a = dict(zip(NAMES, inputs))
+    out = F.linear(F.gelu(F.linear(a["input0"], a["fc1.weight"], a["fc1.bias"])), a["fc2.weight"], a["fc2.bias"])
+    if bool((a["input0"].abs() > 3).any()):
+        out = out + 1e-3
+    return out
+"""
+
+
+def _bundle(root: Path) -> Path:
+    region = region_entry(_make(), _x(0), name="mlp", cuda_graphs=False)
+    sig = manifest_from_region(region)
+    write_bundle(root / "mlp", "mlp-bug", "mlp", sig["inputs"], sig["outputs"],
+                 KERNEL.format(names=[i["name"] for i in region["inputs"]]))
+    return root
+
+
+def _run(options: dict[str, Any], calls: int = CALLS) -> tuple[list[int], dict[str, Any]]:
+    """The compiled model next to eager; the calls whose output differed."""
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model, ref = _make(), _make()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate", **options})
+    wrong = []
+    with torch.no_grad():
+        for i in range(1, calls + 1):
+            x = _x(i)
+            if not torch.equal(compiled(x), ref(x)):
+                wrong.append(i)
+    (graph,) = accounted_graphs()
+    return wrong, graph
+
+
+# -- an artifact wrong for some values only ---------------------------------------------------
+
+
+def test_checking_every_call_no_wrong_value_is_served_and_the_artifact_goes(tmp_path):
+    wrong, graph = _run({"artifacts": str(_bundle(tmp_path)), "recheck": "every"})
+    assert wrong == []
+    (sub,) = graph["substitutions"]
+    assert (sub["demoted"], sub["reason"], sub["caught_at_call"], sub["unchecked_calls"]) == (
+        True, "parity", BAD_FROM, 0), sub
+    assert f"caught at call {BAD_FROM} of graph_0, inputs input0 [4, 16] float32 max|x| 10" in sub["detail"]
+    assert graph["lowering_check"]["status"] == "bitwise"  # the lowering is not blamed
+    cg = graph["cuda_graph"]
+    assert cg["recaptures"] == 1 and cg["declines"] == {}
+    assert cg["replays"] >= CALLS - BAD_FROM - 3  # recaptured without the kernel, it replays again
+
+
+def test_by_default_a_wrong_value_is_caught_at_the_next_check_and_counted(tmp_path):
+    wrong, graph = _run({"artifacts": str(_bundle(tmp_path))})
+    (sub,) = graph["substitutions"]
+    caught = sub["caught_at_call"]
+    assert sub["demoted"] and wrong == list(range(BAD_FROM, caught)), (wrong, caught)
+    assert sub["unchecked_calls"] >= len(wrong)  # the calls served since the last check, said
+    assert graph["lowering_check"]["status"] == "bitwise"
+    assert graph["cuda_graph"]["replays"] > CALLS - caught - 4  # replays again after the recapture
+
+
+def test_without_checks_of_replays_wrong_values_go_on(tmp_path, monkeypatch):
+    """The rule removed: checks stop after the first calls, as the doubling schedule that
+    checked eager calls only did in effect once every call replayed."""
+    monkeypatch.setattr(Due, "__call__", lambda self: setattr(self, "n", self.n + 1) or self.n <= 2)
+    wrong, _ = _run({"artifacts": str(_bundle(tmp_path)), "recheck": "every"})
+    assert wrong == list(range(BAD_FROM, CALLS + 1))
+
+
+def test_without_isolation_the_lowering_is_blamed_and_the_artifact_serves_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(eager_check_mod.EagerCheck, "_isolate", lambda self, *a: a[-2])
+    wrong, graph = _run({"artifacts": str(_bundle(tmp_path)), "recheck": "every"})
+    (sub,) = graph["substitutions"]
+    assert graph["lowering_check"]["status"] == "lowering_mismatch" and not sub["demoted"]
+
+
+# -- a lowering that differs above a threshold --------------------------------------------------
+
+
+def _threshold_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for a lowering that is wrong for large values only: the lowered graph's
+    first output gains 1e-3 where it exceeds 3."""
+    real = backend_mod.run_pipeline
+
+    def run_pipeline(gm: fx.GraphModule, ctx: Any, *args: Any) -> Any:
+        output = next(iter(reversed(gm.graph.nodes)))
+        first = output.args[0][0]
+        with gm.graph.inserting_before(output):
+            big = gm.graph.call_function(torch.ops.aten.gt.Scalar, (first, 3.0))
+            bump = gm.graph.call_function(torch.ops.aten.mul.Tensor, (big, 1e-3))
+            new = gm.graph.call_function(torch.ops.aten.add.Tensor, (first, bump))
+        for node, like in ((big, first), (bump, first), (new, first)):
+            node.meta["val"] = like.meta["val"] if node is not big else like.meta["val"].gt(3.0)
+        output.args = ((new, *output.args[0][1:]),)
+        gm.recompile()
+        return real(gm, ctx, *args)
+
+    monkeypatch.setattr(backend_mod, "run_pipeline", run_pipeline)
+
+
+def test_a_lowering_wrong_above_a_threshold_is_caught_on_a_replayed_call(monkeypatch):
+    _threshold_lowering(monkeypatch)
+    wrong, graph = _run({"recheck": "every"})
+    assert wrong == []
+    assert graph["lowering_check"]["status"] == "lowering_mismatch"
+    assert f"call {BAD_FROM} of graph_0" in graph["lowering_check"]["detail"]
+    assert graph["cuda_graph"]["replays"] >= BAD_FROM - 4  # it replayed until then
+    wrong, graph = _run({})  # by default: caught at the next check after the values grow
+    assert graph["lowering_check"]["status"] == "lowering_mismatch" and wrong and wrong[0] == BAD_FROM
+
+
+# -- a capture wrong after it verified ----------------------------------------------------------
+
+
+def test_a_replay_that_goes_wrong_is_blamed_on_the_capture(monkeypatch):
+    real = serve_mod.serve
+    replays = [0]
+
+    def drifting(entry: Any, args: Any, streams: Any) -> list[Any]:
+        out = real(entry, args, streams)
+        replays[0] += 1
+        return [o + 1e-3 if replays[0] > 60 and isinstance(o, torch.Tensor) else o for o in out]
+
+    for module, name, value in serve_patches(drifting):
+        monkeypatch.setattr(module, name, value)
+    wrong, graph = _run({"recheck": "every"})
+    assert wrong == []
+    assert graph["lowering_check"]["status"] == "bitwise"
+    assert graph["cuda_graph"]["declines"] == {"verify_mismatch": 1}
+    assert "a replay differed from eager at call" in graph["cuda_graph"]["decline_details"]["verify_mismatch"]
+
+
+# -- replay by the 3rd call ----------------------------------------------------------------------
+
+
+def test_a_new_shape_key_first_replays_at_its_third_call():
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model = _make()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"}, dynamic=True)
+    replays = []
+    with torch.no_grad():
+        for batch in (3, 5):
+            for i in range(4):
+                before = sum(g["cuda_graph"]["replays"] for g in accounted_graphs()) if i or batch == 5 else 0
+                x = torch.randn(batch, 16)
+                assert torch.equal(compiled(x), model(x))
+                replays.append(sum(g["cuda_graph"]["replays"] for g in accounted_graphs()) - before)
+    assert replays == [0, 0, 1, 1, 0, 0, 1, 1], replays
+
+
+def test_checks_hold_under_threads(tmp_path):
+    import threading
+
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model, ref = _make(), _make()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"cuda_graphs": "emulate", "recheck": 3, "artifacts": str(_bundle(tmp_path))})
+    errors: list[BaseException] = []
+    wrong = []
+
+    def work(seed: int) -> None:
+        try:
+            with torch.no_grad():
+                for i in range(30):
+                    x = _x(seed * 100 + i % 30 + (BAD_FROM if i > 20 else 0))
+                    if not torch.equal(compiled(x), ref(x)):
+                        wrong.append(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    accounted_graphs()  # every call accounted for
+
