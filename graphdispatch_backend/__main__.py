@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     arts_sub = arts.add_subparsers(dest="action", required=True)
     verify = arts_sub.add_parser("verify", help="print each bundle's verdict")
     verify.add_argument("roots", nargs="+")
+    verify.add_argument("--report", default=None, metavar="DIR",
+                        help="also match each manifest against the regions of this report directory")
     hasher = arts_sub.add_parser("hash", help="rewrite a bundle's files list from its folder")
     hasher.add_argument("bundle")
     scaffold = arts_sub.add_parser(
@@ -62,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return scaffold_command(args.directory, args.region, args.out, args.fingerprint, args.artifact_id)
         from graphdispatch_backend.artifacts.cli import hash_command, verify_command
 
-        return verify_command(args.roots) if args.action == "verify" else hash_command(args.bundle)
+        return verify_command(args.roots, args.report) if args.action == "verify" else hash_command(args.bundle)
     if args.regions is not None:
         from graphdispatch_backend.artifacts.catalog import catalog_command
 

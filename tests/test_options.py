@@ -15,7 +15,7 @@ from graphdispatch_backend import Options, OptionsError
 
 VALID_KEYS = (
     "artifacts", "enable", "cuda_graphs", "warmup", "max_captures", "verify_inputs",
-    "speed_gate", "timing", "report_dir", "export_regions", "strict", "max_snapshot_bytes",
+    "speed_gate", "timing", "report_dir", "export_regions", "strict", "recheck", "max_snapshot_bytes",
 )
 
 
@@ -41,9 +41,9 @@ def test_the_valid_keys_are_the_documented_ones():
 def test_defaults():
     o = Options.resolve(environ={})
     assert o.to_dict() == {
-        "artifacts": [], "enable": None, "cuda_graphs": "auto", "warmup": 3, "max_captures": 8,
+        "artifacts": [], "enable": None, "cuda_graphs": "auto", "warmup": 1, "max_captures": 8,
         "verify_inputs": 2, "speed_gate": False, "timing": "off", "report_dir": None,
-        "export_regions": False, "strict": False, "max_snapshot_bytes": 256 * 2**20,
+        "export_regions": False, "strict": False, "recheck": "doubling", "max_snapshot_bytes": 256 * 2**20,
     }
 
 
@@ -87,6 +87,10 @@ BAD_VALUES = [
     ("report_dir", "", "a path"),
     ("export_regions", "true", "True or False"),
     ("strict", None, "True or False"),
+    ("recheck", 0, "an integer >= 1"),
+    ("recheck", -1, "an integer >= 1"),
+    ("recheck", True, "an integer >= 1"),
+    ("recheck", "sometimes", "'doubling'"),
 ]
 
 
@@ -97,6 +101,12 @@ def test_bad_value_names_the_key_and_what_is_allowed(key, value, allowed):
     message = str(info.value)
     assert repr(key) in message, message
     assert allowed in message, message
+
+
+@pytest.mark.parametrize("value", ["doubling", "every", 1, 64])
+def test_recheck_accepts_its_values(value):
+    assert Options.resolve({"recheck": value}, environ={}).recheck == value
+    assert Options.resolve(environ={"GRAPHDISPATCH_RECHECK": str(value)}).recheck == value
 
 
 def test_every_key_has_a_bad_value_case():

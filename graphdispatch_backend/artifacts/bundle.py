@@ -116,9 +116,11 @@ def verify_bundle(folder: Path) -> VerifiedBundle:
     for rel, entry in declared.items():
         st = _regular(folder / rel, rel)
         if st.st_size != entry.bytes:  # checked before hashing: a huge file is never read
-            raise _reject(BundleRejection.SIZE_MISMATCH, f"{rel}: {st.st_size} bytes, declared {entry.bytes}")
+            raise _reject(BundleRejection.SIZE_MISMATCH, f"{rel}: {st.st_size} bytes, declared {entry.bytes} (after "
+                          f"editing a file, run `python -m graphdispatch_backend artifacts hash {folder}`)")
         if sha256_file(folder / rel) != entry.sha256:
-            raise _reject(BundleRejection.HASH_MISMATCH, f"{rel}: sha256 differs from the manifest")
+            raise _reject(BundleRejection.HASH_MISMATCH, f"{rel}: sha256 differs from the manifest (after editing "
+                          f"a file, run `python -m graphdispatch_backend artifacts hash {folder}`)")
     return VerifiedBundle(folder, manifest)
 
 

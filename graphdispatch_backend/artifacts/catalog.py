@@ -39,6 +39,32 @@ class Kind:
         the model (an RMSNorm kind: `layers.*.input_layernorm`, ..., `norm`)."""
         return sorted({generalize(n) for n in self.names})
 
+    def own_patterns(self, every: list[Kind]) -> list[str]:
+        """Patterns for this kind that name no region of another kind (what `artifacts
+        scaffold` takes as is): the shared pattern where it is this kind's alone, else one
+        with only the repeated index open (`blocks.*.ff.net.0` where `blocks.*.ff.net.*`
+        also names the `net.2` kind), else the names themselves, else (another graph's kind
+        with the same names) the shared pattern with the `--fingerprint` to add."""
+        others = [n.split("#", 1)[0] for k in every if k is not self for n in k.names]
+        found: set[str] = set()
+        for name in {n.split("#", 1)[0] for n in self.names}:
+            for candidate in (generalize(name), _first_index_open(name), name):
+                if not any(matches(candidate, o) for o in others):
+                    found.add(candidate)
+                    break
+            else:  # another kind has these very names (another graph): only the fingerprint tells
+                found.add(f"{generalize(name)} --fingerprint {self.fingerprint[:8]}")
+        return sorted(found)
+
+
+def _first_index_open(name: str) -> str:
+    """`blocks.3.ff.net.0` -> `blocks.*.ff.net.0`: the first numeric part open, the rest kept."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i] + ["*"] + parts[i + 1:])
+    return name
+
 
 def kinds(report: dict[str, Any]) -> list[Kind]:
     """Every region kind of the report, in first-seen order."""
@@ -82,7 +108,7 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
     rows = []
     for k in shown:
         sizes = k.entry.get("sizes") or []
-        rows.append([", ".join(k.patterns), k.cls, f"x{len(k.regions)}", k.fingerprint,
+        rows.append([", ".join(k.own_patterns(every)), k.cls, f"x{len(k.regions)}", k.fingerprint,
                      ", ".join(f"{i['name']} {_spec(i)}" for i in k.entry["inputs"]) or "-",
                      ", ".join(_spec(o) for o in k.entry["outputs"]),
                      ", ".join(f"{s['name']} = {s.get('expr')}" for s in sizes) or "-"])
@@ -91,7 +117,8 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
            table(["pattern", "class", "regions", "fingerprint", "inputs", "outputs", "sizes"], rows,
                  max_width=CELL)]
     if pattern == "*":
-        example = next((k.patterns[0] for k in shown if len(k.regions) > 1), shown[0].patterns[0])
+        example = next((k.own_patterns(every)[0] for k in shown if len(k.regions) > 1),
+                       shown[0].own_patterns(every)[0])
         out.append(f"\nlist one kind's manifest fields with --regions PATTERN (e.g. --regions '{example}')")
         return "\n".join(out)
     for k in shown:
@@ -100,7 +127,9 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
         out += ["", f"`{pattern}`: {k.cls}, {len(names)} of its {len(k.regions)} regions ({', '.join(names[:4])}"
                     + (", ..." if len(names) > 4 else "") + ")"]
         if others:
-            out.append(f"  `{pattern}` also names {others} region(s) of other kinds: keep the fingerprint")
+            own = ", ".join(f"`{p}`" for p in k.own_patterns(every))
+            out.append(f"  `{pattern}` also names {others} region(s) of other kinds: keep the fingerprint (scaffold "
+                       f"with --fingerprint {k.fingerprint[:8]}), or name this kind alone: {own}")
         region = {"module": pattern, "fingerprint": k.fingerprint}
         out.append(f'  "region": {json.dumps(region)},')
         out.append(f'  "signature": {json.dumps(signature(k.entry))},')

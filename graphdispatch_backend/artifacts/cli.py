@@ -1,19 +1,37 @@
-"""`artifacts verify ROOT...` and `artifacts hash BUNDLE`: the registry's verdicts, as a table."""
+"""`artifacts verify ROOT... [--report DIR]` and `artifacts hash BUNDLE`: the registry's
+verdicts, as a table; with a report, each verified manifest is also matched against the
+regions of that report (pattern, fingerprint, signature, inputs written in place), so a
+wrong dtype or a missing `mutates` shows before a compile. No torch is imported."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from graphdispatch_backend.artifacts.bundle import hash_bundle, read_manifest, verify_bundle
+from graphdispatch_backend.artifacts.manifest import Manifest
+from graphdispatch_backend.artifacts.patterns import matches, suggest
 from graphdispatch_backend.artifacts.registry import discover
+from graphdispatch_backend.artifacts.signature import manifest_miss
 from graphdispatch_backend.errors import BundleRejected, ManifestError
 from graphdispatch_backend.table import table
 
 
-def verify_command(roots: Sequence[str]) -> int:
-    """Print id, verdict and reason per bundle; exit 1 if any bundle is rejected."""
+def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
+    """Print id, verdict and reason per bundle; exit 1 if any bundle is rejected (or, with
+    `report_dir`, fits no region of that report)."""
+    regions = None
+    if report_dir is not None:
+        from graphdispatch_backend.diagnostics.render import ReportError, load
+
+        try:
+            report, _, _ = load(report_dir)
+        except ReportError as exc:
+            print(f"graphdispatch artifacts verify: error: {exc}")
+            return 2
+        regions = [r for g in report["graphs"] if g.get("kind") == "inference" for r in g.get("regions", [])]
     rows: list[list[str]] = []
     for root in roots:
         path = Path(root)
@@ -35,13 +53,47 @@ def verify_command(roots: Sequence[str]) -> int:
             else:
                 m = bundle.manifest
                 files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
-                rows.append([m.id, "ok", f"{m.module} ({files}, parity {m.parity.mode})", str(folder)])
+                fit = _fit(m, regions) if regions is not None else None
+                if fit is not None and not fit[0]:
+                    rows.append([m.id, "rejected", fit[1], str(folder)])
+                else:
+                    said = f"{m.module} ({files}, parity {m.parity.mode})" + (f"; {fit[1]}" if fit else "")
+                    rows.append([m.id, "ok", said, str(folder)])
     ids = [r[0] for r in rows if r[1] == "ok"]
     for row in rows:
         if row[1] == "ok" and ids.count(row[0]) > 1:
             row[1], row[2] = "rejected", f"duplicate_id: {row[0]} is provided by more than one folder"
     print(table(["id", "verdict", "reason", "bundle"], rows))
     return 0 if rows and all(r[1] == "ok" for r in rows) else 1
+
+
+def _fit(manifest: Manifest, regions: list[dict[str, Any]]) -> tuple[bool, str]:
+    """Whether the manifest fits a region of the report, and what to say."""
+    named = [r for r in regions if matches(manifest.module, r["module"])]
+    if not named:
+        names = sorted({r["module"] for r in regions})
+        return False, f"report: {suggest(manifest.module, names).text()}"
+    if manifest.fingerprint is not None:
+        if not any(r["fingerprint"] == manifest.fingerprint for r in named):
+            return False, f"report: no region `{manifest.module}` names has fingerprint {manifest.fingerprint}"
+        named = [r for r in named if r["fingerprint"] == manifest.fingerprint]
+    misses = {}
+    for r in named:
+        miss = manifest_miss(manifest, [i["name"] for i in r["inputs"]], [_Spec(i) for i in r["inputs"]],
+                             [_Spec(o) for o in r["outputs"]], r.get("mutates", []))
+        if miss is None:
+            return True, f"fits {sum(1 for x in named if x['fingerprint'] == r['fingerprint'])} region(s) of the report"
+        misses.setdefault(miss, r["name"])
+    miss, name = next(iter(misses.items()))
+    return False, f"report: does not fit {name}: signature: {miss}"
+
+
+class _Spec:
+    """A report entry's dtype and shape, as signature.manifest_miss reads a spec."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self.dtype = entry.get("dtype")
+        self.shape = tuple(entry.get("shape", ()))
 
 
 def _id_of(folder: Path) -> str:

@@ -9,13 +9,14 @@ dtype bfloat16, region has float32").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-from graphdispatch_backend.artifacts.manifest import Manifest, SignatureEntry, version_tuple
+from graphdispatch_backend.artifacts.manifest import Manifest, version_tuple
 from graphdispatch_backend.artifacts.patterns import matches
+from graphdispatch_backend.artifacts.signature import manifest_miss
 from graphdispatch_backend.errors import Rejection
-from graphdispatch_backend.region import Region, TensorSpec
+from graphdispatch_backend.region import Region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,54 +39,10 @@ class MatchOutcome:
         self.rejections.append(RejectionRecord(artifact, reason, detail))
 
 
-def _signature_miss(entries: Sequence[SignatureEntry], names: Sequence[str] | None,
-                    specs: Sequence[TensorSpec | None], side: str) -> str | None:
-    if len(entries) != len(specs):
-        return f"{len(entries)} {side}, region has {len(specs)}"
-    for i, (entry, spec) in enumerate(zip(entries, specs)):
-        label = f"{side[:-1]} {i}" + (f" {names[i]!r}" if names else "")
-        if spec is None:
-            return f"{label}: region value is not a tensor or scalar"
-        if names is not None and entry.name != names[i]:
-            return f"{label}: manifest names it {entry.name!r}"
-        if entry.dtype != spec.dtype:
-            return f"{label}: dtype {entry.dtype}, region has {spec.dtype}"
-        if len(entry.shape) != len(spec.shape) or any(
-            want is not None and want != got for want, got in zip(entry.shape, spec.shape)
-        ):
-            dynamic = len(entry.shape) == len(spec.shape) and any(
-                want is not None and got is None for want, got in zip(entry.shape, spec.shape))
-            hint = (" (null: a dim Dynamo made dynamic, as when it recompiles for a new batch size;"
-                    " write null there to match it)") if dynamic else ""
-            return f"{label}: shape {_shape(entry.shape)}, region has {_shape(spec.shape)}{hint}"
-    return None
-
-
-def _shape(shape: Sequence[int | None]) -> str:
-    return "[" + ", ".join("null" if d is None else str(d) for d in shape) + "]"
-
-
 def signature_miss(manifest: Manifest, region: Region) -> str | None:
     """Why the manifest's signature does not fit the region, or None if it does. The
     region's size inputs (dynamic shapes) are not part of it: a kernel never gets them."""
-    return _signature_miss(manifest.inputs, region.kernel_names, region.kernel_specs, "inputs") or (
-        _signature_miss(manifest.outputs, None, region.output_specs, "outputs")
-    ) or _mutates_miss(manifest, region)
-
-
-def _mutates_miss(manifest: Manifest, region: Region) -> str | None:
-    """The inputs the kernel writes in place must be the ones the region writes: a kernel
-    that writes what the region only reads would corrupt it, one that skips a write would
-    leave it stale."""
-    declared, written = set(manifest.mutates), set(region.mutates)
-    if declared == written:
-        return None
-    if written - declared:
-        names = ", ".join(repr(n) for n in sorted(written - declared))
-        return (f"the region writes {names} in place (a cache update): declare it in signature.mutates "
-                "and write it in place in the kernel")
-    names = ", ".join(repr(n) for n in sorted(declared - written))
-    return f"signature.mutates names {names}, which the region does not write"
+    return manifest_miss(manifest, region.kernel_names, region.kernel_specs, region.output_specs, region.mutates)
 
 
 def torch_miss(manifest: Manifest, torch_version: str) -> str | None:

@@ -236,8 +236,8 @@ def _artifacts(report: dict[str, Any]) -> list[str]:
             unmatched.append(f"  {aid}: pattern `{patterns.get(aid, '?')}` matched no region"
                              + (f"; {hint}" if hint else ""))
     out = ["", "Artifacts (calls / replays: region calls the artifact answered eagerly / from a captured graph; "
-               "native: runs of the native region, every call it answered plus the runs made to check or record "
-               "(a failing gate, a capture, the eager side of verification; under emulate, each replay); "
+               "native: region calls the native region answered instead, eagerly or from a captured graph "
+               "(a failing gate, a demotion); runs made only to check or record are not calls; "
                "rejections: regions refused, by reason, `module` where the pattern does not name them)",
            table(["artifact", "status", "regions", "calls", "replays", "native", "parity", "demotions", "rejections",
                   "time vs native (>1.00x: artifact faster)"], rows)]

@@ -124,7 +124,7 @@ class SubstitutionRecord:
     gates: int = 0  # shape keys gated
     calls: int = 0  # eager calls the artifact served (its Python ran)
     replays: int = 0  # calls served from a captured graph that holds the artifact's kernels
-    native_calls: int = 0  # calls the native region served (gate failures, demotion)
+    native_calls: int = 0  # calls the native region answered, eagerly or replayed (gate failures, demotion)
     demoted: bool = False
     reason: str | None = None
     detail: str | None = None

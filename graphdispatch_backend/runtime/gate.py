@@ -206,10 +206,14 @@ class ArtifactGate:
                 said.append(f"{name or '?'} {list(t.shape)} {str(t.dtype).replace('torch.', '')} max|x| {peak}")
         return "; ".join(said) or "(parameters only)"
 
-    def replayed(self) -> None:
-        """The runner served one call of this region from a captured graph."""
+    def replayed(self, native: bool = False) -> None:
+        """The runner served one call of this region from a captured graph: one recorded
+        with the artifact's kernels, or (`native`) with the native region's."""
         with self._record.lock:
-            self._record.replays += 1
+            if native:
+                self._record.native_calls += 1
+            else:
+                self._record.replays += 1
 
     def _reference_call(self, inputs: Sequence[Any]) -> Sequence[Any]:
         """Inside native_regions(): gate as usual if this shape key is new, but answer natively."""
@@ -220,8 +224,12 @@ class ArtifactGate:
         return self._run_native(inputs)
 
     def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
-        with self._record.lock:
-            self._record.native_calls += 1
+        # counted once per call it answers: a run inside a capture, a verification or an
+        # emulated replay answers no call (a replay is counted by the runner, replayed()),
+        # so the count is the same under emulate as on a GPU
+        if not in_recording():
+            with self._record.lock:
+                self._record.native_calls += 1
         return self._native(*inputs)
 
     def _gate(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
@@ -264,9 +272,10 @@ class ArtifactGate:
         if native_answer:  # the eager check wants the lowering's own bits (see native_regions)
             self._contain(o.keep_native)
             return native
-        with self._record.lock:
-            self._record.calls += 1
-            self._record.native_calls -= 1  # the native run here was the reference, not a fallback
+        if not in_recording():
+            with self._record.lock:
+                self._record.calls += 1
+                self._record.native_calls -= 1  # the native run here was the reference, not a fallback
         return outs
 
     def _verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:

@@ -146,3 +146,23 @@ def test_the_package_loads_its_public_names_lazily():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert "LIGHT True LOADED graphdispatch_backend.backend True None" in done.stdout, done.stderr[-800:]
+
+
+def test_every_listed_pattern_names_one_kind_and_scaffolds(report_dir, tmp_path, capsys):
+    """`stack.blocks.*.fc*`-like patterns of several kinds are what the scaffold refuses: the
+    listing prints patterns that name their own kind alone (or the --fingerprint to add)."""
+    from graphdispatch_backend.artifacts.catalog import kinds as all_kinds
+    from graphdispatch_backend.artifacts.patterns import matches
+    from graphdispatch_backend.artifacts.scaffold import scaffold
+
+    report = json.loads((report_dir / "dispatch.json").read_text())
+    every = all_kinds(report)
+    for k in every:
+        for pattern in k.own_patterns(every):
+            if " --fingerprint " in pattern:
+                continue
+            named = {o.fingerprint for o in every for n in o.names if matches(pattern, n.split("#", 1)[0])}
+            assert named == {k.fingerprint}, (pattern, named)
+    linear = next(k for k in every if k.cls == "Linear" and len(k.regions) > 1)
+    pattern = linear.own_patterns(every)[0]
+    scaffold(report, pattern, tmp_path / "one")  # names one kind: written

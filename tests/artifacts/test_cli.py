@@ -179,3 +179,48 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     rows = [re.split(r"\s{2,}", line) for line in done.stdout.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["a", "ok"], ["b", "rejected"]]
     assert rows[1][2].startswith("undeclared_file")
+
+
+def test_verify_against_a_report_shows_a_wrong_dtype_before_a_compile(tmp_path, capsys):
+    import torch
+
+    import graphdispatch_backend
+    from graphdispatch_backend.testing import manifest_from_region, region_entry
+
+    class Mlp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).relu()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x) + 1
+
+    region = region_entry(Net().eval(), torch.randn(2, 8), name="mlp", cuda_graphs=False)
+    with torch.no_grad():
+        torch.compile(Net().eval(), backend="graphdispatch", options={"report_dir": str(tmp_path / "rep")})(
+            torch.randn(2, 8))
+    graphdispatch_backend.flush()
+    sig = manifest_from_region(region)
+    write_bundle(tmp_path / "good" / "mlp", "mlp", "mlp", sig["inputs"], sig["outputs"], SOURCE)
+    bad = [dict(i, dtype="bfloat16") if i["name"] == "fc.weight" else i for i in sig["inputs"]]
+    write_bundle(tmp_path / "bad" / "mlp", "mlp", "mlp", bad, sig["outputs"], SOURCE)
+    assert main(["artifacts", "verify", str(tmp_path / "good"), "--report", str(tmp_path / "rep")]) == 0
+    assert "fits 1 region(s) of the report" in capsys.readouterr().out
+    assert main(["artifacts", "verify", str(tmp_path / "bad"), "--report", str(tmp_path / "rep")]) == 1
+    out = capsys.readouterr().out
+    assert "rejected" in out and "'fc.weight': dtype bfloat16, region has float32" in out
+
+
+def test_an_edited_file_says_to_rehash(tmp_path, capsys):
+    folder = bundle(tmp_path / "root" / "a", "a")
+    (folder / "kernel.py").write_text(SOURCE + "# edited\n")
+    code, rows = verify(capsys, tmp_path / "root")
+    assert code == 1 and "size_mismatch" in rows[0][2] and "artifacts hash" in rows[0][2]

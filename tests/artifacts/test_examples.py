@@ -29,7 +29,7 @@ def test_examples_root_verifies_from_the_command_line(capsys):
 
 
 def test_demo_shows_both_verdicts_and_stays_bitwise_equal(tmp_path, capsys):
-    steps = 2
+    steps = 4  # warmup, capture (verified in that call), 2 replays
     assert demo.run(str(tmp_path / "report"), steps=steps) == 0
     out = capsys.readouterr().out
     assert f"bitwise equal to eager on all {steps} steps: YES" in out
@@ -42,12 +42,15 @@ def test_demo_shows_both_verdicts_and_stays_bitwise_equal(tmp_path, capsys):
     assert sorted(subs) == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp", "blocks.3.mlp", "t_embedder.mlp"]
     for i in range(4):
         sub = subs[f"blocks.{i}.mlp"]
-        assert (sub["artifact"], sub["parity"], sub["demoted"], sub["calls"]) == ("block-mlp", "passed", False, steps)
+        assert (sub["artifact"], sub["parity"], sub["demoted"]) == ("block-mlp", "passed", False)
+        assert (sub["calls"], sub["replays"], sub["native_calls"]) == (2, steps - 2, 0)
     temb = subs["t_embedder.mlp"]
     assert (temb["artifact"], temb["parity"], temb["demoted"], temb["reason"]) == (
         "temb-mlp-gelu-tanh", "failed", True, "parity")
     assert temb["max_abs_diff"] > 0 and temb["first_mismatch_index"] is not None
-    assert (temb["calls"], temb["native_calls"]) == (0, steps)
+    # native counts calls the native region answered (eagerly or replayed), never the runs
+    # made to check or record, so it is the same under emulate as on a GPU
+    assert (temb["calls"], temb["replays"], temb["native_calls"]) == (0, 0, steps)
     assert graph["calls"] == graph["cuda_graph"]["replays"] + graph["cuda_graph"]["eager_calls"]
 
 

@@ -40,7 +40,8 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend.testing import write_bundle
 
-CALLS = 5  # warmup, capture + first verification, second verification, two replays
+CALLS = 5  # warmup, capture verified on its live inputs and a set derived from them, three replays
+# (a graph whose moving inputs all hold one repeated integer verifies again at call 3, as before)
 OPTIONS = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
 
 
@@ -522,7 +523,7 @@ def test_output_view_of_a_wider_tensor_replays():
             x = torch.randn(2, 6, 16)
             assert same_bits(compiled_f(x), f(x))
     cg = graphdispatch_backend.latest_report()["graphs"][0]["cuda_graph"]
-    assert cg["replays"] == CALLS - 3 and not cg["declines"], cg
+    assert cg["replays"] == CALLS - 2 and not cg["declines"], cg  # warmup and the capture call answer eagerly
 
 
 def test_generator_covers_every_block_kind():

@@ -356,8 +356,7 @@ class GraphRunner(HotPath, Publish, Transitions):
 
     def _gates_replayed(self, entry: Entry) -> None:
         for gate, demoted in zip(self._gates, entry.gate_state):
-            if not demoted:  # captured with the artifact's kernels in it
-                gate.replayed()
+            gate.replayed(native=demoted)  # captured with the artifact's kernels in it, or the native region's
 
     def _gates_changed(self, entry: Entry) -> bool:
         return bool(self._gates) and tuple(g.demoted for g in self._gates) != entry.gate_state

@@ -1,0 +1,134 @@
+"""Recheck: what checking a graph for its whole life costs, and how soon a new size replays.
+
+Model: a stack of 8 small pre-norm blocks (common.block_stack, dim 64), compiled with
+`backend="graphdispatch", options={"cuda_graphs": "emulate", ...}` (the full capture,
+verify, replay state machine on CPU), under `torch.no_grad()`; every output is compared
+with the same model run eagerly, bit for bit (a mismatch: exit 1).
+
+1. `server`: a server cycling through 20 batch sizes (2 to 21, `dynamic=True`: one graph,
+   a shape key per size, `max_captures=20` so that every size keeps its capture), round
+   robin, for 6 rounds. Figure: the eager calls made before
+   every size replays (the sum over sizes of the calls of that size before its first
+   replay), at the defaults (`warmup=1`; the capture call verifies its live inputs and a
+   set derived from them, so a size replays from its 3rd call) and with `warmup=3` (the
+   old default) side by side. Target: at the defaults, each size's first replay is its 3rd
+   call (2 eager calls per size, 40 in all).
+2. `steady`: the cost of the checks in steady state: 4,096 calls of one batch size after
+   the first 64 (the capture, verification and the first, dense checks), timed per call
+   for `recheck="doubling"` (the default: the interval doubles up to 1024 calls, jittered),
+   `recheck=10**9` (no re-check after the first call: the baseline) and `recheck="every"`
+   (stated), each compiled anew per repeat, repeats in a rotated order. Target: doubling /
+   baseline <= 1.01 (median of paired ratios).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Target, block_stack, emit, parse_args, raise_dynamo_limits
+
+import graphdispatch_backend
+
+SIZES = list(range(2, 22))  # Dynamo specializes a size of 1
+ROUNDS = 6
+DIM = 64
+STEADY_CALLS, STEADY_AFTER = 4096, 64
+STEADY_MAX = 1.01
+NO_RECHECK = 10**9
+
+
+def _compiled(model: torch.nn.Module, options: dict[str, Any], dynamic: bool | None = None) -> Any:
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    return torch.compile(model, backend="graphdispatch", dynamic=dynamic,
+                         options={"cuda_graphs": "emulate", **options})
+
+
+def _replays() -> int:
+    report = graphdispatch_backend.latest_report() or {}
+    return sum(g["cuda_graph"]["replays"] for g in report.get("graphs", []))
+
+
+def server(options: dict[str, Any]) -> dict[str, Any]:
+    model = block_stack(depth=8, dim=DIM)
+    compiled = _compiled(model, {"max_captures": len(SIZES), **options}, dynamic=True)
+    first_replay: dict[int, int] = {}
+    calls: dict[int, int] = dict.fromkeys(SIZES, 0)
+    with torch.no_grad():
+        for _ in range(ROUNDS):
+            for size in SIZES:
+                x = torch.randn(size, DIM)
+                before = _replays()
+                out = compiled(x)
+                if not torch.equal(out, model(x)):
+                    raise SystemExit(f"recheck: size {size} not bitwise equal to eager")
+                calls[size] += 1
+                if size not in first_replay and _replays() > before:
+                    first_replay[size] = calls[size]
+    eager = sum(first_replay.get(s, calls[s] + 1) - 1 for s in SIZES)
+    return {"first_replay_call": first_replay, "eager_before_every_size_replays": eager,
+            "sizes_replaying": len(first_replay)}
+
+
+def steady(recheck: Any) -> float:
+    model = block_stack(depth=8, dim=DIM)
+    compiled = _compiled(model, {"recheck": recheck})
+    xs = [torch.randn(4, DIM) for _ in range(8)]
+    with torch.no_grad():
+        for i in range(STEADY_AFTER):
+            if not torch.equal(compiled(xs[i % 8]), model(xs[i % 8])):
+                raise SystemExit("recheck: not bitwise equal to eager")
+        start = time.perf_counter()
+        for i in range(STEADY_CALLS):
+            compiled(xs[i % 8])
+        return (time.perf_counter() - start) / STEADY_CALLS * 1e6
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    raise_dynamo_limits()
+    torch.set_num_threads(1)
+    rows, targets = [], []
+    servers = {name: server(opts) for name, opts in (("defaults", {}), ("warmup=3", {"warmup": 3}))}
+    for name, result in servers.items():
+        rows.append([name, result["sizes_replaying"], result["eager_before_every_size_replays"],
+                     sorted(set(result["first_replay_call"].values()))])
+    got = servers["defaults"]
+    third = got["sizes_replaying"] == len(SIZES) and set(got["first_replay_call"].values()) == {3}
+    targets.append(Target("recheck server: every size first replays at its 3rd call (defaults)", "yes",
+                          f"{got['eager_before_every_size_replays']} eager calls before every size replays "
+                          f"(warmup=3: {servers['warmup=3']['eager_before_every_size_replays']})", third))
+    variants = {"doubling": "doubling", "none": NO_RECHECK, "every": "every"}
+    repeats = 3 if args.quick else 7
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(repeats):
+        names = list(variants)[r % 3:] + list(variants)[: r % 3]
+        for name in names:
+            samples[name].append(steady(variants[name]))
+    ratio = statistics.median(d / n for d, n in zip(samples["doubling"], samples["none"]))
+    every = statistics.median(e / n for e, n in zip(samples["every"], samples["none"]))
+    base = samples["none"]
+    steady_rows = [[name, f"{statistics.median(s):.1f}", f"{statistics.median(a / b for a, b in zip(s, base)):.3f}"]
+                   for name, s in samples.items()]
+    targets.append(Target(f"recheck steady: doubling / no re-checks over {STEADY_CALLS} calls", f"<= {STEADY_MAX}",
+                          f"{ratio:.3f}x", ratio <= STEADY_MAX))
+    targets.append(Target("recheck steady: every / no re-checks (stated)", "(info)", f"{every:.2f}x", None))
+    emit("recheck", {"server": servers, "steady_us": samples, "repeats": repeats},
+         [("a server cycling through 20 batch sizes, 6 rounds (emulate)",
+           ["options", "sizes replaying", "eager calls before every size replays", "first replay at call"], rows),
+          (f"steady state: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER} "
+           f"({repeats} repeats rotated; ratio = median of paired ratios to no re-checks)",
+           ["recheck", "us/call", "x no re-checks"], steady_rows)],
+         targets, args)
+
+
+if __name__ == "__main__":
+    main()
