@@ -135,6 +135,42 @@ def test_a_comparison_that_raises_is_check_failed_and_every_answer_stays_right(m
     assert check["status"] == "check_failed" and "comparison exploded" in check["detail"]
 
 
+def _backward_wrong_for_large_inputs(self: Any, gm: Any, example: Any) -> Callable[..., Any]:
+    """The lowered backward, off by 1e-3 in its first gradient whenever a tensor it was
+    handed holds some |x| > 3: a kernel wrong for some values only (a large-magnitude path)."""
+    inner = _lowered_backward(self, gm, example)
+
+    def run(args: list[Any]) -> Any:
+        outs = list(inner(args))
+        if any(isinstance(a, torch.Tensor) and a.abs().max() > 3 for a in args):
+            i = next(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor))
+            outs[i] = outs[i] + 1e-3
+        return outs
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+_lowered_backward = backend_mod._Builder.backward
+
+
+@pytest.mark.parametrize(("recheck", "served", "checked"), [("every", 0, 3), (4, 2, 2)])
+def test_gradients_are_rechecked_on_the_schedule_for_the_graphs_whole_life(monkeypatch, recheck, served, checked):
+    """Inputs turn large at the 3rd call. Checking every call, no wrong gradient reaches
+    the user; every 4th call (1, 5, ...), calls 3 and 4 are served with a wrong gradient
+    and call 5 catches it. Mutation: without re-checks past the first calls, every later
+    call is wrong."""
+    monkeypatch.setattr(backend_mod._Builder, "backward", _backward_wrong_for_large_inputs)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    wrong = steps(model, {**EMULATE, "recheck": recheck}, 8, lambda i: inputs(i) * (0.1 if i < 2 else 10))
+    assert wrong == served  # one parameter's gradient wrong on each call served in between
+    check = graph()["lowering_check"]
+    assert check["status"] == "lowering_mismatch"
+    assert check["detail"].startswith("differs from eager in its backward")
+    assert check["checked"] == checked
+
+
 # -- what the check leaves alone ------------------------------------------------------------------
 
 

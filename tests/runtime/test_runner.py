@@ -714,9 +714,13 @@ class _Gate:
     def __init__(self) -> None:
         self.demoted = False
         self.replays = 0
+        self.native_calls = 0
 
-    def replayed(self) -> None:
-        self.replays += 1
+    def replayed(self, native: bool = False) -> None:
+        if native:
+            self.native_calls += 1
+        else:
+            self.replays += 1
 
 
 def test_artifact_demoted_after_capture_recaptures_then_declines():
