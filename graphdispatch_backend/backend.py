@@ -33,7 +33,7 @@ from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
-from graphdispatch_backend.passes.ops import collective_groups, effect_tokens, nondeterministic_suspects
+from graphdispatch_backend.passes.ops import collective_groups, draws_random, effect_tokens, nondeterministic_suspects
 from graphdispatch_backend.runtime.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.autograd import backward_fallback, without_history
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
@@ -174,7 +174,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                               session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
                               builder.agreement, gradients,
                               recheck="every" if session.options.timing == "shadow" else session.options.recheck,
-                              runners=builder.runners)
+                              runners=builder.runners, draws=builder.draws)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -203,6 +203,7 @@ class _Builder:
         self.placeholders = 0  # the forward's placeholders
         self.runners: list[GraphRunner] = []  # the forward's, in the order of its record's piece_stats
         self.suspects: list[str] = []  # ops that may make eager disagree with itself
+        self.draws = False  # the lowered forward draws random numbers
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
         self.guarded = torch._guards.CompileContext.try_get() is not None
@@ -250,6 +251,7 @@ class _Builder:
         agreement = agreement_for(collective_groups(gm))
         if role != "backward":
             self.suspects, self.agreement = suspects, agreement
+            self.draws = any(map(draws_random, gm.graph.nodes))  # the eager check's extra runs draw privately
             self.placeholders = len(placeholders)
         engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens])
         record.cuda_graph_mode = engine or "off"

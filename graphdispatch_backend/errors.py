@@ -52,6 +52,12 @@ class CudaGraphUnavailable(GraphDispatchError):
         self.detail = detail
 
 
+class CaptureRefused(RuntimeError):
+    """An operation a CUDA capture does not permit (a host sync, a data-dependent shape, a
+    generator the graph does not own), raised by the host model of a capture where CUDA
+    raises (runtime/cudagraph/refusals.py). A RuntimeError, as CUDA's own is."""
+
+
 class SnapshotRefused(GraphDispatchError):
     """What one call writes cannot be snapshotted within `max_snapshot_bytes` (runtime/world.py):
     a check or capture that needs the snapshot does not run."""

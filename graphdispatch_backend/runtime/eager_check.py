@@ -42,6 +42,7 @@ from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.draws import Start
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.isolate import ARTIFACT, CAPTURE, culprit
 from graphdispatch_backend.runtime.keys import layout_key
@@ -66,12 +67,27 @@ def _flat(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+def _privately(start: Start | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as an extra run of a call: its random draws from private copies of the
+    generators as they stood when the call began (`start`), the global ones left alone."""
+    if start is None:
+        return fn
+
+    def run(*args: Any) -> Any:
+        with start.private():
+            return fn(*args)
+
+    return run
+
+
 class _Reference:
     """Eager's side of one check: its outputs, or (`lean`) their print and, once a mismatch
     made eager run again, that second run's outputs (see `_check`)."""
 
-    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain) -> None:
+    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain,
+                 start: Start | None = None) -> None:
         self._args = args
+        self._start = start  # the graph draws: every extra run draws from private copies (runtime/draws.py)
         self._raw: Any = raw
         self._printed: Printed | None = None
         self._second: list[Any] | None = None  # eager's second run (lean): answers and details
@@ -85,6 +101,9 @@ class _Reference:
         """Free the outputs once printed (the compiled run holds no second set)."""
         if self._printed is not None:
             self._raw = None
+
+    def extra(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return _privately(self._start, fn)
 
     @property
     def outputs(self) -> list[Any]:
@@ -144,6 +163,7 @@ class EagerCheck:
         gradients: GradientCheck | None = None,
         recheck: str | int = "doubling",
         runners: Sequence[Any] = (),
+        draws: bool = False,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -167,6 +187,7 @@ class EagerCheck:
         # isolated (runtime/isolate.py) where ranks need not agree on every eager run
         self._runners = tuple(runners)
         self._isolates = gradients is None and agreement is None
+        self._draws = draws  # the graph draws random numbers: the extra runs draw privately
         self._n = self._previous = 0  # the checked call's number in its shape key, and the last check's
 
     def __call__(self, *args: Any) -> Any:
@@ -207,7 +228,8 @@ class EagerCheck:
         before, exc = self._contain(lambda: World.take(self._locate(args)))
         if exc is not None:  # nothing ran yet
             return self._unsnapshotted(args, exc)
-        raw, exc = self._contain(lambda: self._eager(*args))
+        start = Start() if self._draws else None  # before anything draws
+        raw, exc = self._contain(lambda: _privately(start, self._eager)(*args))
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
             self._own(before.restore)
             return self._compiled(*args)
@@ -216,7 +238,7 @@ class EagerCheck:
         # their history, nor where ranks must run every eager run in step (collectives).
         # Printed now, before the world goes back: an output may be a view of a written input.
         lean = self._gradients is None and self._agreement is None
-        ref = _Reference(raw, args, lean, self._contain)
+        ref = _Reference(raw, args, lean, self._contain, start)
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
         if exc is not None:
@@ -258,7 +280,7 @@ class EagerCheck:
             if not isolated:
                 return out
         del out
-        answer = ref.answer(self._eager, before, after, self._own)  # eager's outputs and world
+        answer = ref.answer(ref.extra(self._eager), before, after, self._own)  # eager's outputs and world
         if isolated:
             return answer
         if verdict[0] is Decline.OUT_OF_MEMORY:  # memory was short this once: no verdict on the lowering
@@ -272,7 +294,7 @@ class EagerCheck:
         either way the graph keeps its lowering (None). The lowering's fault stays the
         verdict. The world is left as eager left it."""
         call = f"call {self._n} of {self._record.name}"
-        party, detail, demoted = culprit(self._compiled, args, before, after, ref.compare,
+        party, detail, demoted = culprit(ref.extra(self._compiled), args, before, after, ref.compare,
                                          self._record.substitutions, call, self._contain)
         unchecked = self._n - self._previous - 1  # served since the last check, which passed
         message = f"{self._record.name}: a served call differed from eager at {call}: the {party} was at fault"
@@ -328,7 +350,7 @@ class EagerCheck:
         mismatch is eager's nondeterminism, not the lowering's fault."""
         def again() -> Any:
             before.restore()
-            return ref.again(_flat(self._eager(*args))) or after.compare()
+            return ref.again(_flat(ref.extra(self._eager)(*args))) or after.compare()
 
         differs, exc = self._contain(again)
         if exc is None and differs is not None:

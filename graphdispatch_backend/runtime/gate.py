@@ -36,9 +36,10 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import Contain, Demotion, StrictModeError
+from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion, StrictModeError
 from graphdispatch_backend.runtime.beside import Beside, Outcome
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
+from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 from graphdispatch_backend.runtime.world import Writes
@@ -169,6 +170,10 @@ class ArtifactGate:
     def _served(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The artifact's outputs, or None after demoting it for raising or a bad output."""
         result, exc = self._contain(lambda: self._artifact(*inputs))
+        if exc is not None and in_recording() and refused_by_capture(exc):
+            # not the artifact's fault as an eager kernel: the capture fails, naming it, and
+            # the graph's eager calls go on serving it (a demotion would lose it for good)
+            raise CaptureRefused(f"{exc} in artifact {self._record.artifact}") from exc
         if exc is not None:
             self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
             return None

@@ -1,9 +1,13 @@
 """World: a snapshot of what one run of a graph may change besides its outputs.
 
-That is the regions of its inputs the graph writes (a KV cache's rows, a running buffer)
-and the RNG state. Every extra run graphdispatch adds (the eager check, a verification, a
-derived verification set, a capture's own run) takes the world before it and puts it back
-after, so the user's state advances exactly once per call, as in eager.
+That is the regions of its inputs the graph writes (a KV cache's rows, a running buffer),
+and the RNG state where asked (`draws`: an artifact's gate, whose region may draw). Every
+extra run graphdispatch adds (the eager check, a verification, a derived verification
+set, a capture's own run) takes the world before it and puts it back after, so the
+user's state advances exactly once per call, as in eager. The global RNG is put back only
+where asked: a captured piece draws nothing (random ops stay outside pieces,
+passes/split_pieces.py), and the eager check's extra runs draw from private copies of the
+generators (runtime/draws.py), so that no other thread's draws are ever rewound.
 
 What a call writes is located before it runs (passes/locate_writes.py): a snapshot copies
 the rows `index_copy_` will write, the elements `index_put_` and `scatter_` will, the view
@@ -130,30 +134,32 @@ class Writes:
 class World:
     __slots__ = ("_copies", "_regions", "_rng")
 
-    def __init__(self, regions: Sequence[Region], copies: list[torch.Tensor], rng: Any) -> None:
+    def __init__(self, regions: Sequence[Region], copies: list[torch.Tensor], rng: Any = None) -> None:
         self._regions = tuple(regions)
         self._copies = copies
         self._rng = rng
 
     @classmethod
-    def take(cls, regions: Sequence[Region]) -> World:
-        return cls(regions, [r.read() for r in regions], _rng_state())
+    def take(cls, regions: Sequence[Region], draws: bool = False) -> World:
+        """`draws`: the RNG state too, put back by `restore` (module docstring)."""
+        return cls(regions, [r.read() for r in regions], _rng_state() if draws else None)
 
     def restore(self) -> None:
-        """Put the regions' values and the RNG state back as they were at `take`."""
+        """Put the regions' values (and the RNG state, if taken) back as they were at `take`."""
         for region, copy in zip(self._regions, self._copies):
             region.write(copy)
-        torch.set_rng_state(self._rng[0])
-        if self._rng[1] is not None:
-            torch.cuda.set_rng_state_all(self._rng[1])
+        if self._rng is not None:
+            torch.set_rng_state(self._rng[0])
+            if self._rng[1] is not None:
+                torch.cuda.set_rng_state_all(self._rng[1])
 
     def now(self) -> World:
         """A snapshot of the same regions as they are now."""
-        return World.take(self._regions)
+        return World.take(self._regions, self._rng is not None)
 
     def swap(self) -> World:
         """Snapshot the world as it is now, put this one back, and return the snapshot."""
-        now = World.take(self._regions)
+        now = World.take(self._regions, self._rng is not None)
         self.restore()
         return now
 

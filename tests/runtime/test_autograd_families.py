@@ -72,7 +72,25 @@ def wan() -> tuple[torch.nn.Module, Callable[[int], dict[str, Any]]]:
                                 "encoder_hidden_states": text(seed + 1000), "return_dict": False}
 
 
-FAMILIES = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "wan": wan}
+def conv_bn() -> tuple[torch.nn.Module, Callable[[int], dict[str, Any]]]:
+    """Batch norm in eval mode with grad on: its saved statistics are empty tensors, whose
+    storages of no bytes share an address without viewing each other."""
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+    image = _randn(2, 3, 8, 8)
+    return model, lambda seed: {"input": image(seed)}
+
+
+def resnet() -> tuple[torch.nn.Module, Callable[[int], dict[str, Any]]]:
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                    layer_type="basic")
+    image = _randn(1, 3, 32, 32)
+    return transformers.ResNetModel(cfg), lambda seed: {"pixel_values": image(seed)}
+
+
+FAMILIES = {"gpt2": gpt2, "bert": bert, "t5": t5, "llama": llama, "wan": wan, "conv_bn": conv_bn,
+            "resnet": resnet}
 
 
 def _first(out: Any) -> torch.Tensor:

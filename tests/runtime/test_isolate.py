@@ -61,6 +61,7 @@ def _x(i: int) -> torch.Tensor:
 
 # an exact MLP that adds 1e-3 where some |x| > 3: a large-magnitude path with a bug
 KERNEL = """
+import torch
 import torch.nn.functional as F
 
 NAMES = {names!r}
@@ -69,9 +70,7 @@ NAMES = {names!r}
 def forward(*inputs):
     a = dict(zip(NAMES, inputs))
     out = F.linear(F.gelu(F.linear(a["input0"], a["fc1.weight"], a["fc1.bias"])), a["fc2.weight"], a["fc2.bias"])
-    if bool((a["input0"].abs() > 3).any()):
-        out = out + 1e-3
-    return out
+    return torch.where((a["input0"].abs() > 3).any(), out + 1e-3, out)  # no host sync: capturable
 """
 
 

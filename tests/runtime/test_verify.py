@@ -168,9 +168,10 @@ def test_a_replay_right_only_on_its_capture_inputs_is_caught(repeated):
 def test_eager_that_rejects_the_derived_values_falls_back_to_waiting():
     """A data-dependent check: the first element must stay the largest. Any cyclic shift of the
     live values breaks it, so eager raises on the derived set: contained, the runner waits for
-    distinct live values, and a distinct call then verifies."""
+    distinct live values, and a distinct call then verifies. The check is asynchronous (a
+    device-side assert): a host read (`bool()`) would make the capture fail, as on a GPU."""
     def checked(x: torch.Tensor) -> tuple[torch.Tensor]:
-        torch._check(bool(x[0] == x.max()), lambda: "x[0] must be the largest")
+        torch._assert_async(x[0] == x.max(), "x[0] must be the largest")
         return (x * 3,)
 
     runner, stats = make_runner(checked)

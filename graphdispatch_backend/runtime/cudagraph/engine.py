@@ -50,11 +50,11 @@ _recording = threading.local()
 
 
 def in_recording() -> bool:
-    """True while an engine records a computation (CUDA capture, host capture), re-runs a
-    recorded one (host replay), or the runtime runs a graph for its own checks (a derived
-    verification set, a second eager run). The Python inside stands for kernels that a
-    replay runs without calling Python, and a CUDA capture forbids host syncs: artifact
-    gates neither count these runs as calls nor re-check parity in them."""
+    """True while an engine records a computation (CUDA capture, host capture, the warmup
+    run before either), replays one, or the runtime runs a graph for its own checks (a
+    derived verification set, a second eager run). The Python that runs inside stands for
+    kernels that a replay runs without calling Python, and a capture forbids host syncs:
+    artifact gates neither count these runs as calls nor re-check parity in them."""
     return getattr(_recording, "depth", 0) > 0
 
 

@@ -2,11 +2,13 @@
 rule of the runtime is broken (tests, and `cuda_graphs="emulate"`).
 
 - Capture pins the storage of every argument (as a graph pins addresses), runs the
-  computation once (its collectives stand-ins: a CUDA capture runs no NCCL kernel),
-  carves the static outputs out of the device's HostPool and poisons them: a CUDA
-  capture computes nothing. Replay re-runs the computation (collectives included, as a
-  replay launches the captured NCCL kernels) against the same storages and copies the
-  results into the same pool bytes.
+  computation once, recording its ATen ops onto a Tape (cudagraph/tape.py: collectives
+  are stand-ins, as a CUDA capture runs no NCCL kernel; what CUDA refuses while capturing
+  raises), carves the static outputs out of the device's HostPool and poisons them: a
+  CUDA capture computes nothing. Replay runs the tape, no Python of the graph's (values
+  Python read at capture stay frozen; collectives run, as a replay launches the captured
+  NCCL kernels), against the same storages and copies the results into the same pool
+  bytes.
 - HostPool: one arena per device, shared by every capture. Each capture carves its outputs
   from offset 0, as a CUDA pool hands the memory of outputs nobody owns to the next
   capture: a runner that returns a static output without cloning it, or lets two
@@ -33,12 +35,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import HostStreams
+from graphdispatch_backend.runtime.cudagraph.tape import Recorder, Tape
 
 _ALIGN = 64  # bytes between carved blocks, so every dtype's element offset is whole
 
@@ -56,48 +57,8 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-_COLLECTIVES = ("_c10d_functional", "c10d_functional")
-
-
-class _Capturing(TorchDispatchMode):
-    """What a capture does besides computing: it measures the peak bytes of live storages
-    created meanwhile (the capture's working set), and it runs no collective. A CUDA
-    capture records NCCL kernels without running them; here a collective returns an
-    uninitialized tensor of its output's shape (vLLM's custom all-reduce does the same
-    while warming up inside its capture context), so a rank whose capture fails early and
-    one whose capture succeeds have run the same collectives: none."""
-
-    def __init__(self, held: set[int]) -> None:
-        super().__init__()
-        self._held = held  # the arguments' storages: not the computation's own memory
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "namespace", None) in _COLLECTIVES:
-            out = _stand_in(func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self._held and key not in self._live:
-                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self._live.values()))
-        return out
-
-
-def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
-    """A collective's output, shaped by its meta kernel, never communicated."""
-    if func is torch.ops._c10d_functional.wait_tensor.default:
-        return args[0]
-    real = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
-    meta = func(*pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
-                **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))
-    return pytree.tree_map_only(torch.Tensor, lambda m: torch.empty(m.shape, dtype=m.dtype, device=real.device), meta)
+def _no_autocast() -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast("cpu", enabled=False)
 
 
 class HostPool:
@@ -128,10 +89,10 @@ class HostPool:
 
 
 class _HostGraph:
-    def __init__(self, fn: Fn, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.UntypedStorage,
+    def __init__(self, tape: Tape, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.UntypedStorage,
                  blocks: list[tuple[int, torch.Tensor]], inference: bool, pool: HostPool) -> None:
-        self._fn: Fn | None = fn
-        self._args = args
+        self._tape: Tape | None = tape
+        self._args = args  # the pinned inputs: the tape holds them, as a graph holds their addresses
         self.outputs = outputs
         self._pool: HostPool | None = pool  # the graphs captured into a pool keep it (module docstring)
         self._arena = arena  # kept alive: the blocks are views of it
@@ -139,10 +100,12 @@ class _HostGraph:
         self._inference = inference  # the capture's mode: its pinned inputs may be inference tensors
 
     def replay(self) -> None:
-        if self._fn is None:
+        if self._tape is None:
             raise RuntimeError("replay of a graph that was reset")
-        with recording(), torch.no_grad(), torch.inference_mode(self._inference):
-            fresh = self._fn(*self._args)
+        # the ops as captured, with no Python of the graph's (cudagraph/tape.py); autocast
+        # off: the casts it made at capture are recorded ops
+        with recording(), torch.no_grad(), torch.inference_mode(self._inference), _no_autocast():
+            fresh = self._tape.replay()
             for index, block in self._blocks:
                 storage = fresh[index].untyped_storage()
                 if storage.nbytes() != block.numel():
@@ -151,7 +114,7 @@ class _HostGraph:
                 block.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
 
     def reset(self) -> None:
-        self._fn, self._args, self.outputs, self._arena, self._blocks, self._pool = None, (), (), None, [], None
+        self._tape, self._args, self.outputs, self._arena, self._blocks, self._pool = None, (), (), None, [], None
 
 
 class HostReplayEngine:
@@ -213,26 +176,32 @@ class HostReplayEngine:
             raise RuntimeError(f"host engine: {what} of a graph on {device} while the current device is {current}")
 
     def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu", warmup: bool = True) -> _HostGraph:
-        """`warmup` is CUDA's side-stream run before capturing; the host model has none."""
+        """`warmup`: one run before recording, as the CUDA engine's side-stream run (and
+        cudagraph trees' warmup): a kernel that caches on the host at its first call (a
+        descriptor keyed by address, a memo) serves the capture from that cache, on a GPU
+        and here alike."""
         key = self._key(device)
         self.require(key, "capture")
         # detach() aliases the storage live now; a later `param.data = new` or a new
         # tensor in the caller leaves this alias on the old storage, like an address.
         pinned = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         held = {a.untyped_storage().data_ptr() for a in pinned if isinstance(a, torch.Tensor)}
-        peak = _Capturing(held)
-        with recording(), torch.no_grad(), peak:
-            fresh = tuple(fn(*pinned))
-        groups: dict[int, list[int]] = {}  # storage -> indices of the outputs viewing it
+        recorder = Recorder(held)
+        with recording(), torch.no_grad():
+            if warmup:
+                fn(*pinned)
+            fresh = recorder.record(fn, pinned)
+        groups: dict[Any, list[int]] = {}  # storage -> indices of the outputs viewing it
         for i, out in enumerate(fresh):
             if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in held:
-                groups.setdefault(out.untyped_storage().data_ptr(), []).append(i)
+                storage = out.untyped_storage()  # storages of no bytes share an address: each its own
+                groups.setdefault(storage.data_ptr() if storage.nbytes() else ("empty", i), []).append(i)
         layout, offset = [], 0
         for indices in groups.values():
             layout.append((indices, offset, fresh[indices[0]].untyped_storage().nbytes()))
             offset = _align(offset + layout[-1][2])
         pool = self.pool(key)
-        arena = pool.arena(max(offset, peak.peak))
+        arena = pool.arena(max(offset, recorder.peak))
         outputs = list(fresh)
         blocks = []
         for indices, start, nbytes in layout:
@@ -249,4 +218,4 @@ class HostReplayEngine:
                     made[id(out)] = with_view_bits(made[id(out)], view_bits(out))
                 outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
-        return _HostGraph(fn, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool)
+        return _HostGraph(recorder.tape, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool)

@@ -73,11 +73,14 @@ class OutputPlan:
         bits = [view_bits(o) if isinstance(o, torch.Tensor) else 0 for o in outputs]
         # copied as stored (a clone would resolve the bits), the bits given back in assemble
         phys = [with_view_bits(o, b) if b else o for o, b in zip(outputs, bits)]
-        groups: dict[int, list[int]] = {}  # pool storage -> indices of the outputs on it
+        groups: dict[Any, list[int]] = {}  # pool storage -> indices of the outputs on it
         for i, out in enumerate(phys):
             if not isinstance(out, torch.Tensor):
                 continue
             ptr = out.untyped_storage().data_ptr()
+            # storages of no bytes all sit at one address (or none): such outputs view nothing,
+            # each is its own (batch norm's saved statistics in eval mode are empty)
+            key: Any = ptr if out.untyped_storage().nbytes() else ("empty", i)
             pos = views.get(ptr) if out.untyped_storage().nbytes() else None
             if pos is not None and static_args[pos].dtype == out.dtype:
                 base = static_args[pos]
@@ -86,7 +89,7 @@ class OutputPlan:
                 whole = delta == 0 and out.shape == base.shape and out.stride() == base.stride() and not flip
                 self._items[i] = (_VIEW, pos, tuple(out.shape), out.stride(), None if whole else delta, flip)
             else:
-                groups.setdefault(ptr, []).append(i)
+                groups.setdefault(key, []).append(i)
         self._srcs: list[torch.Tensor] = []
         self._makers: list[tuple[Any, ...]] = []  # per group: how to allocate its destination
         self._like: list[bool] = []  # per group: empty_like / clone give its exact layout

@@ -17,7 +17,8 @@ writing the inputs the graph writes into (snapshotted before and put back after)
 other thread's replay may copy into those buffers or read those inputs meanwhile. A
 replay on another thread waits behind a capture (captures are rare; cudagraph trees hold
 one process-wide lock for theirs). An allocation failure is `out_of_memory`, a
-transient decline; anything else raised is `capture_failed`.
+transient decline; anything else raised is `capture_failed`, an operation the capture
+does not permit named with the code that ran it (cudagraph/refusals.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.contract import LayoutIdentity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
@@ -123,4 +125,8 @@ def _refusal(exc: Exception, doing: str) -> CudaGraphUnavailable:
         return CudaGraphUnavailable(Decline.SNAPSHOT_TOO_LARGE, exc.detail)
     if is_out_of_memory(exc):
         return CudaGraphUnavailable(Decline.OUT_OF_MEMORY, f"{doing}: {type(exc).__name__}: {exc}")
-    return CudaGraphUnavailable(Decline.CAPTURE_FAILED, f"{type(exc).__name__}: {exc}")
+    origin = where(exc) if refused_by_capture(exc) else ""
+    # an operation the capture does not permit: named with the code that ran it (an
+    # artifact's, a custom op's, a module's), the same from either engine
+    return CudaGraphUnavailable(Decline.CAPTURE_FAILED,
+                                f"{type(exc).__name__}: {exc}" + (f", at {origin}" if origin else ""))

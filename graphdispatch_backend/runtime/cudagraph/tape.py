@@ -1,0 +1,250 @@
+"""Tape: what a host capture ran, at the ATen level, and its replay, which runs no Python.
+
+A CUDA graph holds kernels with their arguments as they were at capture: a replay runs
+none of the Python that launched them. A value that Python read at capture (a counter in
+an artifact, a module attribute, a branch on a Python number) is frozen in the graph.
+The host model records the same thing: while it captures, `Recorder` (a dispatch mode)
+appends every ATen op with its arguments bound (a tensor made earlier in the capture is
+a slot, filled again by each replay; any other tensor, the pinned inputs and parameters
+among them, is held as the capture saw it, as a graph holds an address; every other
+argument is a constant). `Tape.replay` runs that list. Custom ops made with
+`torch.library.custom_op` are entered, so their Python is frozen too (their ops are
+recorded, not the op); other custom ops are recorded whole (a C++ kernel has no Python).
+
+While recording, what CUDA refuses during a capture raises (cudagraph/refusals.py), and
+the capture stays refused even where the code catches that error (CUDA invalidates the
+capture). The recorder also measures the capture's working set (the peak bytes of
+storages made meanwhile) and runs no collective: one returns an uninitialized tensor of
+its output's shape, as a CUDA capture records an NCCL kernel without running it (vLLM's
+custom all-reduce does the same while warming up inside its capture context); its
+replay runs the collective, as a graph replay launches the captured kernel.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._library.custom_ops import _maybe_get_opdef
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphdispatch_backend.errors import CaptureRefused
+from graphdispatch_backend.runtime.cudagraph.refusals import HOST_READS, refusal
+
+_COLLECTIVES = ("_c10d_functional", "c10d_functional")
+_SLOT, _VIEW = 0, 1  # a tensor argument made during the capture: itself, or a view rebuilt over its storage
+
+
+class Tape:
+    """The recorded steps; `replay()` runs them and returns the capture's outputs anew."""
+
+    def __init__(self) -> None:
+        # per step: (op, positional arguments, keyword arguments (tensors of the capture
+        # replaced by None), the positions holding a list to copy before filling it,
+        # [(0 for args | 1 for kwargs, position or key, index in a list or None, kind, what)]
+        # to fill, the slots the op's tensor outputs go to, whether its outputs nest, the
+        # slots no later step reads: freed after this one)
+        self.steps: list[tuple[Any, ...]] = []
+        self.slots = 0
+        self.outputs: list[tuple[int | None, Any]] = []  # per output: (kind, what), as an argument's
+
+    def replay(self) -> list[Any]:
+        env: list[Any] = [None] * self.slots
+        for op, args, kwargs, lists, fills, outs, nested, free in self.steps:
+            if fills:
+                args = list(args)
+                if kwargs:
+                    kwargs = dict(kwargs)
+                for where, key in lists:
+                    holder = args if where == 0 else kwargs
+                    holder[key] = list(holder[key])
+                for where, key, index, kind, what in fills:
+                    holder = args if where == 0 else kwargs
+                    value = env[what] if kind == _SLOT else _fill(env, kind, what)
+                    if index is None:
+                        holder[key] = value
+                    else:
+                        holder[key][index] = value
+            result = op(*args, **kwargs) if kwargs else op(*args)
+            if outs:
+                flat = pytree.tree_leaves(result) if nested else (
+                    (result,) if isinstance(result, torch.Tensor) else result)
+                for i, slot in outs:
+                    env[slot] = flat[i]
+            for slot in free:
+                env[slot] = None
+        return [_fill(env, kind, what) if kind is not None else what for kind, what in self.outputs]
+
+
+def _fill(env: list[Any], kind: int, what: Any) -> Any:
+    if kind == _SLOT:
+        return env[what]
+    slot, offset, size, stride, dtype = what
+    base = env[slot]
+    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
+
+
+class _HostReads(TorchFunctionMode):
+    """Catches what reads a tensor's values on the host without an ATen op (`.tolist()`)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        why = HOST_READS.get(func)
+        if why is not None:
+            self._recorder.refuse(getattr(func, "__name__", str(func)), why)
+        return func(*args, **(kwargs or {}))
+
+
+class Recorder(TorchDispatchMode):
+    """Records a capture onto a Tape (module docstring). Use `record(fn, args)`."""
+
+    def __init__(self, held: set[int]) -> None:
+        super().__init__()
+        self._held = held  # the arguments' storages: not the computation's own memory
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+        self.tape = Tape()
+        self._made: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # id -> (tensor, slot)
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}  # storage ptr -> (storage, slot)
+        self._reads: list[int] = []  # per slot, the last step that reads it
+        self._refused: CaptureRefused | None = None
+        self._inside: list[str] = []  # the custom ops being entered, outermost first
+
+    def record(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+        with _HostReads(self), self:
+            fresh = tuple(fn(*args))
+        if self._refused is not None:  # caught by the code that ran; CUDA invalidates the capture anyway
+            raise self._refused
+        tape = self.tape
+        tape.outputs = [self._bind(out, len(tape.steps)) if isinstance(out, torch.Tensor) else (None, out)
+                        for out in fresh]
+        last_reads: dict[int, list[int]] = {}
+        kept = {what if kind == _SLOT else what[0] for kind, what in tape.outputs if kind is not None}
+        for slot, step in enumerate(self._reads):
+            if slot not in kept:
+                last_reads.setdefault(step, []).append(slot)
+        tape.steps = [(*s[:7], tuple(last_reads.get(i, ()))) for i, s in enumerate(tape.steps)]
+        return fresh
+
+    def refuse(self, op: str, why: str) -> None:
+        inside = f" in custom op {self._inside[-1]}" if self._inside else ""
+        error = CaptureRefused(f"operation not permitted when stream is capturing: {op} ({why}){inside}")
+        if self._refused is None:
+            self._refused = error
+        raise error
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        why = refusal(func, args, kwargs)
+        if why is not None:
+            self.refuse(str(func), why)
+        opdef = _maybe_get_opdef(func) if func.namespace not in ("aten", "prims") else None
+        if opdef is not None:  # a custom op's Python: entered, recorded op by op (frozen as a graph would)
+            kernel = opdef._backend_fns.get(_device_type(args), opdef._backend_fns.get(None, opdef._init_fn))
+            self._inside.append(str(opdef._qualname))
+            try:
+                with _HostReads(self), self:  # function modes are off inside a dispatch
+                    out = kernel(*args, **kwargs)
+            finally:
+                self._inside.pop()
+            self._measure(out)
+            return out
+        if getattr(func, "namespace", None) in _COLLECTIVES:
+            out = _stand_in(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self._append(func, args, kwargs, out)
+        self._measure(out)
+        return out
+
+    # -- recording ------------------------------------------------------------------------
+    def _append(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        step = len(self.tape.steps)
+        args, kwargs = list(args), dict(kwargs)
+        lists: list[tuple[int, Any]] = []
+        fills: list[tuple[int, Any, int | None, int, Any]] = []
+        for where, holder in ((0, args), (1, kwargs)):
+            for key in (range(len(holder)) if where == 0 else list(holder)):
+                value = holder[key]
+                if isinstance(value, torch.Tensor):
+                    holder[key] = self._arg(value, step, fills, where, key, None)
+                elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                    items = list(value)
+                    for index, item in enumerate(items):
+                        if isinstance(item, torch.Tensor):
+                            items[index] = self._arg(item, step, fills, where, key, index)
+                    holder[key] = items
+                    lists.append((where, key))
+        outs = []
+        for i, leaf in enumerate(pytree.tree_leaves(out)):
+            if isinstance(leaf, torch.Tensor) and self._slot_of(leaf) is None:
+                slot = len(self._reads)
+                self._reads.append(step)  # freed after the step that made it, unless read later
+                self._made[id(leaf)] = (weakref.ref(leaf), slot)
+                storage = leaf.untyped_storage()
+                self._storages.setdefault(storage.data_ptr(), (StorageWeakRef(storage), slot))
+                outs.append((i, slot))
+        self.tape.slots = len(self._reads)
+        nested = not (isinstance(out, torch.Tensor) or (  # else a flat sequence of tensors, indexed as is
+            isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out)))
+        op = getattr(func, "_op", func)  # the C++ entry: an OpOverload's __call__ is a Python frame around it
+        self.tape.steps.append((op, tuple(args), kwargs, tuple(lists), fills, outs, nested, ()))
+
+    def _arg(self, t: torch.Tensor, step: int, fills: list[Any], where: int, key: Any, index: int | None) -> Any:
+        """The value a step holds for tensor argument `t`: None where each replay fills it in."""
+        kind, what = self._bind(t, step)
+        if kind is None:
+            return what
+        fills.append((where, key, index, kind, what))
+        return None
+
+    def _slot_of(self, t: torch.Tensor) -> int | None:
+        found = self._made.get(id(t))
+        return found[1] if found is not None and found[0]() is t else None
+
+    def _bind(self, t: torch.Tensor, step: int) -> tuple[int | None, Any]:
+        """How a replay finds tensor `t`: a slot, a view over a slot's storage, or `t` itself
+        (made before the capture: held, as a graph holds an address)."""
+        slot = self._slot_of(t)
+        if slot is not None:
+            self._reads[slot] = step
+            return _SLOT, slot
+        storage = t.untyped_storage()
+        owner = self._storages.get(storage.data_ptr())
+        if owner is not None and not owner[0].expired() and owner[0].cdata == storage._cdata:
+            self._reads[owner[1]] = step  # made in the capture, reached without an op (`.data`)
+            return _VIEW, (owner[1], t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        return None, t.detach()
+
+    def _measure(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._held and key not in self._live:
+                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self._live.values()))
+
+
+def _device_type(args: Any) -> str | None:
+    t = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+    return None if t is None else t.device.type
+
+
+def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
+    """A collective's output, shaped by its meta kernel, never communicated."""
+    if func is torch.ops._c10d_functional.wait_tensor.default:
+        return args[0]
+    real = next(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+    meta = func(*pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
+                **pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))
+    return pytree.tree_map_only(torch.Tensor, lambda m: torch.empty(m.shape, dtype=m.dtype, device=real.device), meta)

@@ -1,0 +1,93 @@
+"""Draws: an extra run's random numbers, drawn from a private copy of the RNG.
+
+The eager check runs the graph twice for one call (eager's reference, then the compiled
+run that answers): both must see the same random numbers, and the user's generator must
+advance once, as in eager. Putting the global state back after the reference run would
+do that for this thread, but would also rewind what another thread drew meanwhile (its
+numbers drawn again, by whoever draws next). Instead the reference run (and every other
+extra run of the call) draws from private generators that start where the global ones
+stood as the call began (`Start`); the global generators are left alone for the run that
+answers, and for every other thread.
+
+Ops with a `generator` argument get the private generator of their device passed in. An
+op without one (`native_dropout`, attention's dropout) draws from the global generator:
+its state is swapped to the private one for that op alone (a window of one op, under the
+module's lock, where another thread's draw would land in the private stream).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_SWAP = threading.Lock()
+
+
+def _default(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+class Start:
+    """The default generators' states as a call starts: each `private()` run draws from
+    copies of them (module docstring)."""
+
+    __slots__ = ("_states",)
+
+    def __init__(self) -> None:
+        self._states: dict[torch.device, torch.Tensor] = {torch.device("cpu"): torch.default_generator.get_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, g in enumerate(torch.cuda.default_generators):
+                self._states[torch.device("cuda", i)] = g.get_state()
+
+    def private(self) -> _PrivateDraws:
+        return _PrivateDraws(self._states)
+
+
+class _PrivateDraws(TorchDispatchMode):
+    def __init__(self, states: dict[torch.device, torch.Tensor]) -> None:
+        super().__init__()
+        self._states = states
+        self._private: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        found = self._private.get(device)
+        if found is None:
+            found = self._private[device] = torch.Generator(device=device)
+            state = self._states.get(device)
+            found.set_state(state if state is not None else _default(device).get_state())
+        return found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+            return func(*args, **kwargs)
+        device = _device(args, kwargs)
+        private = self._generator(device)
+        if any(a.name == "generator" for a in func._schema.arguments):
+            if kwargs.get("generator") is None:
+                kwargs["generator"] = private
+            return func(*args, **kwargs)
+        default = _default(device)
+        with _SWAP:  # no generator argument: the global state is the private one for this op
+            saved = default.get_state()
+            default.set_state(private.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                private.set_state(default.get_state())
+                default.set_state(saved)
+
+
+def _device(args: Any, kwargs: dict[str, Any]) -> torch.device:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.device("cpu")

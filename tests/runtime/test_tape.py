@@ -1,0 +1,271 @@
+"""The host model of a capture predicts the GPU (runtime/cudagraph/tape.py, refusals.py):
+what a CUDA capture refuses fails the emulated capture too, named with the code that ran
+it, and a replay runs the ops recorded at capture, not the Python again, so a value
+Python read at capture stays frozen as in a CUDA graph."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from graphdispatch_backend.errors import CaptureRefused
+from graphdispatch_backend.runtime.cudagraph import tape as tape_mod
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
+from graphdispatch_backend.testing import Mlp, accounted_graphs, manifest_from_region, region_entry, write_bundle
+
+# -- the recorder on its own ---------------------------------------------------------------------
+
+
+def _capture(fn: Any, *args: Any) -> Any:
+    return HostReplayEngine().capture(fn, args, warmup=False)
+
+
+@pytest.mark.parametrize(("body", "op"), [
+    (lambda x: (x * 2, x.sum().item()), "_local_scalar_dense"),
+    (lambda x: (x[x > 0],), "index"),
+    (lambda x: (torch.nonzero(x),), "nonzero"),
+    (lambda x: (torch.masked_select(x, x > 0),), "masked_select"),
+    (lambda x: (torch.tensor(x.tolist()),), "tolist"),
+    (lambda x: (x * 2,) if bool(x.sum() > 0) else (x,), "_local_scalar_dense"),
+    (lambda x: (torch.rand(3, generator=torch.Generator().manual_seed(0)) + x,), "rand"),
+])
+def test_what_cuda_refuses_while_capturing_the_host_capture_refuses(body, op):
+    with pytest.raises(CaptureRefused, match=f"operation not permitted when stream is capturing: .*{op}"):
+        _capture(body, torch.randn(3))
+
+
+@pytest.mark.parametrize("body", [
+    lambda x: (x[torch.tensor([0, 2])],),  # integer indices: the size is the index's
+    lambda x: (torch.repeat_interleave(x, torch.tensor([1, 2, 1]), output_size=4),),
+    lambda x: (x + torch.rand(3),),  # the default generator: registered with every capture
+])
+def test_what_cuda_permits_captures(body):
+    assert _capture(body, torch.randn(3)).outputs
+
+
+def test_a_refusal_the_code_catches_still_fails_the_capture():
+    """CUDA invalidates the capture: catching the error does not make it capturable."""
+
+    def tolerant(x: torch.Tensor) -> tuple[torch.Tensor]:
+        with contextlib.suppress(RuntimeError):
+            x.max().item()
+        return (x * 2,)
+
+    with pytest.raises(CaptureRefused, match="_local_scalar_dense"):
+        _capture(tolerant, torch.randn(3))
+
+
+def test_a_replay_runs_what_was_captured_with_python_values_frozen():
+    x = torch.randn(4)
+    scale = [2.0]  # a Python value the computation reads
+    graph = _capture(lambda t: (t * scale[0] + 1, (t * 3).data * 1), x)
+    x.copy_(torch.arange(4.0))
+    scale[0] = 5.0
+    graph.replay()
+    # the new input values, the scale read at capture; `.data` (no op) of a tensor made in
+    # the capture is rebuilt over the replay's own memory
+    assert torch.equal(graph.outputs[0], torch.arange(4.0) * 2 + 1)
+    assert torch.equal(graph.outputs[1], torch.arange(4.0) * 3)
+
+
+# -- through torch.compile: an artifact that syncs, one that reads a Python value --------------
+
+
+class ShiftedMlp(Mlp):
+    """The shared test Mlp (fc1, relu, fc2) plus a buffer `shift`, 0 until a test moves it."""
+
+    def __init__(self) -> None:
+        super().__init__(16)
+        self.register_buffer("shift", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = ShiftedMlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x * 2)
+
+
+def _make() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _x(i: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+
+
+EXACT = 'F.linear(torch.relu(F.linear(a["input0"], a["fc1.weight"], a["fc1.bias"])), a["fc2.weight"], a["fc2.bias"])'
+KERNELS = {
+    # exact, with a guard that reads a value on the host: fine eagerly, refused by a capture
+    "sync": f"""
+def forward(*inputs):
+    a = dict(zip(NAMES, inputs))
+    if a["input0"].abs().max().item() > 1e6:
+        raise ValueError("input out of range")
+    return {EXACT} + a["shift"]
+""",
+    # exact while the Python value it reads matches the `shift` buffer the model adds
+    "python_value": f"""
+def forward(*inputs):
+    a = dict(zip(NAMES, inputs))
+    return {EXACT} + float(os.environ.get("GD_TEST_SHIFT", "0"))
+""",
+}
+
+
+def _compiled(root: Path, kind: str, **options: Any) -> tuple[Net, Net, Any]:
+    region = region_entry(_make(), _x(0), name="mlp", cuda_graphs=False)
+    sig = manifest_from_region(region)
+    names = [i["name"] for i in region["inputs"]]
+    source = f"import os\nimport torch\nimport torch.nn.functional as F\n\nNAMES = {names!r}\n" + KERNELS[kind]
+    write_bundle(root / "mlp", f"mlp-{kind}", "mlp", sig["inputs"], sig["outputs"], source)
+    model = _make()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"cuda_graphs": "emulate", "artifacts": str(root), **options})
+    return model, _make(), compiled
+
+
+def test_an_artifact_that_syncs_fails_the_capture_named_and_serves_eagerly(tmp_path):
+    _, ref, compiled = _compiled(tmp_path, "sync")
+    with torch.no_grad():
+        for i in range(6):
+            assert torch.equal(compiled(_x(i)), ref(_x(i))), i
+    (graph,) = accounted_graphs()
+    cg = graph["cuda_graph"]
+    assert cg["replays"] == 0 and cg["declines"] == {"capture_failed": 1}
+    detail = cg["decline_details"]["capture_failed"]
+    assert "operation not permitted when stream is capturing: aten._local_scalar_dense" in detail
+    assert "in artifact mlp-sync" in detail and "at forward (<graphdispatch artifact mlp-sync:kernel.py>:" in detail
+    (sub,) = graph["substitutions"]
+    assert not sub["demoted"] and sub["calls"] == 6  # not the artifact's fault: it serves every (eager) call
+
+
+def test_without_the_sync_check_emulate_replays_what_a_gpu_refuses(tmp_path, monkeypatch):
+    """Mutation: the refusals removed, the syncing artifact captures and replays on CPU."""
+    monkeypatch.setattr(tape_mod, "refusal", lambda *args: None)
+    _, ref, compiled = _compiled(tmp_path, "sync")
+    with torch.no_grad():
+        for i in range(6):
+            compiled(_x(i))
+    (graph,) = accounted_graphs()
+    assert graph["cuda_graph"]["replays"] > 0
+
+
+def _python_value_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], dict[str, Any]]:
+    """Calls 1-8 with shift 0, then the Python value and the buffer both move to 0.5:
+    eager sees the move, a captured graph holds the value read at capture."""
+    monkeypatch.setenv("GD_TEST_SHIFT", "0")
+    model, ref, compiled = _compiled(tmp_path, "python_value", recheck="every")
+    wrong = []
+    with torch.no_grad():
+        for i in range(1, 13):
+            if i == 9:
+                monkeypatch.setenv("GD_TEST_SHIFT", "0.5")
+                model.mlp.shift.fill_(0.5)
+                ref.mlp.shift.fill_(0.5)
+            if not torch.equal(compiled(_x(i)), ref(_x(i))):
+                wrong.append(i)
+    (graph,) = accounted_graphs()
+    return wrong, graph
+
+
+def test_a_python_value_read_at_capture_is_frozen_and_the_check_blames_the_capture(tmp_path, monkeypatch):
+    wrong, graph = _python_value_run(tmp_path, monkeypatch)
+    assert wrong == []  # the checked call answers with eager's values
+    cg = graph["cuda_graph"]
+    assert cg["declines"] == {"verify_mismatch": 1}  # the capture, not the artifact, nor the lowering
+    assert "call 9" in cg["decline_details"]["verify_mismatch"]
+    (sub,) = graph["substitutions"]
+    assert not sub["demoted"]  # run eagerly, the artifact reads the new value: right
+
+
+def test_without_the_frozen_replay_emulate_misses_the_stale_value(tmp_path, monkeypatch):
+    """Mutation: a replay that runs the graph's Python again reads the new value, so
+    emulation sees nothing wrong where a GPU's replay serves the value read at capture."""
+    record = tape_mod.Recorder.record
+
+    def keeping(self: Any, fn: Any, args: Any) -> Any:
+        self.tape.rerun = (fn, args)
+        return record(self, fn, args)
+
+    monkeypatch.setattr(tape_mod.Recorder, "record", keeping)
+    monkeypatch.setattr(tape_mod.Tape, "replay", lambda self: list(self.rerun[0](*self.rerun[1])))
+    wrong, graph = _python_value_run(tmp_path, monkeypatch)
+    assert wrong == [] and graph["cuda_graph"]["declines"] == {}
+
+
+# -- a custom op that syncs: transformers' grouped GEMM fallback ---------------------------------
+
+
+@torch.library.custom_op("gdtest::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype)
+    start = 0
+    for i, end in enumerate(offs.tolist()):  # one host sync for all groups
+        torch.mm(x[start:end], w[i], out=out[start:end])
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([3, 6])  # where each expert's rows end
+        return torch.relu(grouped_mm(x * 2, self.w, offs)) + 1
+
+
+def test_a_custom_op_that_syncs_fails_its_piece_named_and_the_run_stays_bitwise():
+    torch.manual_seed(0)
+    model = Experts().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(6, 8)
+            assert torch.equal(compiled(x), model(x))
+    (graph,) = accounted_graphs()
+    detail = graph["cuda_graph"]["decline_details"]["capture_failed"]
+    assert "tolist" in detail and "in custom op gdtest::grouped_mm" in detail
+    assert "at grouped_mm (test_tape.py:" in detail
+
+
+def test_tiny_mixtral_with_its_default_experts_declines_the_pieces_a_gpu_would():
+    """transformers' grouped GEMM fallback (used where torch's grouped GEMM is not: this
+    CPU, GPUs before Hopper) reads its offsets on the host: the two pieces holding it fail
+    to capture, named; the others replay; every output is eager's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.MixtralModel(cfg).eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    with torch.no_grad():
+        for i in range(5):
+            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
+            assert torch.equal(compiled(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    (graph,) = accounted_graphs()
+    pieces = [p for p in graph["pieces"] if "cuda_graph" in p]
+    failed = [p for p in pieces if p["cuda_graph"]["declines"]]
+    assert len(failed) == 2 and all(p["cuda_graph"]["declines"] == {"capture_failed": 1} for p in failed)
+    assert all("transformers::grouped_mm_fallback" in p["cuda_graph"]["decline_details"]["capture_failed"]
+               for p in failed)
+    assert all(p["cuda_graph"]["replays"] > 0 for p in pieces if p not in failed)
