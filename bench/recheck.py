@@ -97,12 +97,13 @@ def steady() -> tuple[dict[str, float], dict[str, int]]:
                                     options={"cuda_graphs": "emulate", "recheck": recheck})
                 for name, recheck in VARIANTS.items()}
     xs = [torch.randn(4, DIM) for _ in range(8)]
+    before, after = {}, {}
     with torch.no_grad():
-        for fn in compiled.values():
+        for name, fn in compiled.items():
             for i in range(STEADY_AFTER):
                 if not torch.equal(fn(xs[i % 8]), model(xs[i % 8])):
                     raise SystemExit("recheck: not bitwise equal to eager")
-        before = _checks()
+            before[name] = _checks(VARIANTS[name])
         spent = dict.fromkeys(compiled, 0.0)
         names = list(compiled)
         for chunk in range(STEADY_CALLS // CHUNK):
@@ -112,15 +113,20 @@ def steady() -> tuple[dict[str, float], dict[str, int]]:
                 for i in range(CHUNK):
                     fn(xs[i % 8])
                 spent[name] += time.perf_counter() - start
-        after = _checks()
+                after[name] = _checks(VARIANTS[name])  # untimed
     return ({name: t / STEADY_CALLS * 1e6 for name, t in spent.items()},
-            {name: a - b for name, a, b in zip(compiled, after, before)})
+            {name: after[name] - before[name] for name in compiled})
 
 
-def _checks() -> list[int]:
-    """Eager checks so far, per graph in compile order (one graph per variant)."""
-    report = graphdispatch_backend.latest_report() or {}
-    return [g["lowering_check"]["checked"] for g in report.get("graphs", [])]
+def _checks(recheck: Any) -> int:
+    """Eager checks so far in the session of that `recheck` option (each variant's options
+    make a session of their own; the bench reads the session table directly)."""
+    from graphdispatch_backend import session as gd_session
+
+    for session in list(gd_session._SESSIONS.values()):
+        if session.options.recheck == recheck:
+            return sum(g["lowering_check"]["checked"] for g in session.report.to_dict()["graphs"])
+    return 0
 
 
 def main() -> None:
