@@ -115,6 +115,18 @@ def forward(*inputs):
         raise ValueError("input out of range")
     return {EXACT} + a["shift"]
 """,
+    # exact, but raising CUDA's own error while recorded: what a GPU capture of a kernel that
+    # syncs raises (a RuntimeError with CUDA's text), to show both engines' errors take one path
+    "cuda_error": f"""
+from graphdispatch_backend.runtime.cudagraph.engine import in_recording
+
+
+def forward(*inputs):
+    a = dict(zip(NAMES, inputs))
+    if in_recording():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    return {EXACT} + a["shift"]
+""",
     # exact while the Python value it reads matches the `shift` buffer the model adds
     "python_value": f"""
 def forward(*inputs):
@@ -149,6 +161,25 @@ def test_an_artifact_that_syncs_fails_the_capture_named_and_serves_eagerly(tmp_p
     assert "in artifact mlp-sync" in detail and "at forward (<graphdispatch artifact mlp-sync:kernel.py>:" in detail
     (sub,) = graph["substitutions"]
     assert not sub["demoted"] and sub["calls"] == 6  # not the artifact's fault: it serves every (eager) call
+
+
+def test_cudas_own_refusal_takes_the_same_path_and_is_named_alike(tmp_path):
+    """The CUDA engine's capture raises CUDA's RuntimeError, not CaptureRefused: the gate,
+    the runner and the report treat it as the host model's (capture_failed, the artifact
+    named with its frame, not demoted)."""
+    _, ref, compiled = _compiled(tmp_path, "cuda_error")
+    with torch.no_grad():
+        for i in range(6):
+            assert torch.equal(compiled(_x(i)), ref(_x(i))), i
+    (graph,) = accounted_graphs()
+    cg = graph["cuda_graph"]
+    assert cg["replays"] == 0 and cg["declines"] == {"capture_failed": 1}
+    detail = cg["decline_details"]["capture_failed"]
+    assert detail.startswith("CaptureRefused: CUDA error: operation not permitted when stream is capturing "
+                             "in artifact mlp-cuda_error, at forward (")
+    assert "<graphdispatch artifact mlp-cuda_error:kernel.py>:" in detail
+    (sub,) = graph["substitutions"]
+    assert not sub["demoted"] and sub["calls"] == 6
 
 
 def test_without_the_sync_check_emulate_replays_what_a_gpu_refuses(tmp_path, monkeypatch):
