@@ -95,7 +95,7 @@ class Beside:
         declared = sorted(self._writes.positions)
         bitwise = parity.mode == "bitwise"
         prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared)),
-                                               World.take(self._writes.regions(inputs), draws=True)))
+                                               World.take(self._writes.regions(inputs))))
         if exc is not None:
             return Outcome(None, unjudged=_failed("guarding the inputs", exc))
         (guards, copied), before = prepared
@@ -127,7 +127,7 @@ class Beside:
 
     def snapshot(self, inputs: Sequence[Any]) -> World:
         """The declared writes' regions now (the speed gate's repeated runs put them back)."""
-        return World.take(self._writes.regions(inputs), draws=True)
+        return World.take(self._writes.regions(inputs))
 
     def _guards(self, inputs: Sequence[Any], declared: set[int]) -> tuple[list[Guard], list[Guard]]:
         """Guards of the undeclared tensor inputs, and whole copies of the declared ones,

@@ -18,6 +18,7 @@ module's lock, where another thread's draw would land in the private stream).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,6 +84,19 @@ class _PrivateDraws(TorchDispatchMode):
             finally:
                 private.set_state(default.get_state())
                 default.set_state(saved)
+
+
+def privately(start: Start | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as an extra run of a call: its random draws from private copies of the
+    generators as they stood when the call began (`start`; None: it draws nothing)."""
+    if start is None:
+        return fn
+
+    def run(*args: Any) -> Any:
+        with start.private():
+            return fn(*args)
+
+    return run
 
 
 def _device(args: Any, kwargs: dict[str, Any]) -> torch.device:

@@ -42,7 +42,7 @@ from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
-from graphdispatch_backend.runtime.draws import Start
+from graphdispatch_backend.runtime.draws import Start, privately
 from graphdispatch_backend.runtime.gate import native_regions
 from graphdispatch_backend.runtime.isolate import ARTIFACT, CAPTURE, culprit
 from graphdispatch_backend.runtime.keys import layout_key
@@ -65,19 +65,6 @@ def _code(verdict: Verdict) -> int:
 
 def _flat(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-def _privately(start: Start | None, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as an extra run of a call: its random draws from private copies of the
-    generators as they stood when the call began (`start`), the global ones left alone."""
-    if start is None:
-        return fn
-
-    def run(*args: Any) -> Any:
-        with start.private():
-            return fn(*args)
-
-    return run
 
 
 class _Reference:
@@ -103,7 +90,7 @@ class _Reference:
             self._raw = None
 
     def extra(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return _privately(self._start, fn)
+        return privately(self._start, fn)
 
     @property
     def outputs(self) -> list[Any]:
@@ -229,7 +216,7 @@ class EagerCheck:
         if exc is not None:  # nothing ran yet
             return self._unsnapshotted(args, exc)
         start = Start() if self._draws else None  # before anything draws
-        raw, exc = self._contain(lambda: _privately(start, self._eager)(*args))
+        raw, exc = self._contain(lambda: privately(start, self._eager)(*args))
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
             self._own(before.restore)
             return self._compiled(*args)

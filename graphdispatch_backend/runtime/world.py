@@ -1,13 +1,14 @@
 """World: a snapshot of what one run of a graph may change besides its outputs.
 
-That is the regions of its inputs the graph writes (a KV cache's rows, a running buffer),
-and the RNG state where asked (`draws`: an artifact's gate, whose region may draw). Every
-extra run graphdispatch adds (the eager check, a verification, a derived verification
-set, a capture's own run) takes the world before it and puts it back after, so the
-user's state advances exactly once per call, as in eager. The global RNG is put back only
-where asked: a captured piece draws nothing (random ops stay outside pieces,
-passes/split_pieces.py), and the eager check's extra runs draw from private copies of the
-generators (runtime/draws.py), so that no other thread's draws are ever rewound.
+That is the regions of its inputs the graph writes (a KV cache's rows, a running buffer).
+Every extra run graphdispatch adds (the eager check, a verification, a derived verification
+set, a capture's own run, an artifact's gate) takes the world before it and puts it back
+after, so the user's state advances exactly once per call, as in eager. The RNG is not
+part of it: a captured piece draws nothing (random ops stay outside pieces,
+passes/split_pieces.py), a region that draws is never substituted (artifacts/match.py),
+and the eager check's extra runs of a graph that draws draw from private copies of the
+generators (runtime/draws.py); putting the global state back would rewind another
+thread's draws.
 
 What a call writes is located before it runs (passes/locate_writes.py): a snapshot copies
 the rows `index_copy_` will write, the elements `index_put_` and `scatter_` will, the view
@@ -35,11 +36,6 @@ from graphdispatch_backend.passes.locate_writes import INDEX, INDICES, SCATTER, 
 from graphdispatch_backend.runtime.parity import Mismatch, compare
 
 aten = torch.ops.aten
-
-
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
 
 
 class Region:
@@ -132,34 +128,28 @@ class Writes:
 
 
 class World:
-    __slots__ = ("_copies", "_regions", "_rng")
+    __slots__ = ("_copies", "_regions")
 
-    def __init__(self, regions: Sequence[Region], copies: list[torch.Tensor], rng: Any = None) -> None:
+    def __init__(self, regions: Sequence[Region], copies: list[torch.Tensor]) -> None:
         self._regions = tuple(regions)
         self._copies = copies
-        self._rng = rng
 
     @classmethod
-    def take(cls, regions: Sequence[Region], draws: bool = False) -> World:
-        """`draws`: the RNG state too, put back by `restore` (module docstring)."""
-        return cls(regions, [r.read() for r in regions], _rng_state() if draws else None)
+    def take(cls, regions: Sequence[Region]) -> World:
+        return cls(regions, [r.read() for r in regions])
 
     def restore(self) -> None:
-        """Put the regions' values (and the RNG state, if taken) back as they were at `take`."""
+        """Put the regions' values back as they were at `take`."""
         for region, copy in zip(self._regions, self._copies):
             region.write(copy)
-        if self._rng is not None:
-            torch.set_rng_state(self._rng[0])
-            if self._rng[1] is not None:
-                torch.cuda.set_rng_state_all(self._rng[1])
 
     def now(self) -> World:
         """A snapshot of the same regions as they are now."""
-        return World.take(self._regions, self._rng is not None)
+        return World.take(self._regions)
 
     def swap(self) -> World:
         """Snapshot the world as it is now, put this one back, and return the snapshot."""
-        now = World.take(self._regions, self._rng is not None)
+        now = World.take(self._regions)
         self.restore()
         return now
 

@@ -129,8 +129,8 @@ def test_the_gate_snapshots_the_row_not_the_cache(tmp_path, monkeypatch):
     _bundle(tmp_path)
     sizes: list[int] = []
     take = World.take.__func__
-    monkeypatch.setattr(World, "take", classmethod(lambda cls, regions, draws=False: sizes.append(
-        (world := take(cls, regions, draws)).nbytes) or world))
+    monkeypatch.setattr(World, "take", classmethod(lambda cls, regions: sizes.append(
+        (world := take(cls, regions)).nbytes) or world))
     _serve(tmp_path, {"cuda_graphs": False})
     assert sizes and max(sizes) <= 8 * 4, sizes  # one row of 8 floats
 

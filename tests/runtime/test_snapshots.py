@@ -56,8 +56,8 @@ def _snapshot_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
     take = World.take.__func__
 
-    def recording(cls: type[World], regions: Any, draws: bool = False) -> World:
-        world = take(cls, regions, draws)
+    def recording(cls: type[World], regions: Any) -> World:
+        world = take(cls, regions)
         sizes.append(world.nbytes)
         return world
 
