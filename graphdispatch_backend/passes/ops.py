@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 
 def _argument(node: fx.Node, name: str) -> Any:
@@ -31,31 +30,6 @@ def allocates_uninitialized(node: fx.Node) -> bool:
     """`empty` and its kin: memory whose values no two runs agree on."""
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.name in _UNINITIALIZED
-
-
-_SIZED_BY_ARGUMENTS = {"aten::index", "aten::repeat_interleave", "aten::one_hot"}
-
-
-def indexes_by_mask(indices: Any) -> bool:
-    """Boolean (or byte) masks among an `index`/`index_put` call's indices (tensors, or
-    the fake values of fx nodes): their selection's size is known only after it ran."""
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in pytree.tree_leaves(indices))
-
-
-def output_sized_by_arguments(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
-    """An op tagged `dynamic_output_shape` whose output size follows from its arguments in
-    this call (tensors, or fake values): `index` by integer indices, `repeat_interleave`
-    given its `output_size`, `one_hot` given its number of classes. A CUDA capture
-    permits these; it refuses the rest (a host sync to learn the size)."""
-    if name not in _SIZED_BY_ARGUMENTS:
-        return False
-    if name == "aten::index":
-        return not indexes_by_mask(args[1] if len(args) > 1 else kwargs.get("indices"))
-    if name == "aten::one_hot":
-        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        return classes != -1
-    return kwargs.get("output_size") is not None
 
 
 def draws_random(node: fx.Node) -> bool:

@@ -71,8 +71,7 @@ class _Reference:
     """Eager's side of one check: its outputs, or (`lean`) their print and, once a mismatch
     made eager run again, that second run's outputs (see `_check`)."""
 
-    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain,
-                 start: Start | None = None) -> None:
+    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain, start: Start | None) -> None:
         self._args = args
         self._start = start  # the graph draws: every extra run draws from private copies (runtime/draws.py)
         self._raw: Any = raw

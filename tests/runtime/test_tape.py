@@ -148,8 +148,13 @@ def _compiled(root: Path, kind: str, **options: Any) -> tuple[Net, Net, Any]:
     return model, _make(), compiled
 
 
-def test_an_artifact_that_syncs_fails_the_capture_named_and_serves_eagerly(tmp_path):
-    _, ref, compiled = _compiled(tmp_path, "sync")
+@pytest.mark.parametrize(("kind", "error"), [
+    ("sync", "operation not permitted when stream is capturing: aten._local_scalar_dense.default"),
+    # the CUDA engine's capture raises CUDA's RuntimeError, not CaptureRefused: the same path
+    ("cuda_error", "CUDA error: operation not permitted when stream is capturing"),
+])
+def test_an_artifact_a_capture_refuses_fails_the_capture_named_and_serves_eagerly(tmp_path, kind, error):
+    _, ref, compiled = _compiled(tmp_path, kind)
     with torch.no_grad():
         for i in range(6):
             assert torch.equal(compiled(_x(i)), ref(_x(i))), i
@@ -157,29 +162,10 @@ def test_an_artifact_that_syncs_fails_the_capture_named_and_serves_eagerly(tmp_p
     cg = graph["cuda_graph"]
     assert cg["replays"] == 0 and cg["declines"] == {"capture_failed": 1}
     detail = cg["decline_details"]["capture_failed"]
-    assert "operation not permitted when stream is capturing: aten._local_scalar_dense" in detail
-    assert "in artifact mlp-sync" in detail and "at forward (<graphdispatch artifact mlp-sync:kernel.py>:" in detail
+    assert detail.startswith(f"CaptureRefused: {error}")
+    assert f"in artifact mlp-{kind}, at forward (<graphdispatch artifact mlp-{kind}:kernel.py>:" in detail
     (sub,) = graph["substitutions"]
     assert not sub["demoted"] and sub["calls"] == 6  # not the artifact's fault: it serves every (eager) call
-
-
-def test_cudas_own_refusal_takes_the_same_path_and_is_named_alike(tmp_path):
-    """The CUDA engine's capture raises CUDA's RuntimeError, not CaptureRefused: the gate,
-    the runner and the report treat it as the host model's (capture_failed, the artifact
-    named with its frame, not demoted)."""
-    _, ref, compiled = _compiled(tmp_path, "cuda_error")
-    with torch.no_grad():
-        for i in range(6):
-            assert torch.equal(compiled(_x(i)), ref(_x(i))), i
-    (graph,) = accounted_graphs()
-    cg = graph["cuda_graph"]
-    assert cg["replays"] == 0 and cg["declines"] == {"capture_failed": 1}
-    detail = cg["decline_details"]["capture_failed"]
-    assert detail.startswith("CaptureRefused: CUDA error: operation not permitted when stream is capturing "
-                             "in artifact mlp-cuda_error, at forward (")
-    assert "<graphdispatch artifact mlp-cuda_error:kernel.py>:" in detail
-    (sub,) = graph["substitutions"]
-    assert not sub["demoted"] and sub["calls"] == 6
 
 
 def test_without_the_sync_check_emulate_replays_what_a_gpu_refuses(tmp_path, monkeypatch):

@@ -73,6 +73,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
 
 
+def storage_group(t: torch.Tensor, index: int) -> Any:
+    """The key that groups outputs sharing memory: their storage's address. Storages of
+    no bytes all sit at one address (or none) and view nothing: each is its own (`index`,
+    the output's position; batch norm's saved statistics in eval mode are empty)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else ("empty", index)
+
+
 NEG, CONJ = 1, 2  # a tensor's lazy view bits: `x.conj().imag` is a negative view, `ihfft` a conjugate one
 
 

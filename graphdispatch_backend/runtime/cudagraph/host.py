@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, view_bits, with_view_bits
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, storage_group, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import HostStreams
 from graphdispatch_backend.runtime.cudagraph.tape import Recorder, Tape
 
@@ -55,10 +55,6 @@ def _poison(t: torch.Tensor) -> None:
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _no_autocast() -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast("cpu", enabled=False)
 
 
 class HostPool:
@@ -89,10 +85,9 @@ class HostPool:
 
 
 class _HostGraph:
-    def __init__(self, tape: Tape, args: tuple[Any, ...], outputs: tuple[Any, ...], arena: torch.UntypedStorage,
+    def __init__(self, tape: Tape, outputs: tuple[Any, ...], arena: torch.UntypedStorage,
                  blocks: list[tuple[int, torch.Tensor]], inference: bool, pool: HostPool) -> None:
-        self._tape: Tape | None = tape
-        self._args = args  # the pinned inputs: the tape holds them, as a graph holds their addresses
+        self._tape: Tape | None = tape  # holds the pinned inputs it reads, as a graph holds their addresses
         self.outputs = outputs
         self._pool: HostPool | None = pool  # the graphs captured into a pool keep it (module docstring)
         self._arena = arena  # kept alive: the blocks are views of it
@@ -104,7 +99,7 @@ class _HostGraph:
             raise RuntimeError("replay of a graph that was reset")
         # the ops as captured, with no Python of the graph's (cudagraph/tape.py); autocast
         # off: the casts it made at capture are recorded ops
-        with recording(), torch.no_grad(), torch.inference_mode(self._inference), _no_autocast():
+        with recording(), torch.no_grad(), torch.inference_mode(self._inference), torch.autocast("cpu", enabled=False):
             fresh = self._tape.replay()
             for index, block in self._blocks:
                 storage = fresh[index].untyped_storage()
@@ -114,7 +109,7 @@ class _HostGraph:
                 block.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
 
     def reset(self) -> None:
-        self._tape, self._args, self.outputs, self._arena, self._blocks, self._pool = None, (), (), None, [], None
+        self._tape, self.outputs, self._arena, self._blocks, self._pool = None, (), None, [], None
 
 
 class HostReplayEngine:
@@ -194,8 +189,7 @@ class HostReplayEngine:
         groups: dict[Any, list[int]] = {}  # storage -> indices of the outputs viewing it
         for i, out in enumerate(fresh):
             if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in held:
-                storage = out.untyped_storage()  # storages of no bytes share an address: each its own
-                groups.setdefault(storage.data_ptr() if storage.nbytes() else ("empty", i), []).append(i)
+                groups.setdefault(storage_group(out, i), []).append(i)
         layout, offset = [], 0
         for indices in groups.values():
             layout.append((indices, offset, fresh[indices[0]].untyped_storage().nbytes()))
@@ -218,4 +212,4 @@ class HostReplayEngine:
                     made[id(out)] = with_view_bits(made[id(out)], view_bits(out))
                 outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
-        return _HostGraph(recorder.tape, pinned, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool)
+        return _HostGraph(recorder.tape, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.runtime.contract import writable_layout
-from graphdispatch_backend.runtime.cudagraph.engine import view_bits, with_view_bits
+from graphdispatch_backend.runtime.cudagraph.engine import storage_group, view_bits, with_view_bits
 
 _CONSTANT, _GROUP, _VIEW, _SAME = 0, 1, 2, 3
 
@@ -77,11 +77,8 @@ class OutputPlan:
         for i, out in enumerate(phys):
             if not isinstance(out, torch.Tensor):
                 continue
-            ptr = out.untyped_storage().data_ptr()
-            # storages of no bytes all sit at one address (or none): such outputs view nothing,
-            # each is its own (batch norm's saved statistics in eval mode are empty)
-            key: Any = ptr if out.untyped_storage().nbytes() else ("empty", i)
-            pos = views.get(ptr) if out.untyped_storage().nbytes() else None
+            key = storage_group(out, i)
+            pos = views.get(key) if isinstance(key, int) else None
             if pos is not None and static_args[pos].dtype == out.dtype:
                 base = static_args[pos]
                 delta = out.storage_offset() - base.storage_offset()
