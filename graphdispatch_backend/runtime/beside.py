@@ -16,6 +16,11 @@ cache's rows) they must write alike; any other write is the artifact's fault. So
    (`writes`), a write outside them (`outside`); `keep_native()` then leaves the inputs as
    the native run left them, else they stay as the artifact left them.
 
+Steps 1 and 2 read each declared input whole (a KV cache: its size, not its rows) only when
+`whole` is asked: the gate asks at the first call of a shape key and when isolating a
+culprit; its re-checks judge the declared inputs on their rows, so they cost what the call
+writes.
+
 Every allocation here is graphdispatch's own: the gate runs this inside `contain`.
 """
 
@@ -89,18 +94,21 @@ class Beside:
         self.mutates = bool(writes)
 
     def run(self, inputs: Sequence[Any], native: Callable[..., Sequence[Any]], artifact: Callable[..., Any],
-            parity: Any) -> Outcome:
+            parity: Any, whole: bool = True) -> Outcome:
         """`native` is the user's own computation: what it raises propagates, as in eager;
-        the artifact and every step of graphdispatch's own are contained."""
+        the artifact and every step of graphdispatch's own are contained. `whole`: the
+        declared inputs are also judged whole (a copy to undo, a fingerprint to catch a
+        write beyond the rows); without it they are judged on their rows only, so a re-check
+        costs the rows a call writes, not the cache they are written into."""
         declared = sorted(self._writes.positions)
-        bitwise = parity.mode == "bitwise"
-        prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared)),
+        printed = parity.mode == "bitwise" and whole  # whose declared inputs are fingerprinted
+        prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared), whole),
                                                World.take(self._writes.regions(inputs))))
         if exc is not None:
             return Outcome(None, unjudged=_failed("guarding the inputs", exc))
         (guards, copied), before = prepared
         native_out = native(*inputs)
-        kept, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if bitwise else [], before.swap()))
+        kept, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if printed else [], before.swap()))
         if exc is not None:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
         prints, native_world = kept
@@ -129,9 +137,9 @@ class Beside:
         """The declared writes' regions now (the speed gate's repeated runs put them back)."""
         return World.take(self._writes.regions(inputs))
 
-    def _guards(self, inputs: Sequence[Any], declared: set[int]) -> tuple[list[Guard], list[Guard]]:
-        """Guards of the undeclared tensor inputs, and whole copies of the declared ones,
-        while the copies fit the limit (declared first: they are written for sure)."""
+    def _guards(self, inputs: Sequence[Any], declared: set[int], whole: bool) -> tuple[list[Guard], list[Guard]]:
+        """Guards of the undeclared tensor inputs, and (`whole`) whole copies of the declared
+        ones, while the copies fit the limit (declared first: they are written for sure)."""
         guards, copied, room = [], [], self._limit
         tensors = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
         order = sorted(tensors, key=lambda i: i not in declared)
@@ -139,10 +147,10 @@ class Beside:
             t = inputs[i]
             size = t.numel() * t.element_size()
             fits = room is None or size <= room
-            if fits:
+            if fits and (whole or i not in declared):
                 room = None if room is None else room - size
             if i in declared:
-                if fits:
+                if fits and whole:
                     copied.append(Guard(i, t, t.clone(), None))
             else:
                 guards.append(Guard(i, t, t.clone(), None) if fits else Guard(i, t, None, digest(t)))

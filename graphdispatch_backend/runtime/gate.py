@@ -12,7 +12,10 @@ the session; the run goes on with the native output. Under `strict` a demotion r
 
 An artifact can also go wrong after its gate (state, a cache, a race): parity is checked
 again at the 2nd, 4th, 8th, ... eager call per shape key (the cost stays logarithmic), and
-on every call under `timing="shadow"`, which runs native anyway. A replay inside a CUDA
+on every call under `timing="shadow"`, which runs native anyway. A re-check judges the
+outputs, the undeclared inputs and the declared ones where the region writes them (a KV
+cache's new rows): what the kernel writes beyond those rows is judged at the first call of
+each shape key, where the cache is read whole, not again on every re-check at the cache's size. A replay inside a CUDA
 graph calls no Python, so only eager calls are re-checked.
 
 Under dynamic shapes the region also takes size symbols (SymInts, concrete ints at run
@@ -249,7 +252,10 @@ class ArtifactGate:
                native_answer: bool = False) -> Sequence[Any]:
         with self._record.lock:
             self._record.gates += 1
-        o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity)
+        # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
+        # size) only at the first call of a shape key (runtime/beside.py)
+        o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity,
+                             whole=not recheck)
         if o.unjudged is not None:  # graphdispatch's own step failed (memory): no verdict this call
             self._timing.note(f"artifact {self._record.artifact} not judged at {self._record.region}: {o.unjudged}")
             return o.native if o.native is not None else self._run_native(inputs)

@@ -135,6 +135,38 @@ def test_the_gate_snapshots_the_row_not_the_cache(tmp_path, monkeypatch):
     assert sizes and max(sizes) <= 8 * 4, sizes  # one row of 8 floats
 
 
+def test_only_the_first_gate_reads_the_cache_whole_its_rechecks_cost_the_rows(tmp_path, monkeypatch):
+    """The first call judges the kernel's writes beyond its rows (the cache copied and
+    fingerprinted whole); the re-checks at the 2nd, 4th and 8th call judge the row, so a
+    re-check costs what the call writes, not the size of the cache it writes into."""
+    from graphdispatch_backend.runtime import beside
+
+    _bundle(tmp_path)
+    cache = ROWS * 8 * 4
+    runs: list[list[int]] = []  # per side-by-side run: bytes of each whole copy or fingerprint
+    run, guards, digest = beside.Beside.run, beside.Beside._guards, beside.digest
+
+    def counted_run(self, *args, **kwargs):
+        runs.append([])
+        return run(self, *args, **kwargs)
+
+    def counted_guards(self, inputs, declared, whole):
+        kept = guards(self, inputs, declared, whole)
+        runs[-1].extend(g.copy.numel() * g.copy.element_size() for g in kept[0] + kept[1] if g.copy is not None)
+        return kept
+
+    def counted_digest(t):
+        runs[-1].append(t.numel() * t.element_size())
+        return digest(t)
+
+    monkeypatch.setattr(beside.Beside, "run", counted_run)
+    monkeypatch.setattr(beside.Beside, "_guards", counted_guards)
+    monkeypatch.setattr(beside, "digest", counted_digest)
+    sub = _serve(tmp_path, {"cuda_graphs": False})
+    assert (sub["parity"], sub["demoted"], sub["gates"]) == ("passed", False, 4), sub
+    assert [run.count(cache) for run in runs] == [3, 0, 0, 0], runs  # a copy, native's print, the artifact's
+
+
 def test_an_undeclared_write_is_a_signature_rejection_that_says_what_to_declare(tmp_path):
     _bundle(tmp_path, declare=False)
     graphdispatch_backend.reset()

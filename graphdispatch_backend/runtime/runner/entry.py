@@ -61,6 +61,7 @@ class Entry:
     # land at the same address after the last one was freed
     first_storages: list[StorageWeakRef | None] = dataclasses.field(default_factory=list)
     forced_moving: set[int] = dataclasses.field(default_factory=set)
+    held: set[int] = dataclasses.field(default_factory=set)  # never moving: pinned wherever warmup saw them
     graph: CapturedGraph | None = None
     static_args: list[Any] = dataclasses.field(default_factory=list)
     moving: tuple[tuple[int, torch.Tensor], ...] = ()
@@ -79,7 +80,9 @@ class Entry:
     repins: int = 0  # re-captures that kept a moved input pinned at its new address
     replays_at_capture: int = 0  # the runner's replay count when this entry was captured
     out_of_memory: int = 0  # failed allocations in a row; the next try waits 2**n calls
-    skip: int = 0  # calls to answer eagerly before trying again after an out-of-memory
+    skip: int = 0  # calls to answer eagerly before trying again (after an out-of-memory, a quick move)
+    skip_reason: Decline = Decline.OUT_OF_MEMORY  # what those calls are counted as
+    quick_moves: int = 0  # a fixed-address input moved before REPIN_AFTER replays, times in a row
     reason: Decline | None = None
 
     @property

@@ -6,6 +6,13 @@ Given an entry's warmup observations and the live inputs of the capture call:
   warmup (the same tensor passed again, not a new one the allocator put at the old
   address), are pinned (read in place, their addresses checked on every replay);
   parameters and buffers must be pinned, or the capture is refused (`parameter_moved`);
+- tensors marked with `torch._dynamo.mark_static_address` (a static KV cache: transformers
+  marks its own) are pinned at the capture call's address even when they moved during
+  warmup: their owner says the address is the graph's, and copying one in (and back,
+  when written) on every replay would cost its whole size per call, where cudagraph
+  trees never copy a static input either (runner/transitions.py re-captures when it moves);
+  so is an input an earlier re-capture found held (written in place, it moved under a
+  verified graph: a cache replaced by the next request, runner/transitions.py);
 - the rest, and inputs an earlier re-capture found moving, are moving: copied into the
   session's shared static buffers, on the caller's stream after the device's last replay
   (another runner's replay may still read the same buffers), as every copy-in is;
@@ -43,6 +50,11 @@ CONSTANT_OUTPUTS = (type(None), bool, int, float)
 _data_ptr = torch.Tensor.data_ptr
 
 
+def fixed_address(t: Any) -> bool:
+    """Marked by its owner as living at one address (`torch._dynamo.mark_static_address`)."""
+    return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
 def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
     """The tensor at `i` is backed by the storage the first warmup call saw, kept alive since."""
     ref = entry.first_storages[i] if i < len(entry.first_storages) else None
@@ -61,7 +73,8 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         if pos not in stable:
             raise CudaGraphUnavailable(Decline.PARAMETER_MOVED, f"{name} changed address or layout during warmup")
     tensors = [i for i, ident in enumerate(first) if ident is not None]
-    moving = [i for i in tensors if (i not in stable or i in entry.forced_moving) and i not in state]
+    moving = [i for i in tensors if (i not in stable or i in entry.forced_moving) and i not in state
+              and i not in entry.held and not fixed_address(args[i])]
     pinned = [i for i in tensors if i not in moving]
     static_args = list(args)
     buffers = []

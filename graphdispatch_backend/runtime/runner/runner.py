@@ -176,9 +176,9 @@ class GraphRunner(HotPath, Publish, Transitions):
                 return self._eager(args, refusal)
         if entry.state is State.EAGER:
             return self._eager(args, entry.reason or Decline.BUSY)
-        if entry.skip > 0:  # backing off after an out-of-memory
+        if entry.skip > 0:  # backing off (an out-of-memory, a fixed-address input that moves quickly)
             entry.skip -= 1
-            return self._eager(args, Decline.OUT_OF_MEMORY)
+            return self._eager(args, entry.skip_reason)
         if not self._lock.acquire(blocking=False):
             return self._eager(args, Decline.BUSY)
         try:

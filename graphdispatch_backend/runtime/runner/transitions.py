@@ -9,6 +9,15 @@
   (at most MAX_REPINS times per entry), since as a moving input every replay would copy it
   whole, in and back (cudagraph trees re-record on a static input's new address the same
   way, up to `cudagraph_unexpected_rerecord_limit`).
+- An input the piece writes in place (a KV cache), or one its owner marked with
+  `torch._dynamo.mark_static_address` (runner/record.py), is never made moving: copying a
+  cache in and back on every replay costs its whole size per call, more than eager and
+  growing with it. When it moves it is re-captured at its new address, without a limit
+  (each re-capture was paid for by REPIN_AFTER replays); when it moved sooner (requests of
+  a few tokens, each with a new cache) the entry first answers 2, 4, 8, ... calls
+  eagerly, counted `pinned_input_moved`, so re-captures stay rare against its calls. (An
+  activation the piece writes moves during warmup already: it is moving from its first
+  capture, copied at an activation's size.)
 - An artifact demoted after capture (its kernels are in the graph) re-captures, at most
   MAX_RECAPTURES times.
 - An allocation failure backs off: the entry answers 2, 4, 8, ... calls eagerly, then
@@ -30,6 +39,7 @@ from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.hints import thrash_detail
+from graphdispatch_backend.runtime.runner.record import fixed_address
 
 MAX_RECAPTURES = 2
 MAX_BACKOFF = 1 << 10  # calls
@@ -45,6 +55,7 @@ class Transitions:
     _device: Any
     _state: dict[int, str]
     _names: Sequence[str]
+    _writes: Any  # runtime/world.py Writes: the inputs the piece writes
     _key_positions: tuple[int, ...] | None
     name: str
 
@@ -76,7 +87,12 @@ class Transitions:
         if reason is Decline.PINNED_INPUT_MOVED:
             moved = {p for p, ident in zip(entry.pinned, _identities(entry))
                      if p not in self._state and ident is not None and layout_identity(args[p]) != ident}
-            if self._stats.replays - entry.replays_at_capture >= REPIN_AFTER and entry.repins < MAX_REPINS:
+            stayed = self._stats.replays - entry.replays_at_capture >= REPIN_AFTER
+            held = never_moving(moved | {pos}, args, self._writes.positions)
+            if held:
+                entry.held |= held
+                self._repin_held(entry, detail, stayed, moved - held)
+            elif stayed and entry.repins < MAX_REPINS:
                 entry.repins += 1  # it stayed put for a while: pinned again, at its new address
                 self._recapture(entry, reason, f"{detail}; captured again reading it in place", set())
             else:
@@ -86,6 +102,22 @@ class Transitions:
             self._recapture(entry, reason, detail, set())
         else:
             self._decline(entry, reason, detail)
+
+    def _repin_held(self, entry: Entry, detail: str, stayed: bool, others: set[int]) -> None:
+        """An input never copied whole moved: captured again reading it at its new address;
+        after backing off first when its last address served fewer than REPIN_AFTER
+        replays. `others`, ordinary inputs that moved with it quickly, become moving."""
+        entry.repins += 1
+        entry.quick_moves = 0 if stayed else entry.quick_moves + 1
+        then = "captured again reading it in place"
+        if entry.quick_moves:
+            wait = min(1 << entry.quick_moves, MAX_BACKOFF)
+            then = f"moved after fewer than {REPIN_AFTER} replays: eager for {wait} calls, then {then}"
+        self._recapture(entry, Decline.PINNED_INPUT_MOVED, f"{detail} (never copied whole); {then}",
+                        set() if stayed else others)
+        if entry.quick_moves:
+            entry.skip = wait
+            entry.skip_reason = Decline.PINNED_INPUT_MOVED
 
     def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
         with self._device.lock:  # no thread may be replaying what is released
@@ -107,7 +139,7 @@ class Transitions:
 
     def _backoff(self, entry: Entry, detail: str) -> None:
         entry.out_of_memory += 1
-        entry.skip = min(1 << entry.out_of_memory, MAX_BACKOFF)
+        entry.skip, entry.skip_reason = min(1 << entry.out_of_memory, MAX_BACKOFF), Decline.OUT_OF_MEMORY
         self._stats.decline(Decline.OUT_OF_MEMORY.value, detail)
         self._scope.timing.note(f"out_of_memory {self.name}: {detail}; trying again in {entry.skip} calls")
         self._scope.events.warn_once(
@@ -133,6 +165,12 @@ class Transitions:
             self.name, reason.value, detail, then or "that shape key runs eager from now on",
         )
         self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
+
+
+def never_moving(positions: set[int], args: Sequence[Any], written: Sequence[int]) -> set[int]:
+    """The inputs among `positions` that are never copied whole on a replay: the ones the
+    piece writes in place, and the ones marked with a static address (module docstring)."""
+    return {p for p in positions if p in written or fixed_address(args[p])}
 
 
 def _identities(entry: Entry) -> list[Any]:
