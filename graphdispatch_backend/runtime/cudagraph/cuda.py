@@ -45,7 +45,10 @@ tested on CPU through HostReplayEngine.
   `clear_cublas_manager`): a persistent workspace allocated in the pool would otherwise be
   in use in two places once another graph reuses that memory.
 - A failed capture resets its graph after the aborted frames' tensors are freed (the
-  frames of every exception in its chain), then synchronizes; the pool survives while
+  frames of every exception in its chain), then synchronizes; what it reports is the
+  operation that failed, not the error CUDA's end of an invalidated capture raises after it
+  (that one becomes a note: tests/runtime/test_cuda_engine_on_host.py runs this code on
+  the host); the pool survives while
   another graph uses it. A warmup that raises still joins the capture stream back into the
   caller's, so nothing after it (the eager answer, the restore of the inputs the graph
   writes) races a warmup kernel.
@@ -77,6 +80,17 @@ def _clear_frames(exc: BaseException) -> None:
         seen.add(id(cur))
         traceback.clear_frames(cur.__traceback__)
         cur = cur.__context__
+
+
+def _end_failed(graph: Any, exc: BaseException) -> None:
+    """End a capture that `exc` interrupted. CUDA ends a capture that an operation
+    invalidated (a host sync, a forbidden allocation) with an error of its own, which says
+    only that the capture failed: raised from a `finally`, it would hide `exc`, the
+    operation and the code that ran it, from the report. It becomes a note on `exc`."""
+    try:
+        graph.capture_end()
+    except RuntimeError as end:
+        exc.add_note(f"capture_end: {end}")
 
 
 @contextlib.contextmanager
@@ -159,6 +173,8 @@ class CudaGraphEngine:
         self._capture_streams: dict[int, Any] = {}
 
     def _index(self, device: Any) -> int:
+        if isinstance(device, int):  # already an index (pool() and guard() get one)
+            return device
         device = torch.device(device)
         return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -219,8 +235,10 @@ class CudaGraphEngine:
                     try:
                         with recording(), torch.no_grad():
                             owned = tuple(fn(*args))
-                    finally:
-                        graph.capture_end()
+                    except BaseException as exc:
+                        _end_failed(graph, exc)
+                        raise
+                    graph.capture_end()
                 except BaseException as exc:
                     # The aborted frames still hold tensors from the pool: free them, then
                     # the graph (releasing its hold on the pool), then let the GPU settle.

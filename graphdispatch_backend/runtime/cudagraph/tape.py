@@ -22,8 +22,9 @@ replay runs the collective, as a graph replay launches the captured kernel.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,8 +120,29 @@ class Recorder(TorchDispatchMode):
         self._inside: list[str] = []  # the custom ops being entered, outermost first
 
     def record(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
-        with _HostReads(self), self:
+        with self.capturing():
             fresh = tuple(fn(*args))
+        return self.finish(fresh)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Record what runs inside: `record`'s first half, for a caller that brackets the
+        capture itself (as CUDA's capture_begin and capture_end do)."""
+        with _HostReads(self), self:
+            yield
+
+    @property
+    def refused(self) -> CaptureRefused | None:
+        """What invalidated the capture, if anything did (even where the code caught it)."""
+        return self._refused
+
+    def alive(self) -> list[torch.Tensor]:
+        """The tensors the capture made that something still holds: its outputs, for a
+        caller that does not know them (a CUDA graph keeps whatever its pool still holds)."""
+        return [t for t in (ref() for ref, _ in list(self._made.values())) if t is not None]
+
+    def finish(self, fresh: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Bind the capture's outputs `fresh`; raise what invalidated the capture."""
         if self._refused is not None:  # caught by the code that ran; CUDA invalidates the capture anyway
             raise self._refused
         tape = self.tape
