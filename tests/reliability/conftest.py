@@ -1,20 +1,12 @@
-"""Shared pieces of the reliability suite: case counters and the hypothesis profile.
-
-Every fuzz example, differential case and injected fault increments a counter; the totals
-are printed at the end of the run (section "reliability counts"), so a CI log says how many
-cases ran with zero wrong outputs. Sizes scale with environment variables (GD_FUZZ_SCALE,
-GD_DIFF_CASES) or `--run-slow` (tests marked slow), never silently.
+"""The reliability suite's hypothesis profile. Its case counters (`counts`, `opdb_records`)
+and their end-of-run sections live in tests/conftest.py, which the test runner's main
+process loads even when xdist workers run the tests. Sizes scale with environment
+variables (GD_FUZZ_SCALE, GD_DIFF_CASES) or `--run-slow` (tests marked slow), never silently.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from typing import Any
-
-import pytest
 from hypothesis import HealthCheck, settings
-
-from graphdispatch_backend.table import table
 
 # Deterministic for CI: derandomized, no deadline (compiles are slow and vary), no example
 # database (a failure must reproduce from the code alone, not from a local cache).
@@ -27,68 +19,3 @@ settings.register_profile(
     # the only function-scoped fixtures used with @given hand out fresh folders per example
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-_COUNTS: Counter[str] = Counter()
-_OPDB: list[dict[str, Any]] = []  # one record per op_db sample (test_opdb.py)
-
-
-@pytest.fixture(scope="session")
-def counts() -> Counter[str]:
-    """Session-wide counters: fuzz_cases, differential_cases, injected_faults, ..."""
-    return _COUNTS
-
-
-@pytest.fixture(scope="session")
-def opdb_records() -> list[dict[str, Any]]:
-    """One dict per op_db sample that ran: op, dtype, category, outcomes, report excerpt."""
-    return _OPDB
-
-
-def opdb_table(records: list[dict[str, Any]]) -> list[str]:
-    """Samples per category and dtype, then every failure and excused difference, by op."""
-    dtypes = sorted({r["dtype"] for r in records})
-    per: defaultdict[str, Counter[str]] = defaultdict(Counter)
-    for r in records:
-        per[r["category"]][r["dtype"]] += 1
-    rows = [[cat, *(per[cat][d] for d in dtypes)] for cat in sorted(per)]
-    rows.append(["samples", *(sum(1 for r in records if r["dtype"] == d) for d in dtypes)])
-    rows.append(["OpInfos", *(len({r["op"] for r in records if r["dtype"] == d}) for d in dtypes)])
-    rows.append(["seconds", *(round(sum(r["seconds"] for r in records if r["dtype"] == d)) for d in dtypes)])
-    lines = table(["op_db sample", *dtypes], rows).splitlines()
-    failed = [(r, [o for o in r["outcomes"] if o["excuse"] is None]) for r in records]
-    if any(outcomes for _, outcomes in failed):
-        lines.append("failures (graphdispatch differs from eager where aot_eager does not), per sample:")
-    for r, outcomes in failed:
-        for kind in sorted({o["kind"] for o in outcomes}):
-            hits = [o for o in outcomes if o["kind"] == kind]
-            calls = ", ".join(str(o["call"]) for o in hits)
-            lines.append(f"  {r['op']} {r['dtype']} sample {r['sample']} calls {calls}: {kind}: {hits[0]['text']}")
-    # excused differences: one line per op, dtype and excuse (a full sweep has many)
-    excused: defaultdict[tuple[str, str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
-    for r in records:
-        for o in r["outcomes"]:
-            if o["excuse"] is not None:
-                excused[(r["op"], r["dtype"], o["excuse"])].append((r, o))
-    if excused:
-        lines.append("excused (graphdispatch differs from eager, and so does the control):")
-    for (op, dtype, why), hits in sorted(excused.items()):
-        r, o = hits[0]
-        samples = len({h[0]["sample"] for h in hits})
-        lines.append(f"  {op} {dtype}: {why}: {len(hits)} calls in {samples} samples; first: sample {r['sample']} "
-                     f"call {o['call']}: {o['kind']}: {o['text']}")
-    return lines
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _OPDB:
-        terminalreporter.section("op_db differential (test_opdb.py)")
-        for line in opdb_table(_OPDB):
-            terminalreporter.write_line(line)
-    if not _COUNTS:
-        return
-    terminalreporter.section("reliability counts")
-    fuzz = sum(v for k, v in _COUNTS.items() if k.startswith("fuzz_cases:"))
-    if fuzz:
-        terminalreporter.write_line(f"fuzz_cases (total): {fuzz}")
-    for key, value in sorted(_COUNTS.items()):
-        terminalreporter.write_line(f"{key}: {value}")
