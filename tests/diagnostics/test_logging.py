@@ -66,7 +66,7 @@ def test_each_demotion_reason_gets_its_own_warning(net, make_bundle, gd_log):
 
 
 def test_a_decline_warns_once_per_reason_then_debug(monkeypatch, gd_log):
-    def refuse(self, fn, args, device="cpu"):
+    def refuse(self, fn, args, device="cpu", **engine_kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(HostReplayEngine, "capture", refuse)

@@ -308,7 +308,7 @@ def test_demotion_after_capture_recaptures_counted_and_named(net, make_bundle, a
 
 
 def test_capture_failure_declines_counted_and_named(net, monkeypatch, accounted):
-    def refuse(self, fn, args, device="cpu"):
+    def refuse(self, fn, args, device="cpu", **engine_kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(HostReplayEngine, "capture", refuse)

@@ -152,7 +152,7 @@ def test_notes_are_bounded_truncated_and_overflow_is_counted():
 
 
 def test_a_decline_is_a_note_in_timing_json(tmp_path, monkeypatch, read_json):
-    def refuse(self, fn, args, device="cpu"):
+    def refuse(self, fn, args, device="cpu", **engine_kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(HostReplayEngine, "capture", refuse)

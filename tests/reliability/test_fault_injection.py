@@ -301,10 +301,10 @@ def wrap_engine(monkeypatch: pytest.MonkeyPatch, *, capture_fails: bool = False,
     original = HostReplayEngine.capture
     n = [0]
 
-    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu") -> Any:
+    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu", **engine_kwargs: Any) -> Any:
         if capture_fails:
             raise RuntimeError("injected: capture failed")
-        graph = original(self, fn, args, device)
+        graph = original(self, fn, args, device, **engine_kwargs)
         if replay is not None:
             inner = graph.replay
 

@@ -88,7 +88,7 @@ if scenario.startswith("lowering_mismatch") and rank == 1:
 if scenario in ("verify_mismatch", "verify_mismatch_inside") and rank == 1:
     Verifier.judge = lambda self, *args: (gd.errors.Decline.VERIFY_MISMATCH, "forced on rank 1")
 if scenario in ("capture_failed", "capture_failed_inside") and rank == 1:
-    def capture(self, fn, args, device="cpu"):
+    def capture(self, fn, args, device="cpu", **engine_kwargs):
         raise RuntimeError("forced on rank 1")
 
     HostReplayEngine.capture = capture

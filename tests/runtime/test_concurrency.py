@@ -90,10 +90,10 @@ def test_a_call_that_finds_the_runner_capturing_runs_eager_as_busy(monkeypatch):
     capturing, release = threading.Event(), threading.Event()
     real_capture = HostReplayEngine.capture
 
-    def slow_capture(self, fn, args, device="cpu"):
+    def slow_capture(self, fn, args, device="cpu", **engine_kwargs):
         capturing.set()
         assert release.wait(10)
-        return real_capture(self, fn, args, device)
+        return real_capture(self, fn, args, device, **engine_kwargs)
 
     monkeypatch.setattr(HostReplayEngine, "capture", slow_capture)
     model = linear_stack()

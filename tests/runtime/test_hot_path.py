@@ -136,8 +136,8 @@ def test_a_hot_replay_that_raises_is_answered_eagerly_and_counted(monkeypatch):
     replays = [0]
     real = HostReplayEngine.capture
 
-    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu") -> Any:
-        graph = real(self, fn, args, device)
+    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu", **engine_kwargs: Any) -> Any:
+        graph = real(self, fn, args, device, **engine_kwargs)
         inner = graph.replay
 
         def replay() -> None:

@@ -315,11 +315,11 @@ def test_without_grad_mode_in_the_buffer_key_the_second_mode_loses_its_replays(m
 def test_out_of_memory_while_capturing_backs_off_and_retries(monkeypatch):
     real, failures = HostReplayEngine.capture, [2]
 
-    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu") -> Any:
+    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu", **engine_kwargs: Any) -> Any:
         if failures[0] > 0:
             failures[0] -= 1
             raise torch.OutOfMemoryError("injected: out of memory while capturing")
-        return real(self, fn, args, device)
+        return real(self, fn, args, device, **engine_kwargs)
 
     monkeypatch.setattr(HostReplayEngine, "capture", capture)
     torch.manual_seed(0)
@@ -341,11 +341,11 @@ def test_out_of_memory_classified_as_a_failure_would_lose_the_graph(monkeypatch)
     monkeypatch.setattr(engine_mod, "is_out_of_memory", lambda exc: False)
     real, failures = HostReplayEngine.capture, [1]
 
-    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu") -> Any:
+    def capture(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu", **engine_kwargs: Any) -> Any:
         if failures[0] > 0:
             failures[0] -= 1
             raise torch.OutOfMemoryError("injected")
-        return real(self, fn, args, device)
+        return real(self, fn, args, device, **engine_kwargs)
 
     monkeypatch.setattr(HostReplayEngine, "capture", capture)
     model = nn.Linear(8, 8).eval()

@@ -25,6 +25,7 @@ from graphdispatch_backend.passes.ops import draws_random
 from graphdispatch_backend.passes.split_pieces import split_pieces, split_reason
 from graphdispatch_backend.testing import (
     LinearBlock,
+    accounted_graphs,
     aten_graph,
     manifest_from_region,
     only_graph,
@@ -174,7 +175,8 @@ def test_without_the_move_the_uninitialized_mask_fails_verification(monkeypatch)
 
     with _Uninitialized():  # memory nobody wrote differs run to run (not by the allocator's chance)
         run_checked(emulate(dropped), dropped, [(torch.randn(2, 3, 4, 4),) for _ in range(6)], seed=11)
-    assert "eager_nondeterministic" in only_graph()["cuda_graph"]["declines"]
+    # (the mode on the stack may make Dynamo compile the function twice: any graph of it)
+    assert any("eager_nondeterministic" in g["cuda_graph"]["declines"] for g in accounted_graphs())
 
 
 class _Uninitialized(TorchDispatchMode):

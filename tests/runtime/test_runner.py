@@ -467,6 +467,56 @@ def test_an_input_marked_static_is_read_in_place_even_if_it_moved_during_warmup(
     assert entry.copy_bytes < tables[0].numel() * 4 and stats.replays >= 2
 
 
+def test_the_capture_records_from_the_callers_state_not_the_warmups():
+    """The engine's warmup run writes what the graph writes (a cache row, the position
+    after it); the recording must start from the caller's state, as a CUDA capture, which
+    runs nothing, does: recorded from the advanced position, the host model would index
+    past the cache (transformers' sliding-window caches declined `capture_failed` so)."""
+    def step(cache: torch.Tensor, n: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor]:
+        cache.index_copy_(0, n, k)
+        n.add_(1)
+        return (cache.sum(0),)
+
+    runner, stats = make_runner(step, warmup=1, verify_inputs=1, mutated=(0, 1))
+    cache, n, ref_cache, ref_n = torch.zeros(2, 4), torch.tensor([0]), torch.zeros(2, 4), torch.tensor([0])
+    for _ in range(2):  # the second call captures at the last row
+        k = torch.randn(1, 4)
+        assert same(runner(cache, n, k), step(ref_cache, ref_n, k))
+        assert torch.equal(cache, ref_cache) and torch.equal(n, ref_n)
+    assert stats.declines == {} and stats.captures == 1, stats.decline_details
+
+
+def test_a_transformers_sliding_window_cache_generate_captures_and_replays():
+    """Gemma 2's static cache has sliding-window layers: the capture call's position is the
+    window's last row, which a recording from after the warmup would index past. (Dynamo
+    specializes each step on the cache's length: a graph per step, called once per
+    generate; the third generate replays.)"""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                       query_pre_attn_scalar=16, max_position_embeddings=256, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=None)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    model.config._attn_implementation = "eager"
+    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", max_cache_len=32,
+              return_dict_in_generate=True, output_logits=True, disable_compile=True)
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
+                                      dynamic=False)
+        for _ in range(3):
+            out = model.generate(prompt, **kw)
+            assert torch.equal(out.sequences, ref.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    report = graphdispatch_backend.latest_report()
+    assert_report_accounted(report)
+    assert all(not g["cuda_graph"]["declines"] for g in report["graphs"]), report["graphs"]
+    assert report["totals"]["replays"] > 0
+
+
 def test_several_pinned_inputs_moving_at_once_are_demoted_together():
     def four(a, b, c, d):
         return (a + b * c - d,)
@@ -653,13 +703,13 @@ def test_none_and_scalar_outputs_replay_as_constants():
 
 
 class _FailingCapture(HostReplayEngine):
-    def capture(self, fn, args, device="cpu"):
+    def capture(self, fn, args, device="cpu", **engine_kwargs):
         raise RuntimeError("capture exploded")
 
 
 class _FailingReplay(HostReplayEngine):
-    def capture(self, fn, args, device="cpu"):
-        graph = super().capture(fn, args, device)
+    def capture(self, fn, args, device="cpu", **engine_kwargs):
+        graph = super().capture(fn, args, device, **engine_kwargs)
 
         def boom() -> None:
             raise RuntimeError("replay exploded")
@@ -691,8 +741,8 @@ class _FailsWhenServing(HostReplayEngine):
         super().__init__()
         self.good = good_replays
 
-    def capture(self, fn, args, device="cpu"):
-        graph = super().capture(fn, args, device)
+    def capture(self, fn, args, device="cpu", **engine_kwargs):
+        graph = super().capture(fn, args, device, **engine_kwargs)
         inner = graph.replay
 
         def replay() -> None:

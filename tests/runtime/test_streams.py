@@ -202,10 +202,10 @@ def replay_while_another_graph_captures() -> tuple[bool, bool]:
     capturing, release = threading.Event(), threading.Event()
     real = HostReplayEngine.capture
 
-    def slow(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu") -> Any:
+    def slow(self: HostReplayEngine, fn: Any, args: Any, device: Any = "cpu", **engine_kwargs: Any) -> Any:
         capturing.set()
         release.wait(10)
-        return real(self, fn, args, device)
+        return real(self, fn, args, device, **engine_kwargs)
 
     c = GraphRunner(lambda x: (x - 1,), "c", scope, CudaGraphStats(), warmup=1, max_captures=8, verify_inputs=1,
                     state_names={})

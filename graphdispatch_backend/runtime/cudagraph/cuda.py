@@ -61,7 +61,7 @@ import gc
 import threading
 import traceback
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -207,7 +207,8 @@ class CudaGraphEngine:
                          for seg in pool.mem.snapshot(include_traces=False))
         return total
 
-    def capture(self, fn: Fn, args: Sequence[Any], device: Any, warmup: bool = True) -> _CudaGraph:
+    def capture(self, fn: Fn, args: Sequence[Any], device: Any, warmup: bool = True,
+                rewind: Callable[[], None] | None = None) -> _CudaGraph:
         """`warmup=False` for a piece that holds collectives: its warmup run would run them
         on this rank alone (the runner's eager warmup calls, on every rank, did that work)."""
         index = self._index(device)
@@ -226,6 +227,8 @@ class CudaGraphEngine:
             finally:  # a warmup that raised still joins back: nothing after it races its kernels
                 _clear_cublas()
                 caller.wait_stream(side)
+            if warmup and rewind is not None:  # on the caller's stream, after the warmup's kernels
+                rewind()
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(index)  # as torch.cuda.graph's __enter__, without its cache flushes
             # The stream context restores the caller's stream even when capture_end raises.

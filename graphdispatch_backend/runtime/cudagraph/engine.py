@@ -4,9 +4,12 @@ An engine owns, per device, one memory pool shared by every capture of the sessi
 streams (cudagraph/streams.py) and a device guard. `capture(fn, args, device)` records
 `fn(*args)` against exactly those tensors, into the device's pool, and returns a
 CapturedGraph whose `replay()` (launched on the current stream) re-runs it, writing into
-the same static `outputs`. Static outputs are not owned beyond the clone that follows each
-replay: later captures reuse their memory, so replays that share a pool must be serialized
-per device and every output cloned before the next replay (the runner does both).
+the same static `outputs`. One warmup run comes first; `rewind` puts back what it wrote
+into the arguments, so the capture starts from the caller's state (a cache position the
+warmup advanced would otherwise index past a sliding window while the host model
+records). Static outputs are not owned beyond the clone that follows each replay: later
+captures reuse their memory, so replays that share a pool must be serialized per device
+and every output cloned before the next replay (the runner does both).
 
 Engines: CudaGraphEngine (cudagraph/cuda.py) wraps torch.cuda.CUDAGraph; HostReplayEngine
 (cudagraph/host.py) is its CPU model for tests and `cuda_graphs="emulate"`.
@@ -41,7 +44,8 @@ class ReplayEngine(Protocol):
 
     def guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]: ...
 
-    def capture(self, fn: Fn, args: Sequence[Any], device: torch.device, warmup: bool = True) -> CapturedGraph: ...
+    def capture(self, fn: Fn, args: Sequence[Any], device: torch.device, warmup: bool = True,
+                rewind: Callable[[], None] | None = None) -> CapturedGraph: ...
 
     def pool_bytes(self) -> int: ...
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -170,7 +170,8 @@ class HostReplayEngine:
         if current != device:
             raise RuntimeError(f"host engine: {what} of a graph on {device} while the current device is {current}")
 
-    def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu", warmup: bool = True) -> _HostGraph:
+    def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu", warmup: bool = True,
+                rewind: Callable[[], None] | None = None) -> _HostGraph:
         """`warmup`: one run before recording, as the CUDA engine's side-stream run (and
         cudagraph trees' warmup): a kernel that caches on the host at its first call (a
         descriptor keyed by address, a memo) serves the capture from that cache, on a GPU
@@ -185,6 +186,8 @@ class HostReplayEngine:
         with recording(), torch.no_grad():
             if warmup:
                 fn(*pinned)
+                if rewind is not None:  # the recording runs from the caller's state, as CUDA's records
+                    rewind()
             fresh = recorder.record(fn, pinned)
         groups: dict[Any, list[int]] = {}  # storage -> indices of the outputs viewing it
         for i, out in enumerate(fresh):

@@ -83,20 +83,19 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         static_args[pos] = buf
         buffers.append((pos, buf))
     inputs = InputPlan(buffers, writes.positions, wide, args)
-    if lockstep:  # collectives inside: no warmup run that one rank would make alone
-        capture = lambda: scope.engine.capture(fn, static_args, device.device, warmup=False)
-    else:
-        capture = lambda: scope.engine.capture(fn, static_args, device.device)
     with device.lock:  # the buffers are shared with every other replay of the device
         _, exc = scope.contain(lambda: _fill(inputs, args, device))
         if exc is not None:
             raise _refusal(exc, "copying the inputs in")
-        # the regions of the inputs (or their buffers) the capture's own run writes
+        # the regions of the inputs (or their buffers) the capture's own runs write: put
+        # back after the warmup run (the recording starts from the caller's state) and after
         before, exc = scope.contain(lambda: World.take(writes.regions(static_args)))
         if exc is not None:
             raise _refusal(exc, "snapshotting the inputs the graph writes")
+        # collectives inside (lockstep): no warmup run that one rank would make alone
         with device.guard():
-            graph, exc = scope.contain(capture)
+            graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device,
+                                                                    warmup=not lockstep, rewind=before.restore))
         before.restore()
     if exc is not None:
         raise _refusal(exc, "capturing")
