@@ -158,6 +158,35 @@ def test_as_strided_reads_outside_the_view_through_the_whole_storage():
     assert stats.replays == 0 and set(stats.declines) <= {"capture_failed", "verify_mismatch"}
 
 
+def _strided_same_values(monkeypatch: pytest.MonkeyPatch | None) -> CudaGraphStats:
+    """as_strided past the view's extent, and the same values on every call: verification
+    needs a derived set, made over the whole storage the graph reads."""
+    from graphdispatch_backend.runtime.runner import verify as verify_mod
+
+    if monkeypatch is not None:  # the rule removed: derived over the view's elements only
+        real = verify_mod.derive
+        monkeypatch.setattr(verify_mod, "derive", lambda moving, salt, wide=None: real(moving, salt))
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.as_strided(x, (2, 8), (8, 1), x.storage_offset()) * 2,)
+
+    def make() -> tuple[torch.Tensor]:
+        return (torch.randn(2, 8, generator=torch.Generator().manual_seed(0))[:, :4],)
+
+    stats, _ = drive(fn, make, wide=(0,))
+    return stats
+
+
+def test_a_derived_set_of_an_input_read_with_as_strided_covers_its_whole_storage():
+    stats = _strided_same_values(None)
+    assert stats.replays > 0 and stats.declines == {}, stats.decline_details
+
+
+def test_without_the_rule_the_derived_set_fails(monkeypatch):
+    stats = _strided_same_values(monkeypatch)  # never verified: every call answered eagerly
+    assert stats.replays == 0 and stats.eager_by_reason["verifying"] > 2, stats
+
+
 # -- through torch.compile ----------------------------------------------------------------------
 
 

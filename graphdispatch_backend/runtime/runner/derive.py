@@ -13,6 +13,11 @@ second set of moving-input values. A fixed prompt, `torch.ones(...)` or a seeded
 2. floating inputs that hold one repeated value are unchanged by any shift: they are
    doubled instead (exact in binary floating point, sign and zeros kept).
 
+An input the graph reads with `as_strided` (which may reach outside the view's own extent:
+its static buffer holds the whole storage, runner/inputs.py) is derived over its whole
+storage and viewed as the caller's was, so eager on the derived set reads what it would
+read on the live one.
+
 Integer and bool inputs that hold one repeated value have no derived set: when every
 moving input is like that, there is none, and the runner waits for distinct live values.
 Candidates are made one at a time, when the one before would not do: a verification holds
@@ -22,7 +27,7 @@ alignment (mod 16 bytes), so eager on it takes the path the replay's static buff
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -62,14 +67,37 @@ def _doubled(t: torch.Tensor) -> torch.Tensor:
     return _like(t, t.detach() * 2)
 
 
-def derive(moving: Sequence[torch.Tensor], salt: int) -> Iterator[list[torch.Tensor]]:
+def _storage_of(t: torch.Tensor) -> torch.Tensor:
+    """Every element of t's storage, as a 1-D tensor."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
+
+
+def _over_storage(derivation: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """`derivation` applied to t's whole storage, viewed as t views its own."""
+    whole = derivation(_storage_of(t))
+    if whole.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():  # unchanged (an int doubled)
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        whole.untyped_storage(), whole.storage_offset() + t.storage_offset(), t.shape, t.stride())
+
+
+def derive(moving: Sequence[torch.Tensor], salt: int,
+           wide: Sequence[bool] | None = None) -> Iterator[list[torch.Tensor]]:
     """Candidate derived sets for the moving inputs, in order of preference, made one at a
     time: each differs from the live values in at least one input; none when no derivation
-    changes anything."""
-    perm = [permuted(t, salt) if t.numel() > 1 else t for t in moving]
-    if any(p is not t and not bitwise_equal(p, t) for p, t in zip(perm, moving)):
+    changes anything. `wide`: per input, whether the graph reads it with `as_strided`."""
+    wide = wide if wide is not None else [False] * len(moving)
+
+    def changed(made: list[torch.Tensor]) -> bool:
+        return any(m is not t and not bitwise_equal(_storage_of(m) if w else m, _storage_of(t) if w else t)
+                   for m, t, w in zip(made, moving, wide))
+
+    perm = [_over_storage(lambda s: permuted(s, salt), t) if w else permuted(t, salt) if t.numel() > 1 else t
+            for t, w in zip(moving, wide)]
+    if changed(perm):
         yield perm
     del perm
-    doubled = [_doubled(t) for t in moving]
-    if any(d is not t and not bitwise_equal(d, t) for d, t in zip(doubled, moving)):
+    doubled = [_over_storage(_doubled, t) if w else _doubled(t) for t, w in zip(moving, wide)]
+    if changed(doubled):
         yield doubled

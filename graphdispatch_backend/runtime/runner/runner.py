@@ -102,7 +102,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._acquire, self._release = self._device.lock.acquire, self._device.lock.release
         self._book = EntryBook(max_captures, self._device.lock, self._report)
         self._slots = self._book.slots  # shape key -> its entries (read on every call)
-        self._verifier = Verifier(fn, scope.contain, self._writes, suspects)
+        self._verifier = Verifier(fn, scope.contain, self._writes, suspects, self._wide)
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
         self._timing = scope.timing if scope.timing.enabled else None
         self._key_positions: tuple[int, ...] | None = None

@@ -35,11 +35,12 @@ NO_SET = (Decline.VERIFY_NOT_DISTINCT, "")  # no derived set could be made or ru
 
 class Verifier:
     def __init__(self, fn: Callable[..., Sequence[Any]], contain: Contain, writes: Writes | None = None,
-                 suspects: Sequence[str] = ()) -> None:
+                 suspects: Sequence[str] = (), wide: Sequence[int] = ()) -> None:
         self._fn = fn  # the piece, run eagerly
         self._contain = contain
         self._writes = writes if writes is not None else Writes(())  # where the piece writes its inputs
         self._suspects = ", ".join(suspects) or "no known nondeterministic op (a custom op?)"
+        self._wide = frozenset(wide)  # inputs read with as_strided: derived over their whole storage
 
     def world(self, args: Sequence[Any]) -> World:
         return World.take(self._writes.regions(args))
@@ -150,7 +151,7 @@ class Verifier:
                  live: Sequence[Any] | None, serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int,
                  printed: list[Printed] | None) -> Verdict:
         # made one at a time, in memory of their own: the replay copies them in as any call's
-        candidates = derive([args[pos] for pos, _ in moving], salt)
+        candidates = derive([args[pos] for pos, _ in moving], salt, [pos in self._wide for pos, _ in moving])
         values = next(candidates, None)
         while values is not None:
             derived = list(args)
