@@ -82,7 +82,7 @@ class Entry:
     out_of_memory: int = 0  # failed allocations in a row; the next try waits 2**n calls
     skip: int = 0  # calls to answer eagerly before trying again (after an out-of-memory, a quick move)
     skip_reason: Decline = Decline.OUT_OF_MEMORY  # what those calls are counted as
-    quick_moves: int = 0  # a fixed-address input moved before REPIN_AFTER replays, times in a row
+    quick_moves: int = 0  # an input never copied whole moved before REPIN_AFTER replays, times in a row
     reason: Decline | None = None
 
     @property

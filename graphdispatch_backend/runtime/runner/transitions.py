@@ -116,8 +116,7 @@ class Transitions:
         self._recapture(entry, Decline.PINNED_INPUT_MOVED, f"{detail} (never copied whole); {then}",
                         set() if stayed else others)
         if entry.quick_moves:
-            entry.skip = wait
-            entry.skip_reason = Decline.PINNED_INPUT_MOVED
+            _skip(entry, entry.quick_moves, Decline.PINNED_INPUT_MOVED)
 
     def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
         with self._device.lock:  # no thread may be replaying what is released
@@ -139,7 +138,7 @@ class Transitions:
 
     def _backoff(self, entry: Entry, detail: str) -> None:
         entry.out_of_memory += 1
-        entry.skip, entry.skip_reason = min(1 << entry.out_of_memory, MAX_BACKOFF), Decline.OUT_OF_MEMORY
+        _skip(entry, entry.out_of_memory, Decline.OUT_OF_MEMORY)
         self._stats.decline(Decline.OUT_OF_MEMORY.value, detail)
         self._scope.timing.note(f"out_of_memory {self.name}: {detail}; trying again in {entry.skip} calls")
         self._scope.events.warn_once(
@@ -165,6 +164,11 @@ class Transitions:
             self.name, reason.value, detail, then or "that shape key runs eager from now on",
         )
         self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
+
+
+def _skip(entry: Entry, times: int, reason: Decline) -> None:
+    """The entry answers the next 2**times calls (at most MAX_BACKOFF) eagerly, counted `reason`."""
+    entry.skip, entry.skip_reason = min(1 << times, MAX_BACKOFF), reason
 
 
 def never_moving(positions: set[int], args: Sequence[Any], written: Sequence[int]) -> set[int]:
