@@ -28,6 +28,8 @@ from graphdispatch_backend.errors import (
     OptionsError,
     StrictModeError,
 )
+from graphdispatch_backend.fusion.recipe import recipe_for
+from graphdispatch_backend.fusion.verdicts import device_identity
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
@@ -39,6 +41,7 @@ from graphdispatch_backend.runtime.autograd import backward_fallback, without_hi
 from graphdispatch_backend.runtime.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.contract import PlaceholderContract
 from graphdispatch_backend.runtime.eager_check import EagerCheck
+from graphdispatch_backend.runtime.fused import Fusion
 from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
 from graphdispatch_backend.runtime.world import Region, Writes
@@ -67,6 +70,17 @@ def _fixed_shapes(piece: fx.GraphModule) -> bool:
     symbols whose tensors do not depend on them (a Python int lifted out of the piece)."""
     for node in piece.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
+            return False
+    return True
+
+
+def _static(gm: fx.GraphModule) -> bool:
+    """Every input is a tensor of fixed shape and strides or a plain Python value."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return False
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
             return False
     return True
@@ -174,7 +188,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                               session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
                               builder.agreement, gradients,
                               recheck="every" if session.options.timing == "shadow" else session.options.recheck,
-                              runners=builder.runners, draws=builder.draws)
+                              runners=builder.runners, draws=builder.draws, fusion=builder.fusion)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -207,6 +221,7 @@ class _Builder:
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
         self.guarded = torch._guards.CompileContext.try_get() is not None
+        self.fusion: Fusion | None = None  # the inference graph's, with `fuse` (runtime/fused.py)
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         self.mutated = mutated_inputs()
@@ -255,6 +270,7 @@ class _Builder:
             self.placeholders = len(placeholders)
         engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens])
         record.cuda_graph_mode = engine or "off"
+        fusion = self._fusion_for(gm, record, role, device, agreement) if self.session.options.fuse else None
         scope = self.session.scope(engine) if engine else None
         ctx = PassContext(
             # a backward's inputs are saved tensors and gradients: no parameter, no region
@@ -263,7 +279,7 @@ class _Builder:
             matcher=self.artifacts.match if role == "inference" else self.artifacts.match_autograd,
             make_call=self.artifacts.make_call,
             pieces_spec=PieceSpec(torch.device(device).type, lambda piece, info: self._runner(
-                scope, piece, info, device, record, suspects, agreement))
+                scope, piece, info, device, record, suspects, agreement, fusion))
             if scope else None,
         )
         if role == "backward":
@@ -284,13 +300,17 @@ class _Builder:
         record.split_reasons = {k.value: v for k, v in ctx.split_reasons.items()}
         # forward, not __call__: nn.Module's call machinery costs microseconds per call
         run: Callable[..., Any] = generated_forward(gm)
+        if fusion is not None and scope is None:
+            run = fusion.unit(gm, run)
         if scope is not None:
             if not ctx.split_reasons and ctx.pieces:
-                run = self._runner(scope, gm, ctx.pieces[0], device, record, suspects, agreement)
+                run = self._runner(scope, gm, ctx.pieces[0], device, record, suspects, agreement, fusion)
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
             if training and reason is None:
                 run = without_history(run, generated_forward(native), self.session.events, record)
+        if fusion is not None:
+            fusion.finish()  # compiled with what the graph learned before (the verdict cache)
         record.cuda_graph_reason = reason.value if reason else None
         record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
         # what runs instead: an autograd graph's lowered forward and backward, not the Dynamo graph
@@ -331,8 +351,33 @@ class _Builder:
             return None, Decline.NO_CUDA_DEVICE, device
         return ("cuda", None, device) if "cuda" in types else (None, Decline.NOT_CUDA, device)
 
+    def _fusion_for(self, gm: fx.GraphModule, record: GraphRecord, role: str, device: str,
+                    agreement: Agreement | None) -> Fusion | None:
+        """The graph's Fusion (fuse=True), or None with the reason it is not fused in its record."""
+        kind = torch.device(device).type
+        why = None
+        if role != "inference":
+            why = "autograd graphs are not fused: their checks compare gradients and blame the lowering as a whole"
+        elif self.mutated is None:
+            why = "the graph cannot be checked against eager (aot did not say which inputs it writes)"
+        elif agreement is not None:
+            why = "the graph holds collectives: every rank would have to agree on each recompile"
+        elif not _static(gm):
+            why = "dynamic shapes: only graphs whose input shapes Dynamo fixed are fused"
+        elif kind not in ("cpu", "cuda"):
+            why = f"no eager-numerics recipe for {kind}"
+        if why is not None:
+            record.fusion = {"status": "off", "detail": why}
+            return None
+        record.fusion = {"status": "pending"}
+        session = self.session
+        self.fusion = Fusion(recipe_for(kind), device_identity(kind), session.verdicts, record.fusion,
+                             session.contain, lambda key, message: session.events.warn_once(key, "%s", message),
+                             session.options.strict)
+        return self.fusion
+
     def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str, record: GraphRecord,
-                suspects: Sequence[str], agreement: Agreement | None) -> GraphRunner:
+                suspects: Sequence[str], agreement: Agreement | None, fusion: Fusion | None = None) -> GraphRunner:
         opts = self.session.options
         stats = CudaGraphStats()
         record.piece_stats.append(stats)
@@ -341,7 +386,10 @@ class _Builder:
         # A backward's inputs (saved tensors, gradients) pass no Dynamo guard: its runner
         # keys every call by layout and checks the layouts of what it reads in place.
         guarded = record.kind != "backward"
-        runner = GraphRunner(generated_forward(piece), f"{record.name}.piece_{info.index}", scope, stats,
+        fn: Callable[..., Any] = generated_forward(piece)
+        if fusion is not None:
+            fn = fusion.unit(piece, fn)
+        runner = GraphRunner(fn, f"{record.name}.piece_{info.index}", scope, stats,
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state,
                              input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
@@ -353,6 +401,8 @@ class _Builder:
                              agreement=agreement if info.collectives else None)
         if record is self.record:
             self.runners.append(runner)
+        if fusion is not None:
+            fusion.on_change(runner.recompiled)
         return call_target(runner, f"gd_piece_{info.index}")
 
     def _contract_mismatch(self, record: GraphRecord, detail: str) -> None:

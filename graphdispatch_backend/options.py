@@ -45,6 +45,11 @@ class Options:
     max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
         writes it at places graphdispatch cannot locate (runtime/world.py); located writes
         (a KV cache's rows) are snapshotted row by row, whatever this says.
+    fuse: lower each inference graph (each captured piece) through Inductor with the
+        device's eager-numerics recipe, checked against eager like any lowering, op by op
+        (runtime/fused.py).
+    cache_dir: where fused graphs keep what they learned (fusion/verdicts.py); None: the
+        user's cache directory; False: nothing is kept on disk.
     """
 
     artifacts: tuple[str, ...] = ()
@@ -60,6 +65,8 @@ class Options:
     strict: bool = False
     recheck: str | int = "doubling"
     max_snapshot_bytes: int = 256 * 2**20
+    fuse: bool = False
+    cache_dir: str | bool | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -135,6 +142,8 @@ def _from_env(key: str, text: str) -> Any:
         return int(text) if text.isdigit() else text
     if key == "enable":
         return text
+    if key == "cache_dir" and text.lower() in _FALSE:
+        return False
     return text
 
 
@@ -152,6 +161,8 @@ _KINDS = {
     "strict": "bool",
     "recheck": "recheck",
     "max_snapshot_bytes": "int",
+    "fuse": "bool",
+    "cache_dir": "path",
 }
 
 
@@ -180,6 +191,13 @@ def _validate(key: str, value: Any) -> Any:
         if value not in TIMING_MODES:
             raise OptionsError(f"option 'timing' must be one of {TIMING_MODES}, got {value!r}")
         return value
+    if key == "cache_dir":
+        if value is None or value is False:
+            return value
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise OptionsError(f"option 'cache_dir' must be a path, None (the user's cache directory) or False "
+                               f"(nothing kept on disk), got {value!r}")
+        return os.path.abspath(os.fspath(value))
     if key == "report_dir":
         if value is None:
             return None

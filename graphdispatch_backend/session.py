@@ -28,6 +28,7 @@ from graphdispatch_backend.diagnostics.events import Events, log
 from graphdispatch_backend.diagnostics.report import SessionReport, write_json_atomic
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, StrictModeError
+from graphdispatch_backend.fusion.verdicts import Verdicts, default_dir
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
@@ -52,6 +53,9 @@ class Session:
             },
         )
         self.exporter = RegionExporter(options.report_dir) if options.export_regions else None
+        # what fused graphs learned (fuse=True): None is the user's cache directory, False none
+        cache = default_dir() if options.cache_dir is None else options.cache_dir or None
+        self.verdicts = Verdicts(cache, lambda key, message: self.events.warn_once(key, "%s", message))
         # weak: the runners hold their scope (module docstring)
         self._scopes: weakref.WeakValueDictionary[str, RuntimeScope] = weakref.WeakValueDictionary()
         self.report.runtime = self._runtime_figures

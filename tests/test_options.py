@@ -16,6 +16,7 @@ from graphdispatch_backend import Options, OptionsError
 VALID_KEYS = (
     "artifacts", "enable", "cuda_graphs", "warmup", "max_captures", "verify_inputs",
     "speed_gate", "timing", "report_dir", "export_regions", "strict", "recheck", "max_snapshot_bytes",
+    "fuse", "cache_dir",
 )
 
 
@@ -44,6 +45,7 @@ def test_defaults():
         "artifacts": [], "enable": None, "cuda_graphs": "auto", "warmup": 1, "max_captures": 8,
         "verify_inputs": 2, "speed_gate": False, "timing": "off", "report_dir": None,
         "export_regions": False, "strict": False, "recheck": "doubling", "max_snapshot_bytes": 256 * 2**20,
+        "fuse": False, "cache_dir": None,
     }
 
 
@@ -91,6 +93,11 @@ BAD_VALUES = [
     ("recheck", -1, "an integer >= 1"),
     ("recheck", True, "an integer >= 1"),
     ("recheck", "sometimes", "'doubling'"),
+    ("fuse", "yes", "True or False"),
+    ("fuse", 1, "True or False"),
+    ("cache_dir", "", "a path"),
+    ("cache_dir", True, "False (nothing kept on disk)"),
+    ("cache_dir", 3, "None (the user's cache directory)"),
 ]
 
 
@@ -107,6 +114,15 @@ def test_bad_value_names_the_key_and_what_is_allowed(key, value, allowed):
 def test_recheck_accepts_its_values(value):
     assert Options.resolve({"recheck": value}, environ={}).recheck == value
     assert Options.resolve(environ={"GRAPHDISPATCH_RECHECK": str(value)}).recheck == value
+
+
+def test_cache_dir_is_a_path_none_or_false(tmp_path):
+    assert Options.resolve({"cache_dir": tmp_path / "c"}, environ={}).cache_dir == str(tmp_path / "c")
+    assert Options.resolve({"cache_dir": False}, environ={}).cache_dir is False
+    assert Options.resolve({"cache_dir": None}, environ={}).cache_dir is None
+    env = Options.resolve(environ={"GRAPHDISPATCH_CACHE_DIR": str(tmp_path), "GRAPHDISPATCH_FUSE": "1"})
+    assert (env.cache_dir, env.fuse) == (str(tmp_path), True)
+    assert Options.resolve(environ={"GRAPHDISPATCH_CACHE_DIR": "off"}).cache_dir is False
 
 
 def test_every_key_has_a_bad_value_case():
@@ -212,6 +228,7 @@ BAD_ENV = [
     ("GRAPHDISPATCH_TIMING", "fast"),
     ("GRAPHDISPATCH_CUDA_GRAPHS", "maybe"),
     ("GRAPHDISPATCH_MAX_CAPTURES", "-1"),
+    ("GRAPHDISPATCH_FUSE", "perhaps"),
 ]
 
 

@@ -190,6 +190,9 @@ class GraphRecord:
     # the stats of the runner serving the whole graph on its hot path (runtime/program.py):
     # its hot replays, counted there under the device lock, are calls and replays of the graph
     hot_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list, repr=False)
+    # with `fuse`: status (fused | fusion_mismatch | failed | off), kernels, ops fused and kept
+    # (and why), rounds, compile time (runtime/fused.py); None without `fuse`
+    fusion: dict[str, Any] | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -274,6 +277,7 @@ class GraphRecord:
             "region_graphs": dict(self.region_graphs),
             "export": self.export,
             "backward": self.backward.backward_dict() if self.backward is not None else None,
+            "fusion": dict(self.fusion) if self.fusion is not None else None,
         }
 
     def backward_dict(self) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from graphdispatch_backend.runtime.calls import mark_entry
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.draws import Start, privately
 from graphdispatch_backend.runtime.gate import native_regions
-from graphdispatch_backend.runtime.isolate import ARTIFACT, CAPTURE, culprit
+from graphdispatch_backend.runtime.isolate import ARTIFACT, CAPTURE, FUSION, culprit
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare, compare_aliasing
 from graphdispatch_backend.runtime.prints import Printed, differs, take_print
@@ -150,6 +150,7 @@ class EagerCheck:
         recheck: str | int = "doubling",
         runners: Sequence[Any] = (),
         draws: bool = False,
+        fusion: Any = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -174,6 +175,7 @@ class EagerCheck:
         self._runners = tuple(runners)
         self._isolates = gradients is None and agreement is None
         self._draws = draws  # the graph draws random numbers: the extra runs draw privately
+        self._fusion = fusion  # the graph's runtime/fused.py Fusion: a party isolation may blame
         self._n = self._previous = 0  # the checked call's number in its shape key, and the last check's
 
     def __call__(self, *args: Any) -> Any:
@@ -280,8 +282,9 @@ class EagerCheck:
         either way the graph keeps its lowering (None). The lowering's fault stays the
         verdict. The world is left as eager left it."""
         call = f"call {self._n} of {self._record.name}"
-        party, detail, demoted = culprit(ref.extra(self._compiled), args, before, after, ref.compare,
-                                         self._record.substitutions, call, self._contain)
+        found = culprit(ref.extra(self._compiled), args, before, after, ref.compare,
+                        self._record.substitutions, call, self._contain, self._fusion)
+        party, detail, demoted = found.party, found.detail, found.demoted
         unchecked = self._n - self._previous - 1  # served since the last check, which passed
         message = f"{self._record.name}: a served call differed from eager at {call}: the {party} was at fault"
         if self._previous:
@@ -292,6 +295,9 @@ class EagerCheck:
         if party == ARTIFACT:
             self._events.warn_once(f"culprit:{self._record.name}:{detail}", "graphdispatch: %s (%s); eager's values "
                                    "answered it", message, detail)
+            return None
+        if party == FUSION:  # learned (kept as ATen calls, recompiled) or given up: runtime/fused.py
+            self._fusion.learn(found.ops, self._n, f"{verdict[1]}; {detail}")
             return None
         if party == CAPTURE:
             now = [s.replays for s in self._record.piece_stats]

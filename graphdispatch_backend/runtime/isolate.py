@@ -10,8 +10,12 @@ on the call's own inputs, from the world before the call:
    the inputs that region gets in this call, answering natively (runtime/gate.py
    `judging`): an artifact that differs is demoted there, naming the call and its inputs.
    Then the artifact was the culprit: the captures holding it re-capture without it.
-2. else, if that eager, native run still differs from the reference, the lowering is;
-3. else the capture is: the pieces that replayed in the checked call are declined.
+2. else, for a fused graph (runtime/fused.py), the graph runs again the same way with its
+   ATen kernels, unfused: if that matches the reference, the fusion is at fault, and the
+   ops whose fused result differs are found by running (bisection over the fused ops, a
+   compile and a run per step) and kept as ATen calls for the graph;
+3. else, if that eager, native run still differs from the reference, the lowering is;
+4. else the capture is: the pieces that replayed in the checked call are declined.
 
 While a thread isolates, every runner's hot path steps aside (one global read: the flag is
 set only for these rare runs) and the thread's runners run their pieces eagerly, counting
@@ -21,6 +25,7 @@ nothing; other threads' calls take their runners' slow path, and are served as u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -55,28 +60,68 @@ def isolating(call: str) -> Iterator[None]:
         Isolation.active -= 1
 
 
-ARTIFACT, LOWERING, CAPTURE = "artifact", "lowering", "capture"
+ARTIFACT, FUSION, LOWERING, CAPTURE = "artifact", "fusion", "lowering", "capture"
+
+
+@dataclasses.dataclass
+class Culprit:
+    party: str  # ARTIFACT, FUSION, LOWERING or CAPTURE
+    detail: str = ""  # what it did
+    demoted: list[Any] = dataclasses.field(default_factory=list)  # ARTIFACT: the substitutions demoted
+    ops: list[str] | None = None  # FUSION: the ops whose fused result differs (None: none explains it)
 
 
 def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, after: World,
             differs: Callable[[list[Any]], Mismatch | None], substitutions: Sequence[Any], call: str,
-            contain: Contain) -> tuple[str, str, list[Any]]:
-    """(party, what it did, the substitutions demoted): ARTIFACT, LOWERING or CAPTURE (see
-    module docstring). The world is left as eager left it (`after`)."""
+            contain: Contain, fusion: Any = None) -> Culprit:
+    """The party at fault (see module docstring); `fusion` is the graph's runtime/fused.py
+    Fusion, if it serves fused code. The world is left as eager left it (`after`)."""
     demoted = [s.demoted for s in substitutions]
-    _, exc = contain(before.restore)
-    if exc is not None:
-        return LOWERING, "", []
-    with isolating(call):
-        out, raised = contain(lambda: compiled(*args))
-    mismatch, exc = (None, None) if raised is not None else contain(
-        lambda: differs(list(out) if isinstance(out, (list, tuple)) else [out]) or after.compare())
+
+    def again() -> Mismatch | None | Exception:
+        """The call run again from the world before, compared (an exception: it raised)."""
+        _, exc = contain(before.restore)
+        if exc is not None:
+            return exc
+        with isolating(call):
+            out, raised = contain(lambda: compiled(*args))
+        if raised is not None:
+            return raised
+        mismatch, exc = contain(lambda: differs(list(out) if isinstance(out, (list, tuple)) else [out])
+                                or after.compare())
+        return exc if exc is not None else mismatch
+
+    found = again()
     contain(after.restore)
     newly = [s for s, was in zip(substitutions, demoted) if s.demoted and not was]
     if newly:
-        return ARTIFACT, "; ".join(f"artifact {s.artifact} at {s.region}: {s.detail}" for s in newly), newly
-    if raised is not None:
-        return LOWERING, f"run eagerly, it raised {type(raised).__name__}: {raised}", []
-    if exc is not None or mismatch is not None:
-        return LOWERING, f"run eagerly, it differs from eager too: {mismatch}" if mismatch else "", []
-    return CAPTURE, "run eagerly, it matches eager: the replay differed", []
+        return Culprit(ARTIFACT, "; ".join(f"artifact {s.artifact} at {s.region}: {s.detail}" for s in newly), newly)
+    if found is None:
+        return Culprit(CAPTURE, "run eagerly, it matches eager: the replay differed")
+    if fusion is not None and fusion.active:
+        party = _fusion(fusion, again, found)
+        contain(after.restore)
+        if party is not None:
+            return party
+    if isinstance(found, Exception):
+        return Culprit(LOWERING, f"run eagerly, it raised {type(found).__name__}: {found}")
+    return Culprit(LOWERING, f"run eagerly, it differs from eager too: {found}")
+
+
+def _fusion(fusion: Any, again: Callable[[], Any], fused: Any) -> Culprit | None:
+    """The fused graph differs: the fusion's fault if the graph unfused matches; then the
+    ops at fault, found by running. None: the lowering's (unfused, it differs too)."""
+    with fusion.trying(None):
+        unfused = again()
+    if unfused is not None:
+        return None
+    ops, runs = fusion.isolate(lambda keep: _trying(fusion, keep, again))
+    what = f"fused, it differs from eager ({fused}); unfused, it matches"
+    if ops is None:
+        return Culprit(FUSION, f"{what}; no set of fused ops explains it ({runs} runs)", ops=None)
+    return Culprit(FUSION, f"{what}; kept as ATen calls, it matches: {', '.join(ops)} ({runs} runs)", ops=ops)
+
+
+def _trying(fusion: Any, keep: Any, again: Callable[[], Any]) -> bool:
+    with fusion.trying(keep):
+        return again() is None

@@ -23,6 +23,7 @@ replay runs the collective, as a graph replay launches the captured kernel.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,7 +39,18 @@ from graphdispatch_backend.errors import CaptureRefused
 from graphdispatch_backend.runtime.cudagraph.refusals import HOST_READS, refusal
 
 _COLLECTIVES = ("_c10d_functional", "c10d_functional")
+_recording = threading.local()  # the Recorder capturing on this thread, if any
 _SLOT, _VIEW = 0, 1  # a tensor argument made during the capture: itself, or a view rebuilt over its storage
+
+
+def opaque(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """`fn(*args)`; while a host capture records on this thread, one step of its tape. For
+    compiled code whose kernels no dispatch mode sees (Inductor's fused kernels,
+    runtime/fused.py): a CUDA capture records their launches, so the host model records the
+    call and its replay makes it again, on the replay's tensors. The ATen ops it runs inside
+    are not recorded apart, and what a capture refuses is refused there too."""
+    recorder = getattr(_recording, "recorder", None)
+    return fn(*args) if recorder is None else recorder.opaque(fn, args)
 
 
 class Tape:
@@ -118,6 +130,7 @@ class Recorder(TorchDispatchMode):
         self._reads: list[int] = []  # per slot, the last step that reads it
         self._refused: CaptureRefused | None = None
         self._inside: list[str] = []  # the custom ops being entered, outermost first
+        self._quiet = 0  # inside an opaque call: ops are refused as usual, not recorded
 
     def record(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
         with self.capturing():
@@ -128,8 +141,25 @@ class Recorder(TorchDispatchMode):
     def capturing(self) -> Iterator[None]:
         """Record what runs inside: `record`'s first half, for a caller that brackets the
         capture itself (as CUDA's capture_begin and capture_end do)."""
-        with _HostReads(self), self:
-            yield
+        before = getattr(_recording, "recorder", None)
+        _recording.recorder = self
+        try:
+            with _HostReads(self), self:
+                yield
+        finally:
+            _recording.recorder = before
+
+    def opaque(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Run `fn(*args)` and record it as one step (see `opaque` above)."""
+        self._quiet += 1
+        try:
+            out = fn(*args)
+        finally:
+            self._quiet -= 1
+        if not self._quiet:
+            self._append(fn, args, {}, out)
+            self._measure(out)
+        return out
 
     @property
     def refused(self) -> CaptureRefused | None:
@@ -179,6 +209,8 @@ class Recorder(TorchDispatchMode):
                 self._inside.pop()
             self._measure(out)
             return out
+        if self._quiet:  # inside an opaque call, which is recorded whole
+            return func(*args, **kwargs)
         if getattr(func, "namespace", None) in _COLLECTIVES:
             out = _stand_in(func, args, kwargs)
         else:

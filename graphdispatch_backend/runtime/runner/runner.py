@@ -152,6 +152,15 @@ class GraphRunner(HotPath, Publish, Transitions):
             self._hot = None
             self._decline(entry, reason, detail)
 
+    def recompiled(self, detail: str) -> None:
+        """The piece's code changed (a fused piece recompiled after a check, runtime/fused.py):
+        every captured entry records it again; none replays the old code meanwhile."""
+        with self._lock:
+            self._hot = None
+            for entry in list(self._book.entries.values()):
+                if entry.state in (State.CAPTURED, State.VERIFIED):
+                    self._recapture(entry, "fusion_changed", detail, set())
+
     def _dispatch(self, args: Sequence[Any], key: tuple[Any, ...] | None = None) -> Sequence[Any]:
         key = self._key(args) if key is None else key
         slot = self._slots.get(key)

@@ -118,14 +118,16 @@ class Transitions:
         if entry.quick_moves:
             _skip(entry, entry.quick_moves, Decline.PINNED_INPUT_MOVED)
 
-    def _recapture(self, entry: Entry, reason: Decline, detail: str, now_moving: set[int]) -> None:
+    def _recapture(self, entry: Entry, reason: Decline | str, detail: str, now_moving: set[int]) -> None:
+        """Warm the entry up again; `reason` (a Decline, or the cause of a re-capture that
+        is no decline: `fusion_changed`) goes to the timing notes."""
         with self._device.lock:  # no thread may be replaying what is released
             entry.release()
             entry.forced_moving |= now_moving
             entry.state, entry.observations = State.WARMING, []
         with self._stats.lock:
             self._stats.recaptures += 1
-        self._scope.timing.note(f"recapture {self.name}: {reason.value}: {detail}")
+        self._scope.timing.note(f"recapture {self.name}: {getattr(reason, 'value', reason)}: {detail}")
         self._set_state()
 
     def _out_of_memory(self, entry: Entry, args: Sequence[Any], detail: str) -> Sequence[Any]:

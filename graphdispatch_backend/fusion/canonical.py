@@ -1,0 +1,84 @@
+"""Ops Inductor lowers only after its own decompositions, written as the ops it lowers.
+
+aot leaves `t`, `transpose`, `_to_copy` and `rsub` in a graph; Inductor has no lowering of
+its own for them (its decomposition table rewrites them before lowering, and a graph
+handed to it after aot gets no decomposition), so they would run as ATen calls and cut the
+fused kernels around them. Each rewrite here is exact: views stay views, a cast is the same
+cast, `c - x` is `-x + c` (negation is exact, addition commutes). A rewritten node keeps the
+name of the op it was (`ORIGIN`), so verdicts and reports name what the graph holds.
+
+Before::   t = aten.t.default(w);  c = aten._to_copy.default(x, dtype=torch.bfloat16)
+After::    t = aten.permute.default(w, [1, 0]);  c = prims.convert_element_type.default(x, torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+ORIGIN = "gd_origin_op"
+
+
+def _ndim(node: Any) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def canonical(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
+    """(target, args, kwargs) Inductor lowers, computing what `node` computes; None if none."""
+    target, args, kwargs = node.target, node.args, node.kwargs
+    if target is aten.t.default:
+        ndim = _ndim(args[0])
+        return (aten.permute.default, (args[0], [1, 0]), {}) if ndim == 2 else None
+    if target is aten.transpose.int:
+        ndim = _ndim(args[0])
+        if ndim is None or kwargs:
+            return None
+        d0, d1 = (d % ndim if ndim else 0 for d in args[1:3])
+        perm = list(range(ndim))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return aten.permute.default, (args[0], perm), {}
+    if target is aten._to_copy.default:
+        extra = {k: v for k, v in kwargs.items() if k != "dtype"}
+        val, src = node.meta.get("val"), args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
+        same_place = isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.device == src.device
+        if not same_place or "dtype" not in kwargs or set(extra) - {"layout", "device"}:
+            return None  # a move, a memory format or pinned memory: not a plain cast
+        if val.stride() != src.stride():
+            return None
+        return torch.ops.prims.convert_element_type.default, (args[0], kwargs["dtype"]), {}
+    if target is aten.rsub.Scalar and kwargs.get("alpha", 1) == 1 and len(args) == 2:
+        val, src = node.meta.get("val"), args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
+        if isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.dtype == src.dtype \
+                and val.is_floating_point():
+            return "rsub", args, {}
+    return None
+    return None
+
+
+def rewrite(gm: fx.GraphModule, nodes: set[fx.Node]) -> set[fx.Node]:
+    """Rewrite each of `nodes` that has a canonical form, in place; return `nodes` with the
+    nodes a rewrite added."""
+    nodes = set(nodes)
+    for node in list(gm.graph.nodes):
+        if node not in nodes:
+            continue
+        found = canonical(node)
+        if found is None:
+            continue
+        target, args, kwargs = found
+        origin = str(node.target)
+        if target == "rsub":  # c - x == -x + c, exactly
+            with gm.graph.inserting_before(node):
+                neg = gm.graph.call_function(aten.neg.default, (args[0],))
+            neg.meta = {**node.meta, "val": args[0].meta.get("val"), ORIGIN: origin}
+            nodes.add(neg)
+            node.target, node.args, node.kwargs = aten.add.Tensor, (neg, args[1]), {}
+        else:
+            node.target, node.args, node.kwargs = target, args, kwargs
+        node.meta[ORIGIN] = origin
+    gm.recompile()
+    return nodes

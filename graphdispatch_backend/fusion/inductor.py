@@ -1,0 +1,193 @@
+"""Compile one segment with Inductor under a recipe, leaving every process-wide table alone.
+
+Which nodes Inductor lowers is said per node, never through Inductor's tables: the recipe's
+settings turn on `fallback_by_default` (thread-local, through torch's `config.patch`), and
+each node the recipe allows and the graph has not learned to keep is annotated
+`meta["custom"]["compile_with_inductor"]` (torch.fx.passes.regional_inductor's mark); every
+other node becomes an ATen fallback call without entering `lowerings` or `fallbacks`
+(graph.py's `fallback_handler(..., add_to_fallback_set=False)`). Inductor's FX graph cache
+keys a graph by its code, not its annotations, so the annotation set enters the key through
+a post-grad custom pass that does nothing and names it (`uuid`): a graph recompiled after
+learning never gets the cached code of the set it learned from.
+
+The compile runs in a tracing context of its own (Inductor appends to the ambient one: aot's,
+while a graph is being built), under Dynamo's compile lock (a recompile after a check runs
+in the user's call, on any thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+
+from graphdispatch_backend.fusion.canonical import canonical, rewrite
+from graphdispatch_backend.fusion.recipe import Recipe
+from graphdispatch_backend.fusion.segments import op_name, recipe_allows
+from graphdispatch_backend.passes.ops import is_view
+
+aten = torch.ops.aten
+MARK = "compile_with_inductor"
+BARRIER = "low_precision_pointwise_barrier"  # read by Inductor's pointwise lowering
+ANNOTATIONS = "mark+barrier/1"  # what the annotations say; part of Inductor's cache key (see _key_pass)
+_KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
+
+
+@dataclasses.dataclass
+class CompiledSegment:
+    """One segment, compiled: `run(*args)` returns its outputs as a tuple."""
+
+    run: Callable[..., tuple[Any, ...]]
+    fused: Counter[str]  # op -> nodes Inductor lowered
+    kernels: int  # kernels Inductor generated
+    aten_calls: int  # nodes left to their ATen kernels
+    seconds: float  # wall time of the compile (Inductor's own caches make repeats cheap)
+    source: str = ""  # Inductor's generated code (for reading, never run from here)
+
+
+def _view_tails(gm: fx.GraphModule) -> set[fx.Node]:
+    """The views a segment's outputs are made of, back to the node that computed them: left
+    to ATen, which sets their strides as eager does (a fake tensor's `view` may give a dim of
+    size 1 another stride than eager's, and Inductor follows the fake tensor)."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    tails: set[fx.Node] = set()
+    todo = [a for a in output.all_input_nodes]
+    while todo:
+        node = todo.pop()
+        if is_view(node) and node not in tails:
+            tails.add(node)
+            todo.extend(node.all_input_nodes)
+    return tails
+
+
+def _eager_layouts(gm: fx.GraphModule, chosen: set[fx.Node]) -> set[fx.Node]:
+    """Each tensor a fused node hands to an ATen call is laid out as eager laid it out:
+    Inductor otherwise picks the layouts of its buffers, and an ATen kernel may compute
+    otherwise on another layout (a matmul on a transposed operand, a convolution on another
+    memory format). Returns the nodes added (Inductor's own `inductor_force_stride_order`)."""
+    force = torch.ops.prims.inductor_force_stride_order.default
+    added: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node in chosen:
+            continue
+        for arg in node.all_input_nodes:
+            val = arg.meta.get("val")
+            if arg not in chosen or not isinstance(val, torch.Tensor) or not is_non_overlapping_and_dense(val):
+                continue  # (an expanded view is handed over as Inductor's view of its input)
+            with gm.graph.inserting_before(node):
+                pinned = gm.graph.call_function(force, (arg, list(val.stride())))
+            pinned.meta = {"val": val}
+            node.replace_input_with(arg, pinned)
+            added.add(pinned)
+    gm.recompile()
+    return added
+
+
+def _low_precision(node: fx.Node) -> bool:
+    values = [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]
+    return any(isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) for v in values)
+
+
+def inductor_lowers(node: fx.Node) -> bool:
+    """Inductor has a lowering of its own for this op, or for its canonical form
+    (fusion/canonical.py): a lookup, never a registration."""
+    from torch._inductor.lowering import fallbacks, lowerings
+
+    found = canonical(node)
+    target = aten.add.Tensor if found is not None and found[0] == "rsub" else (
+        found[0] if found is not None else node.target)
+    return target in lowerings and target not in fallbacks
+
+
+def fusable_ops(gm: fx.GraphModule, recipe: Recipe) -> Counter[str]:
+    """The ops of `gm` the recipe lets Inductor lower (nodes per op)."""
+    return Counter(op_name(n) for n in gm.graph.nodes
+                   if n.op == "call_function" and recipe_allows(n, recipe) and inductor_lowers(n))
+
+
+def _key_pass(digest: str) -> Any:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _AnnotationKey(CustomGraphPass):
+        """Does nothing; its uuid puts the annotation set into Inductor's cache key."""
+
+        def __call__(self, graph: fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return digest
+
+    return _AnnotationKey()
+
+
+@contextlib.contextmanager
+def _own_context(example: Sequence[Any]) -> Iterator[None]:
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = detect_fake_mode(example) or FakeTensorMode()
+    with compile_lock, tracing(TracingContext(fake_mode)):
+        yield
+
+
+def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str]) -> CompiledSegment:
+    """Compile `segment` (its placeholders carry fake values) with the nodes the recipe
+    allows, bar the ops in `keep`, lowered by Inductor; the rest run as ATen calls. With
+    nothing to lower, the segment runs its own generated code (no Inductor)."""
+    gm = copy.deepcopy(segment)
+    fused: Counter[str] = Counter()
+    calls = 0
+    chosen = set()
+    tails = _view_tails(gm)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name not in keep and node not in tails and recipe_allows(node, recipe) and inductor_lowers(node):
+            chosen.add(node)
+            fused[name] += 1
+        elif isinstance(node.target, torch._ops.OpOverload):
+            calls += 1
+    chosen = rewrite(gm, chosen)
+    chosen |= _eager_layouts(gm, chosen)
+    marks = []
+    for node in gm.graph.nodes:
+        if node in chosen:
+            node.meta["custom"] = {**node.meta.get("custom", {}), MARK: {}}
+            # every node of an aot graph is an op eager runs: its bf16/fp16 results are rounded
+            # as eager rounds them (what make_fx marks under emulate_precision_casts, which aot
+            # did not trace with)
+            node.meta[BARRIER] = _low_precision(node)
+            marks.append(f"{node.name}{'*' if node.meta[BARRIER] else ''}")
+    start = time.perf_counter()
+    if not fused:
+        gm.recompile()
+        forward = gm.forward
+        return CompiledSegment(lambda *args: tuple(forward(*args)), fused, 0, calls, time.perf_counter() - start)
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    digest = hashlib.sha256(" ".join([recipe.id, ANNOTATIONS, *marks]).encode()).hexdigest()
+    with _own_context(example), config.patch({**recipe.patches, "post_grad_custom_post_pass": _key_pass(digest)}):
+        compiled = compile_fx_inner(gm, example, is_inference=True)
+    seconds = time.perf_counter() - start
+    source = getattr(compiled, "source_code", "") or ""
+    kernels = len(_KERNEL_DEF.findall(source))
+
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        return tuple(compiled(list(args)))  # Inductor's boxed call empties the list it is given
+
+    return CompiledSegment(run, fused, kernels, calls, seconds, source)

@@ -1,0 +1,295 @@
+"""Fused graphs at run time: one graph's fusion, the callables of its units, what it learned.
+
+With `fuse=True` each unit of an inference graph (the graph, or each captured piece) runs
+its segments (fusion/segments.py) compiled by Inductor under the device's recipe
+(fusion/recipe.py, fusion/inductor.py), with the ops the graph keeps as ATen calls left to
+their ATen kernels. A fused graph is a lowering like any other: the eager check judges it
+against the Dynamo graph, bit for bit, on the `recheck` schedule. When a check finds a
+difference that the same graph run unfused does not show (runtime/isolate.py), `isolate`
+finds the ops whose fused result differs by running (bisection over the fused ops, each
+step a compile and a run on the call's inputs), `learn` keeps them as ATen calls for this
+graph and recompiles, the verdict goes to the cache on disk (fusion/verdicts.py), and the
+runners capture the graph again. After MAX_ROUNDS rounds, or when no set of ops explains
+the difference, the graph gives up fusion (`fusion_mismatch`) and runs its ATen kernels.
+
+While a thread isolates (runtime/isolate.py), that thread's units run the ops it tries
+(`trial`) or their ATen graph (`unfused`); other threads are served as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from graphdispatch_backend.errors import Contain, StrictModeError
+from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment
+from graphdispatch_backend.fusion.recipe import Recipe
+from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name
+from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
+from graphdispatch_backend.runtime.cudagraph.tape import opaque
+from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
+
+MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
+
+Keep = frozenset[str]
+
+
+def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callable[..., Any]:
+    """`outer`'s forward with each segment call bound to its compiled code."""
+    gm = fx.GraphModule(outer, copy.deepcopy(outer.graph))
+    for node in gm.graph.nodes:
+        if SEGMENT_META in node.meta:
+            run = compiled[node.meta[SEGMENT_META]].run
+
+            def segment(*args: Any, _run: Callable[..., Any] = run) -> Any:
+                return opaque(_run, args)
+
+            segment.__name__ = segment.__qualname__ = f"gd_segment_{node.meta[SEGMENT_META]}"
+            node.target = segment
+    gm.recompile()
+    return gm.forward
+
+
+class FusedUnit:
+    """The callable of one fused graph or piece."""
+
+    def __init__(self, fusion: Fusion, native: Callable[..., Any], outer: fx.GraphModule,
+                 segments: list[fx.GraphModule]) -> None:
+        self._fusion = fusion
+        self.native = native  # the unit's ATen graph, unfused
+        self._outer = outer
+        self.segments = segments
+        self._forward: Callable[..., Any] = native
+        self._trials: dict[Keep, Callable[..., Any]] = {}
+        self.compiled: list[CompiledSegment] = []
+
+    def __call__(self, *args: Any) -> Any:
+        if Isolation.active and isolating_here():  # runtime/isolate.py: what this thread tries
+            return self._fusion.isolated_forward(self)(*args)
+        return self._forward(*args)
+
+    def build(self, keep: Keep | None) -> tuple[Callable[..., Any], list[CompiledSegment]]:
+        """(forward, compiled segments) with `keep` kept as ATen calls; None: unfused."""
+        if keep is None or not self.segments:
+            return self.native, []
+        compiled = [compile_segment(s, self._fusion.recipe, keep) for s in self.segments]
+        return _bind(self._outer, compiled), compiled
+
+    def adopt(self, forward: Callable[..., Any], compiled: list[CompiledSegment]) -> None:
+        self._forward, self.compiled = forward, compiled
+
+    def trial(self, keep: Keep) -> Callable[..., Any]:
+        found = self._trials.get(keep)
+        if found is None:
+            found = self._trials[keep] = self.build(keep)[0]
+        return found
+
+
+class Fusion:
+    """One graph's fusion: its units, the ops it keeps as ATen calls, its rounds."""
+
+    def __init__(self, recipe: Recipe, device: str, verdicts: Verdicts, record: dict[str, Any], contain: Contain,
+                 warn: Callable[[str, str], None], strict: bool) -> None:
+        self.recipe = recipe
+        self._device = device  # fusion/verdicts.py device_identity
+        self._verdicts = verdicts
+        self._record = record  # the graph record's `fusion` dict (diagnostics/report.py)
+        self._contain = contain
+        self._warn = warn
+        self._strict = strict
+        self.units: list[FusedUnit] = []
+        self.keep: Keep = frozenset()
+        self.learned: list[dict[str, Any]] = []  # one per kept op: op, why (learned | cache), at_call, detail
+        self.rounds = 0
+        self.active = False  # serving fused code (False before `finish`, after giving up or failing)
+        self._key = ""
+        self._listeners: list[Callable[[str], None]] = []
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    # -- building ----------------------------------------------------------------------
+    def unit(self, gm: fx.GraphModule, native: Callable[..., Any]) -> FusedUnit:
+        """A unit for `gm` (a lowered graph or piece, after the passes), cut into segments;
+        compiled by `finish`."""
+        outer = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        segments: list[fx.GraphModule] = []
+        cut(outer, self.recipe, lambda i, segment: segments.append(segment) or _unbound)
+        unit = FusedUnit(self, native, outer, segments)
+        self.units.append(unit)
+        return unit
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """`listener(detail)` runs after the units changed code (a runner re-captures)."""
+        self._listeners.append(listener)
+
+    def finish(self) -> None:
+        """Compile every unit with what the graph keeps (from the verdict cache, if any)."""
+        codes = [_code(s) for u in self.units for s in u.segments]
+        self._key = graph_key(codes, self._device, self.recipe.id)
+        stored = self._verdicts.load(self._key, self._device, self.recipe.id)
+        if stored is not None:
+            self.learned = [{**k, "why": "cache"} for k in stored["keep"]]
+            self.keep = frozenset(k["op"] for k in stored["keep"])
+            if stored["gave_up"]:
+                self._give_up("the verdict cache says this graph gave up fusion", cached=True)
+                return
+        self._record.update(status="fused", key=self._key, recipe=self.recipe.id,
+                            segments=sum(len(u.segments) for u in self.units))
+        self._compile(self.keep)
+
+    def _compile(self, keep: Keep) -> bool:
+        start = time.perf_counter()
+        built, exc = self._contain(lambda: [u.build(keep) for u in self.units])
+        if exc is not None:
+            if isinstance(exc, StrictModeError):
+                raise exc
+            self._fail(f"compiling the fused graph raised {type(exc).__name__}: {exc}")
+            return False
+        for unit, (forward, compiled) in zip(self.units, built):
+            unit.adopt(forward, compiled)
+        self.active = True
+        self._report(time.perf_counter() - start)
+        return True
+
+    # -- isolation (runtime/isolate.py) -------------------------------------------------
+    def isolated_forward(self, unit: FusedUnit) -> Callable[..., Any]:
+        """What `unit` runs on a thread that isolates: the ops it tries, or its ATen graph."""
+        keep = getattr(self._local, "keep", False)
+        if keep is False:
+            return unit._forward
+        return unit.native if keep is None else unit.trial(keep)
+
+    @contextlib.contextmanager
+    def trying(self, keep: Keep | None) -> Iterator[None]:
+        """On this thread, units run with `keep` kept (None: unfused) while isolating."""
+        self._local.keep = keep
+        try:
+            yield
+        finally:
+            self._local.keep = False
+
+    def fused_ops(self) -> list[str]:
+        return sorted({op for u in self.units for c in u.compiled for op in c.fused})
+
+    def isolate(self, matches: Callable[[Keep | None], bool]) -> tuple[list[str] | None, int]:
+        """(the ops whose fused result differs, None if no set of them explains the
+        difference; runs made). `matches(keep)` runs the call again with `keep` kept."""
+        ops = self.fused_ops()
+        runs = [0]
+
+        def ok(extra: Sequence[str]) -> bool:
+            runs[0] += 1
+            return matches(self.keep | frozenset(extra))
+
+        try:
+            if not ops or not ok(ops):
+                return None, runs[0]
+            return sorted(_minimal(ops, (), ok)), runs[0]
+        finally:
+            for unit in self.units:
+                unit._trials.clear()
+
+    # -- learning -------------------------------------------------------------------------
+    def learn(self, culprits: Sequence[str] | None, call: int, detail: str) -> None:
+        """A check at `call` found `culprits` (None: none found) differing: keep them and
+        recompile, or give up fusion after MAX_ROUNDS rounds."""
+        with self._lock:
+            self.rounds += 1
+            if culprits is None or self.rounds > MAX_ROUNDS:
+                why = "no set of fused ops explains the difference" if culprits is None else (
+                    f"a fused op differed on {self.rounds} checks")
+                self._give_up(f"{why} (call {call}: {detail})")
+                self._notify(f"fusion given up: {why}")
+                return
+            new = [{"op": op, "why": "learned", "at_call": call, "detail": detail} for op in culprits]
+            self.learned.extend(new)
+            self.keep |= frozenset(culprits)
+            self._verdicts.save(self._key, self._device, self.recipe.id, new, gave_up=False)
+            self._warn(f"fusion:{','.join(culprits)}",
+                       f"graphdispatch: a fused op differed from eager at call {call} of a graph: "
+                       f"{', '.join(culprits)} now run(s) as ATen calls there ({detail})")
+            if self._compile(self.keep):
+                self._notify(f"recompiled keeping {', '.join(culprits)} as ATen calls")
+
+    def _give_up(self, detail: str, cached: bool = False) -> None:
+        for unit in self.units:
+            unit.adopt(unit.native, [])
+        self.active = False
+        self._record.update(status="fusion_mismatch", detail=detail, key=self._key)
+        if not cached:
+            self._verdicts.save(self._key, self._device, self.recipe.id, [], gave_up=True)
+            self._warn(f"fusion_mismatch:{detail[:60]}", f"graphdispatch: a graph gave up fusion and runs its "
+                       f"ATen kernels (fusion_mismatch): {detail}")
+        self._report(0.0)
+
+    def _fail(self, detail: str) -> None:
+        for unit in self.units:
+            unit.adopt(unit.native, [])
+        self.active = False
+        self._record.update(status="failed", detail=detail)
+        self._warn("fusion_failed", f"graphdispatch: a graph runs unfused: {detail}")
+
+    def _notify(self, detail: str) -> None:
+        for listener in self._listeners:
+            listener(detail)
+
+    def _report(self, seconds: float) -> None:
+        fused: Counter[str] = Counter()
+        kernels = calls = 0
+        for unit in self.units:
+            for c in unit.compiled:
+                fused.update(c.fused)
+                kernels += c.kernels
+                calls += c.aten_calls
+        self._record.update(
+            rounds=self.rounds, kernels=kernels, aten_calls=calls, fused_ops=dict(sorted(fused.items())),
+            kept=[*({"op": op, "why": "recipe"} for op in _recipe_kept(self.units, self.recipe)),
+                  *(dict(k) for k in self.learned)],
+            compile_seconds=round(self._record.get("compile_seconds", 0.0) + seconds, 3))
+
+
+def _unbound(*args: Any) -> Any:
+    raise AssertionError("a segment called before its unit was compiled")
+
+
+def _code(segment: fx.GraphModule) -> str:
+    """A segment's code and input layouts: what its verdict is keyed by."""
+    layouts = [(tuple(v.shape), tuple(v.stride()), str(v.dtype)) if hasattr(v, "stride") else repr(v)
+               for v in (n.meta.get("val") for n in segment.graph.find_nodes(op="placeholder"))]
+    return f"{segment.code}\n{layouts}"
+
+
+def _recipe_kept(units: Sequence[FusedUnit], recipe: Recipe) -> list[str]:
+    """The ops of the graph's segments the recipe leaves to ATen (by their names)."""
+    from graphdispatch_backend.fusion.inductor import inductor_lowers
+    from graphdispatch_backend.fusion.segments import recipe_allows
+
+    names = set()
+    for unit in units:
+        for segment in unit.segments:
+            for node in segment.graph.nodes:
+                if node.op == "call_function" and not (recipe_allows(node, recipe) and inductor_lowers(node)):
+                    names.add(op_name(node))
+    return sorted(n for n in names if n.startswith(("aten.", "prims.")))
+
+
+def _minimal(ops: Sequence[str], kept: Sequence[str], ok: Callable[[Sequence[str]], bool]) -> list[str]:
+    """A small subset of `ops` that, kept with `kept`, makes the call match (given that
+    keeping all of `ops` does): bisection, each step a run."""
+    if len(ops) == 1:
+        return list(ops)
+    half = len(ops) // 2
+    first, second = ops[:half], ops[half:]
+    if ok([*kept, *first]):
+        return _minimal(first, kept, ok)
+    if ok([*kept, *second]):
+        return _minimal(second, kept, ok)
+    found = _minimal(first, [*kept, *second], ok)  # each half holds a culprit
+    return found + _minimal(second, [*kept, *found], ok)
