@@ -303,3 +303,44 @@ def serve_patches(fn: Callable[..., Any]) -> tuple[tuple[Any, str, Any], ...]:
     from graphdispatch_backend.runtime.runner import hot, publish, runner
 
     return tuple((module, "serve", fn) for module in (runner, hot, publish))
+
+
+def perturbed(op: str, above: float | None = None) -> Any:
+    """A patch of fusion/inductor.py under which every node of `op` (`aten.mul.Tensor`) that
+    Inductor fuses computes one ulp above its ATen kernel (`nextafter(x, inf)` after it;
+    with `above`, only where the result is larger), while the same op kept as an ATen call
+    stays exact: a fused op wrong by one ulp, for the tests of isolation and learning. Use
+    with `unittest.mock.patch.object(*perturbed(op))`."""
+    from graphdispatch_backend.fusion import inductor
+
+    original = inductor.rewrite
+
+    def rewrite(gm: fx.GraphModule, nodes: set[fx.Node]) -> set[fx.Node]:
+        chosen = original(gm, nodes)
+        for node in list(gm.graph.nodes):
+            val = node.meta.get("val")
+            if node not in chosen or str(node.target) != op or not isinstance(val, torch.Tensor) \
+                    or not val.is_floating_point():
+                continue
+            aten = torch.ops.aten
+            with gm.graph.inserting_after(node):
+                inf = gm.graph.call_function(aten.scalar_tensor.default, (float("inf"),), {"dtype": val.dtype})
+            inf.meta = {"val": torch.empty((), dtype=val.dtype, device=val.device)}
+            with gm.graph.inserting_after(inf):
+                up = gm.graph.call_function(torch.ops.aten.nextafter.default, (node, inf))
+            up.meta = dict(node.meta)
+            injected = {inf, up}
+            if above is not None:
+                with gm.graph.inserting_after(up):
+                    big = gm.graph.call_function(aten.gt.Scalar, (node, above))
+                with gm.graph.inserting_after(big):
+                    up = gm.graph.call_function(aten.where.self, (big, up, node))
+                big.meta = {"val": torch.empty(val.shape, dtype=torch.bool, device=val.device)}
+                up.meta = dict(node.meta)
+                injected |= {big, up}
+            node.replace_all_uses_with(up, delete_user_cb=lambda user, injected=injected: user not in injected)
+            chosen |= injected
+        gm.recompile()
+        return chosen
+
+    return inductor, "rewrite", rewrite

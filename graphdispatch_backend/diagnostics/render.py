@@ -2,9 +2,10 @@
 
 In reading order: what ran (options, environment), whether every call is accounted for,
 the artifact bundles, graphs with their CUDA-graph state and decline reasons, captured
-pieces, artifacts with their status, parity verdicts, demotions and timings against
-native, the regions that matched or were rejected, timing phases and notes. Tables hold
-one line per row; long reasons are listed in full under them.
+pieces, fused graphs (kernels, the ops kept as ATen calls and why), artifacts with their
+status, parity verdicts, demotions and timings against native, the regions that matched
+or were rejected, timing phases and notes. Tables hold one line per row; long reasons are
+listed in full under them.
 
 A missing directory, a missing `dispatch.json`, corrupt JSON or another schema is a
 message on stderr and exit status 2; an unreadable `timing.json` is said, not fatal.
@@ -23,7 +24,7 @@ from graphdispatch_backend.table import table
 SCHEMA_VERSION = 1  # the dispatch.json schema this renderer reads (diagnostics/report.py)
 TIMING_SCHEMA_VERSION = 1
 CELL = 48  # widest table cell; the full text is listed under the table
-_OPTION_KEYS = ("cuda_graphs", "timing", "speed_gate", "strict", "warmup", "verify_inputs", "max_captures")
+_OPTION_KEYS = ("cuda_graphs", "fuse", "timing", "speed_gate", "strict", "warmup", "verify_inputs", "max_captures")
 
 
 class ReportError(Exception):
@@ -218,6 +219,34 @@ def _pieces(report: dict[str, Any]) -> list[str]:
                   max_width=CELL)]
 
 
+def _fusion(report: dict[str, Any]) -> list[str]:
+    rows, details = [], []
+    for g in report["graphs"]:
+        f = g.get("fusion")
+        if not f:
+            continue
+        kept = f.get("kept") or []
+        learned = [k for k in kept if k.get("why") != "recipe"]
+        recipe = [k["op"] for k in kept if k.get("why") == "recipe"]
+        rows.append([g["name"], f.get("status", "-"), f.get("kernels", "-"), sum((f.get("fused_ops") or {}).values()),
+                     f.get("aten_calls", "-"), len(recipe), ", ".join(k["op"] for k in learned) or "-",
+                     f.get("rounds", "-"), f.get("compile_seconds", "-")])
+        if f.get("detail"):
+            details.append(f"  {g['name']}: {f['status']}: {f['detail']}")
+        for k in learned:
+            when = f"learned at call {k.get('at_call')}" if k.get("why") == "learned" else "from the verdict cache"
+            details.append(f"  {g['name']}: {k['op']} runs as an ATen call, {when}: {k.get('detail', '')}")
+        if recipe:
+            details.append(f"  {g['name']}: left to ATen by the recipe: {', '.join(recipe)}")
+    if not rows:
+        return []
+    out = ["", "Fusion (fuse=True: each graph's exact ops compiled by Inductor under an eager-numerics recipe, "
+               "checked against eager like any lowering; an op found to differ runs as its ATen kernel)",
+           table(["graph", "status", "kernels", "fused nodes", "ATen calls", "recipe keeps", "kept as learned",
+                  "rounds", "compile s"], rows, max_width=CELL)]
+    return out + ["", "Ops kept as ATen calls, and why"] + details if details else out
+
+
 def _artifacts(report: dict[str, Any]) -> list[str]:
     artifacts = report.get("artifacts", {})
     if not artifacts:
@@ -319,7 +348,8 @@ def _authoring(report: dict[str, Any]) -> list[str]:
 def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, source: str = "dispatch.json",
            timing_missing: str | None = None) -> str:
     out = _header(report, source) + _summary(report) + _registry(report) + _authoring(report) + _graphs(report)
-    out += _pieces(report) + _artifacts(report) + _regions(report) + _timing(timing, timing_missing)
+    out += _pieces(report) + _fusion(report) + _artifacts(report) + _regions(report)
+    out += _timing(timing, timing_missing)
     return "\n".join(out)
 
 

@@ -203,20 +203,31 @@ class Fusion:
         with self._lock:
             self.rounds += 1
             if culprits is None or self.rounds > MAX_ROUNDS:
-                why = "no set of fused ops explains the difference" if culprits is None else (
-                    f"a fused op differed on {self.rounds} checks")
+                if culprits is None:
+                    why = "no set of fused ops explains the difference"
+                else:
+                    ops = ", ".join(sorted({*(k["op"] for k in self.learned), *culprits}))
+                    why = f"fused ops differed on {self.rounds} checks ({ops})"
                 self._give_up(f"{why} (call {call}: {detail})")
                 self._notify(f"fusion given up: {why}")
+                self._raise_if_strict(f"a graph gave up fusion: {why}")
                 return
             new = [{"op": op, "why": "learned", "at_call": call, "detail": detail} for op in culprits]
             self.learned.extend(new)
             self.keep |= frozenset(culprits)
             self._verdicts.save(self._key, self._device, self.recipe.id, new, gave_up=False)
-            self._warn(f"fusion:{','.join(culprits)}",
-                       f"graphdispatch: a fused op differed from eager at call {call} of a graph: "
-                       f"{', '.join(culprits)} now run(s) as ATen calls there ({detail})")
+            message = (f"a fused op differed from eager at call {call} of a graph: {', '.join(culprits)} now "
+                       f"run(s) as ATen calls there ({detail})")
+            self._warn(f"fusion:{','.join(culprits)}", f"graphdispatch: {message}")
             if self._compile(self.keep):
                 self._notify(f"recompiled keeping {', '.join(culprits)} as ATen calls")
+            self._raise_if_strict(message)
+
+    def _raise_if_strict(self, message: str) -> None:
+        """Under `strict` a learned op is a fallback like any other: raised from the call
+        that found it (after it was learned, so the verdict is kept)."""
+        if self._strict:
+            raise StrictModeError(message)
 
     def _give_up(self, detail: str, cached: bool = False) -> None:
         for unit in self.units:

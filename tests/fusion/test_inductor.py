@@ -1,0 +1,161 @@
+"""inductor.py: one segment compiled by Inductor under the recipe, bitwise with its ATen
+graph, and no process-wide table of Inductor's touched: a user's own `backend="inductor"`
+compile lowers as it would without graphdispatch, before, during and after. Each rule of
+the compile has a test that removes it and sees a difference from eager."""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from graphdispatch_backend.fusion import inductor
+from graphdispatch_backend.fusion.recipe import recipe_for
+from graphdispatch_backend.testing import aten_graph
+
+CPU = recipe_for("cpu")
+
+
+def _segment(fn, *args) -> tuple[fx.GraphModule, tuple[torch.Tensor, ...]]:
+    lowered = aten_graph(fn, *args)
+    return lowered.gm, args
+
+
+def _same(gm: fx.GraphModule, args, keep=frozenset()) -> tuple[bool, inductor.CompiledSegment]:
+    compiled = inductor.compile_segment(gm, CPU, keep)
+    want, got = gm(*args), compiled.run(*args)
+    return all(torch.equal(w, g) and w.stride() == g.stride() for w, g in zip(want, got)), compiled
+
+
+def residual(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x + 0.5 * (x @ w)
+    return h.float().pow(2).mean(-1, keepdim=True) * h.float()
+
+
+def test_a_segment_fuses_its_exact_ops_and_matches_its_aten_graph():
+    x, w = torch.randn(8, 32), torch.randn(32, 32)
+    same, compiled = _same(*_segment(residual, x, w))
+    assert same and compiled.kernels >= 1
+    assert set(compiled.fused) >= {"aten.add.Tensor", "aten.mul.Tensor"}
+    assert "aten.mm.default" not in compiled.fused and "torch.ops.aten.mm.default" in compiled.source
+
+
+def test_a_kept_op_runs_as_its_aten_call():
+    x, w = torch.randn(8, 32), torch.randn(32, 32)
+    same, compiled = _same(*_segment(residual, x, w), keep=frozenset({"aten.add.Tensor"}))
+    assert same and "aten.add.Tensor" not in compiled.fused
+    assert "torch.ops.aten.add.Tensor" in compiled.source
+
+
+def plus_one(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x + 1, x * 2  # the add fused or kept, the graph's code is the same: only its marks differ
+
+
+def test_inductors_cache_never_serves_the_code_of_another_keep_set():
+    """Inductor's FX graph cache keys a graph by its code, not by which nodes are marked:
+    the marks enter the key through the no-op pass's uuid. Without it the second compile
+    would get the first one's code, with the op fused that it was asked to keep."""
+    gm, args = _segment(plus_one, torch.randn(8, 32))
+    ADD = "torch.ops.aten.add.Tensor"
+    assert ADD not in inductor.compile_segment(gm, CPU, frozenset()).source
+    assert ADD in inductor.compile_segment(gm, CPU, frozenset({"aten.add.Tensor"})).source
+    one_key = inductor._key_pass("one key for every graph")
+    with mock.patch.object(inductor, "_key_pass", lambda digest: one_key):
+        inductor.compile_segment(gm, CPU, frozenset())
+        stale = inductor.compile_segment(gm, CPU, frozenset({"aten.add.Tensor"}))
+    assert ADD not in stale.source  # the cached code of the other set
+
+
+def bf16_residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = x + y  # rounded to bf16 in eager before the cast below
+    return h.float() * 3
+
+
+def test_bf16_results_are_rounded_where_eager_rounds_them():
+    x, y = torch.randn(4, 64).bfloat16(), torch.randn(4, 64).bfloat16()
+    gm, args = _segment(bf16_residual, x, y)
+    assert _same(gm, args)[0]
+    with mock.patch.object(inductor, "_low_precision", lambda node: False):  # the rounding left out
+        assert not _same(gm, args)[0]
+
+
+def tail_view(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # the output is a view of a permuted buffer with dims of size 1: eager's `view` strides
+    # them otherwise than a fake tensor's, which Inductor follows
+    y = (x @ w) + 1
+    return y.view(1, 8, 8, 1, 1, 4).permute(0, 5, 1, 3, 2, 4).reshape(1, 4, 8, 8)
+
+
+def test_the_views_an_output_is_made_of_are_atens():
+    gm, args = _segment(tail_view, torch.randn(64, 16), torch.randn(16, 4))
+    assert _same(gm, args)[0]
+    with mock.patch.object(inductor, "_view_tails", lambda gm: set()):
+        assert not _same(gm, args)[0]
+
+
+def layout(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # a fused sum, laid out as its transposed operand, handed to an ATen op
+    return F.gelu(x.t() + b)
+
+
+def test_an_aten_call_gets_its_inputs_laid_out_as_eager_laid_them_out():
+    gm, args = _segment(layout, torch.randn(16, 8), torch.randn(8, 16))
+    assert _same(gm, args)[0]
+    with mock.patch.object(inductor, "_eager_layouts", lambda gm, chosen: set()):
+        assert not _same(gm, args)[0]
+
+
+# -- no global state -----------------------------------------------------------------------
+
+def _tables() -> dict[str, tuple[int, int, frozenset]]:
+    from torch._inductor import decomposition, lowering
+
+    tables = {"lowerings": lowering.lowerings, "fallbacks": lowering.fallbacks,
+              "decompositions": decomposition.decompositions, "fast_random": decomposition.fast_random_decomps()}
+    return {k: (id(v), len(v), frozenset(map(str, v))) for k, v in tables.items()}
+
+
+def users_function(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x).sum(-1) * torch.softmax(x, -1).amax(-1) + x.mean(-1)
+
+
+def _inductor_values(x: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.reset()
+    out = torch.compile(users_function, backend="inductor")(x)
+    torch._dynamo.reset()
+    return out
+
+
+def test_inductors_tables_are_untouched_and_a_users_inductor_compile_lowers_as_before():
+    x = torch.randn(64, 33)
+    before, tables = _inductor_values(x), _tables()
+    gm, args = _segment(residual, torch.randn(8, 32), torch.randn(32, 32))
+
+    def fused_compiles() -> None:
+        for keep in (frozenset(), frozenset({"aten.mul.Tensor"})):
+            inductor.compile_segment(gm, CPU, keep)
+
+    thread = threading.Thread(target=fused_compiles)
+    thread.start()  # a user's compile on this thread while graphdispatch compiles on that one
+    torch._dynamo.reset()
+    during = torch.compile(users_function, backend="inductor")(x)
+    thread.join()
+    assert _tables() == tables
+    after = _inductor_values(x)
+    assert torch.equal(before, after) and torch.equal(before, during)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["host-recipe", "gpu-recipe"])
+def test_each_device_has_its_recipe(device):
+    patches = recipe_for(device).patches
+    assert patches["fallback_by_default"] and patches["emulate_precision_casts"]
+    assert not patches["use_post_grad_passes"]
+    if device == "cuda":
+        assert patches["eager_numerics.division_rounding"] and patches["eager_numerics.disable_ftz"]
+    else:
+        assert patches["cpp.enable_floating_point_contract_flag"] == "off"
+    assert recipe_for("cpu").id != recipe_for("cuda").id

@@ -1,0 +1,204 @@
+"""Fused graphs at run time (runtime/fused.py, the fusion party of runtime/isolate.py): a
+fused op whose result differs from eager is caught by the check, named by running, kept
+as an ATen call for that graph alone, and remembered on disk; no wrong value is served
+meanwhile. Each rule has a test that removes it and sees the scenario fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphdispatch_backend
+from graphdispatch_backend.runtime import fused as fused_mod
+from graphdispatch_backend.runtime.runner import GraphRunner
+from graphdispatch_backend.testing import accounted_graphs, perturbed
+
+MUL = "aten.mul.Tensor"
+MODES = [False, "emulate"]
+
+
+class AdaBlock(nn.Module):
+    """A DiT block in small: modulation, norm, MLP, gated residual (mul and add fused)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.mod = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.mod(c).chunk(2, dim=-1)
+        h = self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return x + 0.5 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
+def block() -> AdaBlock:
+    torch.manual_seed(0)
+    return AdaBlock().eval()
+
+
+def inputs(i: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(2, 8, 16, generator=g), torch.randn(2, 16, generator=g) * scale
+
+
+def run(model: nn.Module, options: dict[str, Any], calls: list[tuple[torch.Tensor, ...]]) -> list[bool]:
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": True, **options})
+    with torch.no_grad():
+        return [torch.equal(compiled(*args), model(*args)) for args in calls]
+
+
+def fusion() -> dict[str, Any]:
+    (graph,) = accounted_graphs()
+    return graph["fusion"]
+
+
+def learned(f: dict[str, Any]) -> list[str]:
+    return [k["op"] for k in f["kept"] if k["why"] != "recipe"]
+
+
+@pytest.mark.parametrize("cuda_graphs", MODES)
+def test_a_fused_op_one_ulp_off_is_caught_named_and_kept_alone(cuda_graphs, tmp_path):
+    with mock.patch.object(*perturbed(MUL)):
+        same = run(block(), {"cuda_graphs": cuda_graphs, "recheck": "every", "cache_dir": tmp_path},
+                   [inputs(i) for i in range(6)])
+    assert all(same), same  # eager's values answered the call that caught it; the rest are fused, exact
+    f = fusion()
+    assert f["status"] == "fused" and f["rounds"] == 1
+    assert learned(f) == [MUL]
+    assert f["kept"][-1]["at_call"] == 1 and "aten.mul.Tensor" in f["kept"][-1]["detail"]
+    assert "aten.add.Tensor" in f["fused_ops"] and MUL not in f["fused_ops"]  # the rest stays fused
+    (graph,) = accounted_graphs()
+    assert graph["lowering_check"]["status"] == "bitwise"  # the graph keeps its lowering
+    if cuda_graphs == "emulate":
+        assert graph["cuda_graph"]["replays"] >= 3  # captured, verified and replayed, fused
+
+
+def test_the_default_schedule_catches_it_at_the_first_call(tmp_path):
+    with mock.patch.object(*perturbed(MUL)):
+        same = run(block(), {"cuda_graphs": "emulate", "cache_dir": tmp_path}, [inputs(i) for i in range(8)])
+    assert all(same), same
+    assert learned(fusion()) == [MUL] and fusion()["kept"][-1]["at_call"] == 1
+
+
+_NEW_PROCESS = textwrap.dedent("""
+    import json, sys, torch
+    from unittest import mock
+    sys.path.insert(0, {tests!r})
+    import graphdispatch_backend
+    from graphdispatch_backend.testing import accounted_graphs, perturbed
+    from test_fused import MUL, block, inputs
+    model = block()
+    with mock.patch.object(*perturbed(MUL)):
+        compiled = torch.compile(model, backend="graphdispatch",
+                                 options={{"fuse": True, "recheck": "every", "cache_dir": {cache!r}}})
+        with torch.no_grad():
+            same = [torch.equal(compiled(*inputs(i)), model(*inputs(i))) for i in range(4)]
+    (graph,) = accounted_graphs()
+    print(json.dumps({{"same": same, "fusion": graph["fusion"], "lowering": graph["lowering_check"]}}))
+""")
+
+
+def test_a_new_process_with_the_same_cache_starts_with_the_op_unfused(tmp_path):
+    with mock.patch.object(*perturbed(MUL)):
+        run(block(), {"cuda_graphs": False, "recheck": "every", "cache_dir": tmp_path}, [inputs(0)])
+    assert learned(fusion()) == [MUL]
+    script = _NEW_PROCESS.format(tests=str(Path(__file__).parent), cache=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(out["same"]) and out["lowering"]["status"] == "bitwise"
+    assert out["fusion"]["rounds"] == 0  # no mismatch: the op ran as an ATen call from the start
+    assert [(k["op"], k["why"]) for k in out["fusion"]["kept"] if k["why"] != "recipe"] == [(MUL, "cache")]
+
+
+def test_a_cache_never_skips_a_check(tmp_path):
+    """The graph starts from a verdict naming one op; another op goes wrong: the first
+    check still catches it (a cache that let checks be skipped would serve it)."""
+    with mock.patch.object(*perturbed(MUL)):
+        run(block(), {"cuda_graphs": False, "cache_dir": tmp_path}, [inputs(0)])
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    with mock.patch.object(*perturbed("aten.add.Tensor")):
+        same = run(block(), {"cuda_graphs": False, "cache_dir": tmp_path}, [inputs(i) for i in range(3)])
+    assert all(same), same
+    f = fusion()
+    assert [(k["op"], k["why"]) for k in f["kept"] if k["why"] != "recipe"] == [
+        (MUL, "cache"), ("aten.add.Tensor", "learned")]
+
+
+def test_without_bisection_the_whole_graph_would_lose_its_fusion(tmp_path):
+    """Mutation: blame every fused op instead of finding the one that differs."""
+    everything = lambda ops, kept, ok: list(ops)
+    with mock.patch.object(*perturbed(MUL)), mock.patch.object(fused_mod, "_minimal", everything):
+        run(block(), {"cuda_graphs": False, "recheck": "every", "cache_dir": False}, [inputs(0)])
+    f = fusion()
+    assert MUL in learned(f) and len(learned(f)) > 1 and "aten.add.Tensor" not in f["fused_ops"]
+
+
+def _late(i: int) -> tuple[torch.Tensor, ...]:
+    """A small conditioning for 4 calls (the modulation's products stay under 50, where the
+    perturbed op is exact), then a large one."""
+    return inputs(i, scale=1.0 if i < 4 else 40.0)
+
+
+def test_a_captured_graph_is_recaptured_with_the_recompiled_code(tmp_path):
+    with mock.patch.object(*perturbed(MUL, above=50.0)):
+        same = run(block(), {"cuda_graphs": "emulate", "recheck": "every", "cache_dir": False},
+                   [_late(i) for i in range(10)])
+    assert all(same), same
+    (graph,) = accounted_graphs()
+    assert learned(graph["fusion"]) == [MUL] and graph["fusion"]["kept"][-1]["at_call"] == 5
+    cg = graph["cuda_graph"]
+    assert "verify_mismatch" not in cg["declines"] and cg["recaptures"] >= 1 and cg["replays"] >= 5
+
+
+def test_without_the_recapture_the_old_capture_replays_the_bad_op(tmp_path):
+    """Mutation: the runner ignores the recompile; its capture keeps the perturbed op, the
+    next check blames the capture, and the piece runs eager from then on."""
+    with mock.patch.object(*perturbed(MUL, above=50.0)), \
+            mock.patch.object(GraphRunner, "recompiled", lambda self, detail: None):
+        same = run(block(), {"cuda_graphs": "emulate", "recheck": "every", "cache_dir": False},
+                   [_late(i) for i in range(10)])
+    assert all(same), same  # every call is checked: eager answers
+    assert "verify_mismatch" in accounted_graphs()[0]["cuda_graph"]["declines"]
+
+
+def test_gives_up_fusion_when_what_it_learns_does_not_help(tmp_path):
+    """Isolation blames the wrong op each time: after MAX_ROUNDS the graph runs its ATen
+    kernels (`fusion_mismatch`, the ops named) and stays exact."""
+    wrong = lambda ops, kept, ok: [next(op for op in ops if op != MUL)]
+    with mock.patch.object(*perturbed(MUL)), mock.patch.object(fused_mod, "_minimal", wrong):
+        same = run(block(), {"cuda_graphs": False, "recheck": "every", "cache_dir": tmp_path},
+                   [inputs(i) for i in range(fused_mod.MAX_ROUNDS + 3)])
+    assert all(same), same
+    f = fusion()
+    assert f["status"] == "fusion_mismatch" and f["rounds"] == fused_mod.MAX_ROUNDS + 1
+    assert "differed on" in f["detail"] and f["kernels"] == 0
+    verdict = json.loads(next((tmp_path / "fusion").glob("*.json")).read_text())
+    assert verdict["gave_up"] is True
+
+
+def test_autograd_and_dynamic_graphs_are_not_fused_and_say_why():
+    model = block()
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": True, "cache_dir": False})
+    compiled(*inputs(0))  # grad mode on, parameters need grad: an autograd graph
+    assert "autograd graphs are not fused" in fusion()["detail"] and fusion()["status"] == "off"
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=True, options={"fuse": True, "cache_dir": False})
+    with torch.no_grad():
+        compiled(*inputs(0))
+    assert "dynamic shapes" in accounted_graphs()[-1]["fusion"]["detail"]
