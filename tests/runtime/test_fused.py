@@ -22,7 +22,15 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend.runtime import fused as fused_mod
 from graphdispatch_backend.runtime.runner import GraphRunner
-from graphdispatch_backend.testing import accounted_graphs, perturbed
+from graphdispatch_backend.testing import (
+    MLP_OUTPUTS,
+    MLP_SOURCE,
+    Mlp,
+    accounted_graphs,
+    mlp_inputs,
+    perturbed,
+    write_bundle,
+)
 
 MUL = "aten.mul.Tensor"
 MODES = [False, "emulate"]
@@ -189,6 +197,32 @@ def test_gives_up_fusion_when_what_it_learns_does_not_help(tmp_path):
     assert "differed on" in f["detail"] and f["kernels"] == 0
     verdict = json.loads(next((tmp_path / "fusion").glob("*.json")).read_text())
     assert verdict["gave_up"] is True
+
+
+class Wrapped(nn.Module):
+    """Fused ops around an artifact's region: (x * 2 + 1) -> mlp -> * 3 + x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x * 2 + 1) * 3 + x
+
+
+@pytest.mark.parametrize("cuda_graphs", MODES)
+def test_an_artifact_serves_its_region_inside_a_fused_graph(cuda_graphs, tmp_path):
+    write_bundle(tmp_path / "mlp", "mlp-exact", "mlp", mlp_inputs(), MLP_OUTPUTS, MLP_SOURCE)
+    torch.manual_seed(0)
+    model = Wrapped().eval()
+    same = run(model, {"cuda_graphs": cuda_graphs, "artifacts": str(tmp_path), "cache_dir": False},
+               [(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)),) for i in range(5)])
+    assert all(same), same
+    report = graphdispatch_backend.latest_report()
+    assert report["artifacts"]["mlp-exact"]["status"] == "serving"
+    f = fusion()
+    # fused around the artifact's call: one segment before it, one after
+    assert f["status"] == "fused" and f["segments"] == 2 and f["rounds"] == 0
 
 
 def test_autograd_and_dynamic_graphs_are_not_fused_and_say_why():

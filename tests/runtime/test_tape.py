@@ -73,6 +73,30 @@ def test_a_replay_runs_what_was_captured_with_python_values_frozen():
     assert torch.equal(graph.outputs[1], torch.arange(4.0) * 3)
 
 
+def test_an_opaque_call_is_one_step_replayed_on_the_replays_tensors():
+    """Compiled code no dispatch mode sees into (Inductor's kernels, runtime/fused.py): the
+    call is one step of the tape, made again by each replay on the tensors it then holds;
+    the ATen ops it runs inside are not recorded apart."""
+    calls = []
+
+    def kernel(t: torch.Tensor) -> tuple[torch.Tensor]:
+        calls.append(1)
+        return (t * 2 + 1,)
+
+    x = torch.randn(4)
+    graph = _capture(lambda t: (tape_mod.opaque(kernel, (t * 3,))[0] - 1,), x)
+    steps = [step[0] for step in graph._tape.steps]
+    assert steps.count(kernel) == 1 and len(steps) == 3  # mul, the opaque call, sub
+    x.copy_(torch.arange(4.0))
+    graph.replay()
+    assert torch.equal(graph.outputs[0], torch.arange(4.0) * 6) and len(calls) == 2
+
+
+def test_what_a_capture_refuses_is_refused_inside_an_opaque_call():
+    with pytest.raises(CaptureRefused, match="_local_scalar_dense"):
+        _capture(lambda t: tape_mod.opaque(lambda u: (u * float(u.sum()),), (t,)), torch.randn(3))
+
+
 # -- through torch.compile: an artifact that syncs, one that reads a Python value --------------
 
 
