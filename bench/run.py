@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, Target, machine, target_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("overhead", "scaling", "memory", "kv_cache", "compile_time", "recheck", "emulate", "scale")
+BENCHMARKS = ("overhead", "scaling", "memory", "kv_cache", "compile_time", "recheck", "emulate", "scale", "fusion")
 TIMEOUT_S = {"quick": 300, "full": 1800}
 # scale.py's quick run lasts 3-4 minutes while the per-call copies it measures are there
-QUICK_TIMEOUT_S = {"scale": 600}
+QUICK_TIMEOUT_S = {"scale": 600, "fusion": 900}
 
 
 def run_one(name: str, quick: bool) -> tuple[list[Target], float, str | None]:

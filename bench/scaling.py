@@ -123,7 +123,10 @@ class NoReplayEngine:
     def pool_bytes(self) -> int:
         return 0
 
-    def capture(self, fn: Callable[..., Any], args: Any, device: Any = "cpu") -> _NoReplay:
+    def capture(self, fn: Callable[..., Any], args: Any, device: Any = "cpu", warmup: bool = True,
+                rewind: Callable[[], None] | None = None) -> _NoReplay:
+        """The ReplayEngine protocol's capture (runtime/cudagraph/engine.py): one run, no
+        separate warmup run to rewind."""
         with torch.no_grad():
             return _NoReplay(tuple(fn(*args)))
 
