@@ -11,10 +11,17 @@ Method: every variant is compiled in this process (Dynamo reset between models),
 once (the first-call time: compile plus one run; Inductor's on-disk caches as they are,
 or empty with `--cold`), then called on 5 fresh inputs and compared with eager, bit for
 bit (`bitwise`), then 40 times more (past the checks of the first calls, which the
-`recheck` schedule makes every 1024th call in steady state). Per-call time is A/B interleaved (common.interleaved: each repeat runs
-every variant in a fresh shuffled order), median microseconds; ratios are the median of
-per-repeat paired ratios. The fused graph's kernels, the ops Inductor lowered, the ops the
-recipe left to ATen and the ops the graph learned to keep are read from the report.
+`recheck` schedule makes every 1024th call in steady state). Per-call time is A/B
+interleaved (common.interleaved: each repeat runs every variant in a fresh shuffled
+order), median microseconds; ratios are the median of per-repeat paired ratios. The fused
+graph's kernels, the ops Inductor lowered, the ops the recipe left to ATen and the ops the
+graph learned to keep are read from the report.
+
+Learning: the demo (fp32) with one fused op made one ulp off (testing.perturbed,
+`aten.mul.Tensor`), `recheck="every"`: the first call's time (compile, the check that
+catches it, the bisection's compiles and runs), the runs it took, and that every later
+call is bitwise; then the same model compiled again with that verdict cache: its first
+call, and no round.
 
 Targets: on the DiT-like models (demo, LTX, SD3) fused <= 0.9x graphdispatch unfused per
 call, fp32 and bf16; every fused variant bitwise equal to eager on every call.
@@ -37,71 +44,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-
 from common import Target, emit, fmt_us, interleaved, paired_ratio, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
 from graphdispatch_backend.examples import dit
+from graphdispatch_backend.examples.families import FAMILIES, first_tensor
 
 TARGET = 0.9
 DIT_LIKE = ("demo", "ltx", "sd3")
 VARIANTS = ("eager", "aot_eager", "inductor", "graphdispatch", "fused")
 WARM_CALLS = 40
-
-Inputs = Callable[[int, torch.dtype], dict[str, Any]]
-
-
-def _g(i: int) -> torch.Generator:
-    return torch.Generator().manual_seed(i)
-
-
-def demo() -> tuple[torch.nn.Module, Inputs]:
-    return dit.TinyDiT(dit.DiTConfig()), lambda i, dt: {"x": torch.randn(2, 4, 16, 16, generator=_g(i)),
-                                                        "t": torch.full((2,), 999.0 - i)}
-
-
-def ltx() -> tuple[torch.nn.Module, Inputs]:
-    import diffusers
-
-    model = diffusers.LTXVideoTransformer3DModel(
-        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, num_layers=2, caption_channels=16)
-    return model, lambda i, dt: {
-        "hidden_states": torch.randn(1, 32, 8, generator=_g(i)).to(dt),
-        "encoder_hidden_states": torch.randn(1, 5, 16, generator=_g(i + 100)).to(dt), "timestep": torch.tensor([3]),
-        "encoder_attention_mask": torch.ones(1, 5), "num_frames": 2, "height": 4, "width": 4, "return_dict": False}
-
-
-def sd3() -> tuple[torch.nn.Module, Inputs]:
-    import diffusers
-
-    model = diffusers.SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
-        pos_embed_max_size=16)
-    return model, lambda i, dt: {
-        "hidden_states": torch.randn(1, 4, 8, 8, generator=_g(i)).to(dt),
-        "encoder_hidden_states": torch.randn(1, 5, 16, generator=_g(i + 100)).to(dt),
-        "pooled_projections": torch.randn(1, 16, generator=_g(i + 200)).to(dt), "timestep": torch.tensor([3]),
-        "return_dict": False}
-
-
-def llama() -> tuple[torch.nn.Module, Inputs]:
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    return transformers.LlamaModel(cfg), lambda i, dt: {"input_ids": torch.randint(0, 64, (2, 8), generator=_g(i))}
-
-
-MODELS = {"demo": demo, "ltx": ltx, "sd3": sd3, "llama": llama}
-
-
-def _first(out: Any) -> torch.Tensor:
-    while not isinstance(out, torch.Tensor):
-        out = out.to_tuple()[0] if hasattr(out, "to_tuple") else out[0]
-    return out
-
 
 def _compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
     if name == "eager":
@@ -114,14 +66,14 @@ def _compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
 
 def measure(family: str, dtype: torch.dtype, repeats: int, inner: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model, inputs = MODELS[family]()
+    model, inputs = FAMILIES[family]()
     autocast = family == "demo" and dtype == torch.bfloat16  # the demo's users run bf16 under autocast
     model = model.to(torch.float32 if autocast else dtype).eval()
     feed = torch.float32 if autocast else dtype
 
     def under(fn: Callable[..., Any], i: int) -> torch.Tensor:
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            return _first(fn(**inputs(i, feed)))
+            return first_tensor(fn(**inputs(i, feed)))
 
     row: dict[str, Any] = {"model": family, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
     callables: dict[str, Callable[[], Any]] = {}
@@ -154,6 +106,35 @@ def measure(family: str, dtype: torch.dtype, repeats: int, inner: int) -> dict[s
     return row
 
 
+def learning() -> dict[str, Any]:
+    """The demo with a fused op one ulp off: what the call that finds it costs, and a restart."""
+    from unittest import mock
+
+    from graphdispatch_backend.testing import perturbed
+
+    cache = tempfile.mkdtemp(prefix="gd-fusion-verdicts-")
+    torch.manual_seed(0)
+    model = dit.TinyDiT(dit.DiTConfig()).eval()
+    out: dict[str, Any] = {}
+    with mock.patch.object(*perturbed("aten.mul.Tensor")), torch.no_grad():
+        for run in ("first", "restart"):
+            torch._dynamo.reset()
+            graphdispatch_backend.reset()
+            compiled = torch.compile(model, backend="graphdispatch",
+                                     options={"fuse": True, "recheck": "every", "cache_dir": cache})
+            x = [dit.example_inputs(seed=i) for i in range(6)]
+            start = time.perf_counter()
+            same = [torch.equal(compiled(*x[0]), model(*x[0]))]
+            out[f"{run}_call_s"] = time.perf_counter() - start
+            same += [torch.equal(compiled(*a), model(*a)) for a in x[1:]]
+            (f,) = [g["fusion"] for g in graphdispatch_backend.latest_report()["graphs"] if g.get("fusion")]
+            kept = [k for k in f["kept"] if k["why"] != "recipe"]
+            out[run] = {"bitwise": all(same), "rounds": f["rounds"], "kept": [(k["op"], k["why"]) for k in kept],
+                        "runs": int(kept[0]["detail"].rsplit("(", 1)[1].split()[0]) if run == "first" and kept else 0}
+    torch._dynamo.reset()
+    return out
+
+
 def main() -> None:
     args = parse_args(__doc__, lambda p: (p.add_argument("--smoke", action="store_true", help="the demo, fp32"),
                                           p.add_argument("--cold", action="store_true",
@@ -163,9 +144,10 @@ def main() -> None:
     torch.set_num_threads(1)
     raise_dynamo_limits()
     cases = [("demo", torch.float32)] if args.smoke else [
-        (m, dt) for m in MODELS for dt in (torch.float32, torch.bfloat16)]
+        (m, dt) for m in FAMILIES for dt in (torch.float32, torch.bfloat16)]
     repeats, inner = (3, 3) if args.smoke else (9, 5) if args.quick else (21, 10)
     rows = [measure(m, dt, repeats, inner) for m, dt in cases]
+    learned = None if args.smoke else learning()
     header = ["model", "dtype", *(f"{v} us" for v in VARIANTS), "fused/gd", "fused/eager", "inductor/gd",
               "bitwise (aot, ind, gd, fused)", "kernels", "learned"]
     table_rows = [[r["model"], r["dtype"], *(fmt_us(r[f"{v}_us"]) for v in VARIANTS),
@@ -181,10 +163,22 @@ def main() -> None:
         f"{r['model']} {r['dtype']}" for r in rows if not r["fused_bitwise"]) or "all",
         all(r["fused_bitwise"] for r in rows)))
     cache = "cold (an empty Inductor cache)" if args.cold else "as found (Inductor's on-disk caches)"
-    emit("fusion", {"rows": rows, "repeats": repeats, "inner": inner, "caches": cache},
-         [("Per call, CPU, one thread (us, median; ratios paired per repeat)", header, table_rows),
-          (f"First call (compile + one run, seconds; caches {cache})",
-           ["model", "dtype", *VARIANTS[1:]], first)], targets, args)
+    tables = [("Per call, CPU, one thread (us, median; ratios paired per repeat)", header, table_rows),
+              (f"First call (compile + one run, seconds; caches {cache})", ["model", "dtype", *VARIANTS[1:]], first)]
+    if learned is not None:
+        tables.append(("Learning (demo fp32, aten.mul.Tensor one ulp off when fused, recheck='every')",
+                       ["run", "first call s", "runs to isolate", "rounds", "kept", "every call bitwise"],
+                       [[run, f"{learned[f'{run}_call_s']:.1f}", learned[run]["runs"], learned[run]["rounds"],
+                         ", ".join(f"{op} ({why})" for op, why in learned[run]["kept"]),
+                         "yes" if learned[run]["bitwise"] else "NO"] for run in ("first", "restart")]))
+        alone = learned["first"]["kept"] == [("aten.mul.Tensor", "learned")]
+        targets.append(Target("learning: the 1-ulp op found, kept alone, every call bitwise", "yes",
+                              str(learned["first"]["kept"]), alone and learned["first"]["bitwise"]))
+        targets.append(Target("learning: a restart with the verdict cache", "no round, bitwise",
+                              f"rounds {learned['restart']['rounds']}", learned["restart"]["rounds"] == 0
+                              and learned["restart"]["bitwise"]))
+    emit("fusion", {"rows": rows, "repeats": repeats, "inner": inner, "caches": cache, "learning": learned},
+         tables, targets, args)
 
 
 if __name__ == "__main__":

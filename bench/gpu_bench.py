@@ -12,6 +12,9 @@ Variants (same weights, same inputs, `torch.no_grad()`):
   docs ask for loops).
 - `graphdispatch`: backend="graphdispatch", options={"cuda_graphs": True} (warmup,
   capture, bit-for-bit verification against eager, then replay).
+- `graphdispatch fuse=True`: the same with Inductor's fused kernels under the CUDA
+  eager-numerics recipe (Triton, checked bit for bit like any lowering); its report's
+  `fusion` records (kernels, ops kept and why) go to the JSON.
 
 Figures:
 - latency: milliseconds per call, back to back, synchronized before and after each batch
@@ -57,6 +60,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Target, emit, parse_args, raise_dynamo_limits
+
+FUSED = "graphdispatch fuse=True"
 
 SKIP_LINE = "no CUDA device: skipping GPU benchmark"
 FLOOR_SLACK = 1.10
@@ -172,11 +177,15 @@ def main() -> None:
         "eager": (model, nothing),
         "cudagraphs": (torch.compile(model, backend="cudagraphs"), nothing),
         "inductor/reduce-overhead": (torch.compile(model, mode="reduce-overhead"), mark),
+        # compiled before plain graphdispatch, so the report read at the end is plain graphdispatch's
+        FUSED: (torch.compile(model, backend="graphdispatch", options={"cuda_graphs": True, "fuse": True,
+                                                                       "cache_dir": False}), nothing),
         "graphdispatch": (torch.compile(model, backend="graphdispatch",
                                         options={"cuda_graphs": "emulate" if smoke else True}), nothing),
     }
-    if smoke:
-        del variants["inductor/reduce-overhead"]  # a C++ build of minutes on CPU: not a plumbing check
+    if smoke:  # C++ builds of minutes on CPU: not a plumbing check
+        del variants["inductor/reduce-overhead"], variants[FUSED]
+    fusion: list[dict[str, Any]] = []
     import graphdispatch_backend
 
     graphdispatch_backend.reset()
@@ -196,6 +205,8 @@ def main() -> None:
                 del variants[name]
                 continue
             compile_s[name] = time.perf_counter() - start
+            if name == FUSED:
+                fusion = [g.get("fusion") for g in (graphdispatch_backend.latest_report() or {}).get("graphs", [])]
             # progress on stderr: under gpu_check.sh's time limit, a cut run still says how far it got
             print(f"gpu_bench: {name}: compiled and warm in {compile_s[name]:.1f} s", file=sys.stderr, flush=True)
         reference = denoise(model, pool[0][0], device, nothing)
@@ -247,6 +258,11 @@ def main() -> None:
                               totals.get("replays", 0) > 0 and not declines))
     else:
         targets.append(Target("gpu: graphdispatch", "runs", f"failed: {errors.get('graphdispatch')}", False))
+    if FUSED in bitwise:
+        targets.append(Target("gpu: graphdispatch fuse=True bitwise equal to eager", "yes",
+                              "yes" if bitwise[FUSED] else "NO", bitwise[FUSED]))
+        targets.append(Target("gpu: graphdispatch fuse=True vs graphdispatch", "< 1.00x",
+                              f"{lat[FUSED] / gd:.3f}x" if gd else "n/a", lat[FUSED] < gd if gd else None))
     targets.extend(replay_targets)
     emit("gpu_bench_cpu_smoke" if smoke else "gpu_bench", {
         "quick": args.quick,
@@ -255,7 +271,7 @@ def main() -> None:
         "model": {"config": dataclasses.asdict(cfg), "batch": 1},
         "latency_ms": lat, "samples_ms": samples, "floor_ms": floor, "bitwise_equal_to_eager": bitwise,
         "compile_and_warmup_s": compile_s, "errors": errors, "graphdispatch_totals": totals,
-        "graphdispatch_declines": declines,
+        "graphdispatch_declines": declines, "fusion": fusion,
         "replay_path_vs_bare_replay": {s: {str(k): row for k, row in r.items()} for s, r in replay_results.items()},
     }, [(f"GPU latency per call, batch 1, {repeats}x{inner} calls interleaved (median)",
          ["variant", "ms/call", "x floor", "speedup vs eager", "bitwise (4 steps)", "compile+warmup s"], rows),

@@ -1,0 +1,76 @@
+"""Third-party model families from tiny random configs, as a new user builds them (no hub
+downloads), with input makers: the fusion tests and bench/fusion.py share them.
+
+Each builder returns `(model, inputs)`, where `inputs(i, dtype)` makes the keyword arguments
+of call `i` (fresh values per `i`; floating inputs in `dtype`). diffusers and transformers
+are imported when a builder runs (they are test dependencies, not the package's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.examples import dit
+
+Inputs = Callable[[int, torch.dtype], dict[str, Any]]
+Family = Callable[[], tuple[torch.nn.Module, Inputs]]
+
+
+def _g(i: int) -> torch.Generator:
+    return torch.Generator().manual_seed(i)
+
+
+def demo(depth: int = 4) -> tuple[torch.nn.Module, Inputs]:
+    """The built-in TinyDiT (its timestep embedding is fp32: run it bf16 under autocast)."""
+    return dit.TinyDiT(dit.DiTConfig(depth=depth)), lambda i, dt: {
+        "x": torch.randn(2, 4, 16, 16, generator=_g(i)), "t": torch.full((2,), 999.0 - i)}
+
+
+def ltx() -> tuple[torch.nn.Module, Inputs]:
+    """diffusers' LTX-Video transformer: a video DiT."""
+    import diffusers
+
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=2, caption_channels=16)
+    return model, lambda i, dt: {
+        "hidden_states": torch.randn(1, 32, 8, generator=_g(i)).to(dt),
+        "encoder_hidden_states": torch.randn(1, 5, 16, generator=_g(i + 100)).to(dt), "timestep": torch.tensor([3]),
+        "encoder_attention_mask": torch.ones(1, 5), "num_frames": 2, "height": 4, "width": 4, "return_dict": False}
+
+
+def sd3() -> tuple[torch.nn.Module, Inputs]:
+    """diffusers' SD3 transformer: an image DiT with joint attention."""
+    import diffusers
+
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=16)
+    return model, lambda i, dt: {
+        "hidden_states": torch.randn(1, 4, 8, 8, generator=_g(i)).to(dt),
+        "encoder_hidden_states": torch.randn(1, 5, 16, generator=_g(i + 100)).to(dt),
+        "pooled_projections": torch.randn(1, 16, generator=_g(i + 200)).to(dt), "timestep": torch.tensor([3]),
+        "return_dict": False}
+
+
+def llama() -> tuple[torch.nn.Module, Inputs]:
+    """transformers' Llama: an LLM forward over a batch of token ids."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaModel(cfg), lambda i, dt: {"input_ids": torch.randint(0, 64, (2, 8), generator=_g(i))}
+
+
+FAMILIES: dict[str, Family] = {"demo": demo, "ltx": ltx, "sd3": sd3, "llama": llama}
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """A model's first output tensor (through tuples and transformers' output classes)."""
+    while not isinstance(out, torch.Tensor):
+        out = out.to_tuple()[0] if hasattr(out, "to_tuple") else out[0]
+    return out
