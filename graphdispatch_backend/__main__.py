@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the built-in example and compare with eager")
     demo.add_argument("--report-dir", default="gd_out", help="where the report goes (default: gd_out)")
     demo.add_argument("--steps", type=_steps, default=8, help="denoising steps, at least 1 (default: 8)")
+    demo.add_argument("--fuse", action="store_true", help="fuse=True: Inductor's kernels, checked bit for bit")
     arts = sub.add_parser("artifacts", help="verify bundle roots, rehash a bundle, or scaffold one (authors)")
     arts_sub = arts.add_subparsers(dest="action", required=True)
     verify = arts_sub.add_parser("verify", help="print each bundle's verdict")
@@ -56,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from graphdispatch_backend.examples.demo import run
 
-        return run(args.report_dir, args.steps)
+        return run(args.report_dir, args.steps, fuse=args.fuse)
     if args.command == "artifacts":
         if args.action == "scaffold":
             from graphdispatch_backend.artifacts.scaffold import scaffold_command

@@ -1,7 +1,8 @@
 """`python -m graphdispatch_backend demo`: the built-in example, end to end.
 
 Compiles the TinyDiT with the two example bundles (one passes bitwise parity, one fails
-it on purpose), runs a few denoising steps under bf16 autocast next to eager, and prints
+it on purpose; `--fuse`: with fusion), runs a few denoising steps under bf16 autocast next
+to eager, and prints
 what matched, what was demoted or declined and why, the call accounting, and whether the
 compiled output is bitwise equal to eager.
 """
@@ -37,16 +38,17 @@ def stage_bundles(target: Path) -> Path:
     return target
 
 
-def run(report_dir: str = "gd_out", steps: int = 8, cuda_graphs: Any = None) -> int:
+def run(report_dir: str = "gd_out", steps: int = 8, cuda_graphs: Any = None, fuse: bool = False) -> int:
     mode = cuda_graphs if cuda_graphs is not None else ("auto" if torch.cuda.is_available() else "emulate")
     device = "cuda" if torch.cuda.is_available() and mode != "emulate" else "cpu"
-    print(f"graphdispatch demo: TinyDiT, {steps} denoising steps, bf16 autocast on {device}, cuda_graphs={mode!r}")
+    print(f"graphdispatch demo: TinyDiT, {steps} denoising steps, bf16 autocast on {device}, cuda_graphs={mode!r}"
+          + (", fuse=True" if fuse else ""))
     with tempfile.TemporaryDirectory(prefix="gd_bundles_") as tmp:
         roots = stage_bundles(Path(tmp))
         model = make_model().to(device)
         x, _ = example_inputs()
         x = x.to(device)
-        options = {"artifacts": str(roots), "cuda_graphs": mode, "report_dir": report_dir}
+        options = {"artifacts": str(roots), "cuda_graphs": mode, "report_dir": report_dir, "fuse": fuse}
         compiled = torch.compile(model, backend="graphdispatch", options=options)
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
@@ -84,6 +86,14 @@ def _summary(report: dict[str, Any], elapsed: float) -> None:
               f"eager {cg['eager_calls']} {cg['eager_by_reason']}")
         for reason, detail in cg["decline_details"].items():
             print(f"  declined: {reason}: {detail}")
+        fusion = graph.get("fusion")
+        if fusion:
+            learned = [k["op"] for k in fusion.get("kept", []) if k["why"] != "recipe"]
+            recipe = [k["op"] for k in fusion.get("kept", []) if k["why"] == "recipe"]
+            print(f"  fusion: {fusion['status']}" + (f" ({fusion['detail']})" if fusion.get("detail") else "")
+                  + (f", {fusion.get('kernels', 0)} Inductor kernels, {sum(fusion.get('fused_ops', {}).values())} "
+                     f"nodes fused; left to ATen: {len(recipe)} ops by the recipe, "
+                     f"{', '.join(learned) or 'none'} learned" if fusion["status"] == "fused" else ""))
         lowering = graph.get("lowering_check", {})
         print(f"  lowered graph vs eager (Dynamo graph run eagerly, bit for bit): {lowering.get('status')}"
               + (f" ({lowering['detail']})" if lowering.get("detail") else ""))

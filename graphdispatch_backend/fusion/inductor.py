@@ -76,21 +76,21 @@ def _eager_layouts(gm: fx.GraphModule, chosen: set[fx.Node]) -> set[fx.Node]:
     otherwise on another layout (a matmul on a transposed operand, a convolution on another
     memory format). Returns the nodes added (Inductor's own `inductor_force_stride_order`)."""
     force = torch.ops.prims.inductor_force_stride_order.default
-    added: set[fx.Node] = set()
+    pinned: dict[fx.Node, fx.Node] = {}  # one per fused value, however many ATen calls read it
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node in chosen:
+        if node.op != "call_function" or node in chosen or node in pinned.values():
             continue
         for arg in node.all_input_nodes:
             val = arg.meta.get("val")
             if arg not in chosen or not isinstance(val, torch.Tensor) or not is_non_overlapping_and_dense(val):
                 continue  # (an expanded view is handed over as Inductor's view of its input)
-            with gm.graph.inserting_before(node):
-                pinned = gm.graph.call_function(force, (arg, list(val.stride())))
-            pinned.meta = {"val": val}
-            node.replace_input_with(arg, pinned)
-            added.add(pinned)
+            if arg not in pinned:
+                with gm.graph.inserting_after(arg):
+                    pinned[arg] = gm.graph.call_function(force, (arg, list(val.stride())))
+                pinned[arg].meta = {"val": val}
+            node.replace_input_with(arg, pinned[arg])
     gm.recompile()
-    return added
+    return set(pinned.values())
 
 
 def _low_precision(node: fx.Node) -> bool:

@@ -29,14 +29,15 @@ from typing import Any
 import torch.fx as fx
 
 from graphdispatch_backend.errors import Contain, StrictModeError
-from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment
+from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
-from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name
+from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
 from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
 from graphdispatch_backend.runtime.cudagraph.tape import opaque
 from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
 
 MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
+_SERVING = object()  # Fusion.tried: the thread tries nothing, its units run what they serve
 
 Keep = frozenset[str]
 
@@ -72,8 +73,15 @@ class FusedUnit:
 
     def __call__(self, *args: Any) -> Any:
         if Isolation.active and isolating_here():  # runtime/isolate.py: what this thread tries
-            return self._fusion.isolated_forward(self)(*args)
+            return self._isolated()(*args)
         return self._forward(*args)
+
+    def _isolated(self) -> Callable[..., Any]:
+        """On a thread that isolates: the ops it tries kept (`Fusion.trying`), or unfused."""
+        keep = self._fusion.tried()
+        if keep is _SERVING:
+            return self._forward
+        return self.native if keep is None else self.trial(keep)
 
     def build(self, keep: Keep | None) -> tuple[Callable[..., Any], list[CompiledSegment]]:
         """(forward, compiled segments) with `keep` kept as ATen calls; None: unfused."""
@@ -90,6 +98,9 @@ class FusedUnit:
         if found is None:
             found = self._trials[keep] = self.build(keep)[0]
         return found
+
+    def forget_trials(self) -> None:
+        self._trials.clear()
 
 
 class Fusion:
@@ -140,8 +151,11 @@ class Fusion:
             if stored["gave_up"]:
                 self._give_up("the verdict cache says this graph gave up fusion", cached=True)
                 return
-        self._record.update(status="fused", key=self._key, recipe=self.recipe.id,
-                            segments=sum(len(u.segments) for u in self.units))
+        segments = sum(len(u.segments) for u in self.units)
+        if not segments:
+            self._record.update(status="off", detail="no run of the graph holds an op the recipe fuses")
+            return
+        self._record.update(status="fused", key=self._key, recipe=self.recipe.id, segments=segments)
         self._compile(self.keep)
 
     def _compile(self, keep: Keep) -> bool:
@@ -159,12 +173,10 @@ class Fusion:
         return True
 
     # -- isolation (runtime/isolate.py) -------------------------------------------------
-    def isolated_forward(self, unit: FusedUnit) -> Callable[..., Any]:
-        """What `unit` runs on a thread that isolates: the ops it tries, or its ATen graph."""
-        keep = getattr(self._local, "keep", False)
-        if keep is False:
-            return unit._forward
-        return unit.native if keep is None else unit.trial(keep)
+    def tried(self) -> Keep | None | object:
+        """What this thread's units run while it isolates: a keep set, None (unfused), or
+        _SERVING (what they serve)."""
+        return getattr(self._local, "keep", _SERVING)
 
     @contextlib.contextmanager
     def trying(self, keep: Keep | None) -> Iterator[None]:
@@ -173,7 +185,7 @@ class Fusion:
         try:
             yield
         finally:
-            self._local.keep = False
+            self._local.keep = _SERVING
 
     def fused_ops(self) -> list[str]:
         return sorted({op for u in self.units for c in u.compiled for op in c.fused})
@@ -194,7 +206,7 @@ class Fusion:
             return sorted(_minimal(ops, (), ok)), runs[0]
         finally:
             for unit in self.units:
-                unit._trials.clear()
+                unit.forget_trials()
 
     # -- learning -------------------------------------------------------------------------
     def learn(self, culprits: Sequence[str] | None, call: int, detail: str) -> None:
@@ -279,9 +291,6 @@ def _code(segment: fx.GraphModule) -> str:
 
 def _recipe_kept(units: Sequence[FusedUnit], recipe: Recipe) -> list[str]:
     """The ops of the graph's segments the recipe leaves to ATen (by their names)."""
-    from graphdispatch_backend.fusion.inductor import inductor_lowers
-    from graphdispatch_backend.fusion.segments import recipe_allows
-
     names = set()
     for unit in units:
         for segment in unit.segments:

@@ -54,6 +54,19 @@ def test_demo_shows_both_verdicts_and_stays_bitwise_equal(tmp_path, capsys):
     assert graph["calls"] == graph["cuda_graph"]["replays"] + graph["cuda_graph"]["eager_calls"]
 
 
+def test_demo_with_fusion_replays_fused_around_the_artifacts(tmp_path, capsys):
+    """`demo --fuse`: Inductor's kernels between the artifacts' calls, captured (the fused
+    parts are steps of the host model's tape) and replayed, bitwise."""
+    steps = 5
+    assert main(["demo", "--fuse", "--steps", str(steps), "--report-dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert f"bitwise equal to eager on all {steps} steps: YES" in out and "fusion: fused" in out
+    (graph,) = json.loads((tmp_path / "r" / "dispatch.json").read_text())["graphs"]
+    assert graph["fusion"]["status"] == "fused" and graph["fusion"]["kernels"] > 0
+    assert graph["cuda_graph"]["replays"] == steps - 2 and not graph["cuda_graph"]["declines"]
+    assert all(s["replays"] == steps - 2 for s in graph["substitutions"] if s["artifact"] == "block-mlp")
+
+
 @pytest.mark.parametrize("steps, said", [("0", "must be at least 1, got 0"), ("-3", "must be at least 1"),
                                          ("two", "must be an integer, got 'two'")])
 def test_demo_steps_are_validated(capsys, steps, said):

@@ -78,18 +78,25 @@ def test_an_opaque_call_is_one_step_replayed_on_the_replays_tensors():
     call is one step of the tape, made again by each replay on the tensors it then holds;
     the ATen ops it runs inside are not recorded apart."""
     calls = []
+    w = torch.full((4,), 2.0)  # made before the capture: held, as a graph holds a parameter
 
-    def kernel(t: torch.Tensor) -> tuple[torch.Tensor]:
+    def kernel(t: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         calls.append(1)
-        return (t * 2 + 1,)
+        return (t * w + 1,)
+
+    def body(t: torch.Tensor) -> tuple[torch.Tensor]:
+        three = t * 3
+        out = tape_mod.opaque(kernel, (three, w))[0] - 1
+        return (tape_mod.opaque(kernel, (three, w))[0] + out,)  # `three` read after an opaque step
 
     x = torch.randn(4)
-    graph = _capture(lambda t: (tape_mod.opaque(kernel, (t * 3,))[0] - 1,), x)
+    graph = _capture(body, x)
     steps = [step[0] for step in graph._tape.steps]
-    assert steps.count(kernel) == 1 and len(steps) == 3  # mul, the opaque call, sub
+    # mul, opaque, sub, opaque, add: binding the held `w` (its detach()) records no step
+    assert steps.count(kernel) == 2 and len(steps) == 5
     x.copy_(torch.arange(4.0))
     graph.replay()
-    assert torch.equal(graph.outputs[0], torch.arange(4.0) * 6) and len(calls) == 2
+    assert torch.equal(graph.outputs[0], torch.arange(4.0) * 12 + 1) and len(calls) == 4  # 2 recorded, 2 replayed
 
 
 def test_what_a_capture_refuses_is_refused_inside_an_opaque_call():

@@ -154,11 +154,11 @@ class Recorder(TorchDispatchMode):
         self._quiet += 1
         try:
             out = fn(*args)
+            if self._quiet == 1:  # the outermost: binding its arguments (a held tensor's detach()
+                self._append(fn, args, {}, out)  # dispatches through this mode) records nothing more
+                self._measure(out)
         finally:
             self._quiet -= 1
-        if not self._quiet:
-            self._append(fn, args, {}, out)
-            self._measure(out)
         return out
 
     @property
