@@ -222,6 +222,28 @@ def test_speed_gate_timings_are_rendered(capsys, report_dir, tmp_path):
     assert cells[-1] == "gate 1.50x (0.500 vs 0.750 ms)"
 
 
+def test_fused_graphs_are_rendered_with_the_ops_kept_and_why(capsys, report_dir, tmp_path):
+    shutil.copytree(report_dir, tmp_path / "r")
+    path = tmp_path / "r" / "dispatch.json"
+    report = json.loads(path.read_text())
+    report["graphs"][0]["fusion"] = {
+        "status": "fused", "kernels": 7, "aten_calls": 12, "fused_ops": {"aten.add.Tensor": 3, "aten.mul.Tensor": 2},
+        "kept": [{"op": "aten.addmm.default", "why": "recipe"},
+                 {"op": "aten.mul.Tensor", "why": "learned", "at_call": 4, "detail": "bits differ"},
+                 {"op": "aten.div.Tensor", "why": "cache", "at_call": 1, "detail": "bits differ"}],
+        "rounds": 1, "segments": 2, "compile_seconds": 3.5}
+    report["graphs"][1]["fusion"] = {"status": "off", "detail": "dynamic shapes: ..."}
+    path.write_text(json.dumps(report))
+    out = _render(capsys, tmp_path / "r")[1]
+    fusion = _section(out, "Fusion (")
+    assert _row(fusion, "graph_0")[1:5] == ["fused", "7", "5", "12"]
+    assert _row(fusion, "graph_1")[1] == "off"
+    text = "\n".join(_section(out, "Ops kept as ATen calls"))
+    assert "aten.mul.Tensor runs as an ATen call, learned at call 4: bits differ" in text
+    assert "aten.div.Tensor runs as an ATen call, from the verdict cache" in text
+    assert "left to ATen by the recipe: aten.addmm.default" in text and "graph_1: off: dynamic shapes" in text
+
+
 def test_off_timing_says_how_to_turn_it_on(capsys, report_dir, tmp_path):
     shutil.copytree(report_dir, tmp_path / "r")
     (tmp_path / "r" / "timing.json").write_text(json.dumps(

@@ -149,6 +149,26 @@ def test_inductors_tables_are_untouched_and_a_users_inductor_compile_lowers_as_b
     assert torch.equal(before, after) and torch.equal(before, during)
 
 
+def test_keeping_an_op_through_inductors_tables_would_be_seen():
+    """Mutation: the way a recipe is usually applied (`make_fallback(op, override_decomp=True)`)
+    changes Inductor's process-wide tables for every user; the comparison above sees it."""
+    from torch._inductor import decomposition, lowering
+
+    tables = _tables()
+    saved = (dict(lowering.lowerings), set(lowering.fallbacks), dict(decomposition.decompositions))
+    try:
+        lowering.make_fallback(torch.ops.aten.tanh.default, override_decomp=True, warn=False)
+        assert _tables() != tables
+    finally:  # put Inductor back for the rest of this process
+        lowering.lowerings.clear()
+        lowering.lowerings.update(saved[0])
+        lowering.fallbacks.clear()
+        lowering.fallbacks.update(saved[1])
+        decomposition.decompositions.clear()
+        decomposition.decompositions.update(saved[2])
+    assert _tables() == tables
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["host-recipe", "gpu-recipe"])
 def test_each_device_has_its_recipe(device):
     patches = recipe_for(device).patches
