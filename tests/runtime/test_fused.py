@@ -225,6 +225,31 @@ def test_an_artifact_serves_its_region_inside_a_fused_graph(cuda_graphs, tmp_pat
     assert f["status"] == "fused" and f["segments"] == 2 and f["rounds"] == 0
 
 
+class Noisy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2 + 1
+        return (h + torch.rand_like(h)) * 3 - x  # the draw stays outside every captured piece
+
+
+def test_pieces_split_around_a_random_draw_are_fused_one_by_one():
+    model = Noisy()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"fuse": True, "cuda_graphs": "emulate", "cache_dir": False})
+    same = []
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            torch.manual_seed(i)
+            got = compiled(x)
+            torch.manual_seed(i)
+            same.append(torch.equal(got, model(x)))
+    assert all(same), same
+    (graph,) = accounted_graphs()
+    assert [p["capturable"] for p in graph["pieces"]] == [True, False, True]
+    assert graph["fusion"]["segments"] == 2 and graph["fusion"]["status"] == "fused"
+    assert graph["cuda_graph"]["replays"] == 3
+
+
 def test_autograd_and_dynamic_graphs_are_not_fused_and_say_why():
     model = block()
     compiled = torch.compile(model, backend="graphdispatch", options={"fuse": True, "cache_dir": False})
