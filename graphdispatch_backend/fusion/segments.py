@@ -3,8 +3,9 @@
 Inductor lowers ATen ops. It cannot hold an artifact's call (a Python callable behind a
 parity gate), nor should it hold what the runtime keeps out of captured pieces for the same
 reasons (random draws, host reads, data-dependent shapes, effectful ops, collectives:
-passes/split_pieces.py `split_reason`), which reach a graph that is not captured. Those
-nodes stay in the outer graph, in order; each maximal run of other ATen nodes that holds at
+passes/split_pieces.py `split_reason`), which reach a graph that is not captured, nor the
+writes into inputs the graph makes in place (a KV cache's rows). Those nodes stay in the
+outer graph, in order; each maximal run of other ATen nodes that holds at
 least one op the recipe may fuse becomes one segment, called through `make_segment`.
 
 Pure: a graph rewrite, no Inductor, no runtime.
@@ -45,15 +46,22 @@ def op_name(node: fx.Node) -> str:
     return node.meta.get(ORIGIN) or str(node.target)
 
 
+def _writes(target: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
 def _opaque(node: fx.Node, device: str) -> bool:
-    """Stays outside every segment: not an ATen op (an artifact's call, a piece's), or kept
-    out of captured pieces (random draws, host reads, ...)."""
+    """Stays outside every segment: not an ATen op (an artifact's call, a piece's), kept out
+    of captured pieces (random draws, host reads, ...), or a write in place (a cache's rows,
+    passes/reinplace.py): Inductor orders its fused reads of a graph input against an ATen
+    call that writes it otherwise than the graph does (a decode step read the cache after
+    its own write: measured), so writes run between segments, in order."""
     if node.target is operator.getitem:
         src = node.args[0]
         return not isinstance(src, fx.Node) or _opaque(src, device)
     if not isinstance(node.target, torch._ops.OpOverload):
         return True
-    return "gd_substitution" in node.meta or split_reason(node, device) is not None
+    return "gd_substitution" in node.meta or split_reason(node, device) is not None or _writes(node.target)
 
 
 def recipe_allows(node: fx.Node, recipe: Recipe) -> bool:
@@ -64,8 +72,7 @@ def recipe_allows(node: fx.Node, recipe: Recipe) -> bool:
         return False
     if target._opname not in recipe.fusable:
         return False
-    schema = target._schema
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+    if _writes(target):
         return False  # an in-place write (a cache's rows) stays the ATen write
     if target._opname in ("add", "sub", "rsub") and node.kwargs.get("alpha", 1) != 1:
         return False  # eager's a + alpha * b is one fused multiply-add

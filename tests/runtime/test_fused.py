@@ -5,6 +5,7 @@ meanwhile. Each rule has a test that removes it and sees the scenario fail."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphdispatch_backend
+from graphdispatch_backend.fusion import segments as segments_mod
 from graphdispatch_backend.runtime import fused as fused_mod
 from graphdispatch_backend.runtime.runner import GraphRunner
 from graphdispatch_backend.testing import (
@@ -248,6 +250,52 @@ def test_pieces_split_around_a_random_draw_are_fused_one_by_one():
     assert [p["capturable"] for p in graph["pieces"]] == [True, False, True]
     assert graph["fusion"]["segments"] == 2 and graph["fusion"]["status"] == "fused"
     assert graph["cuda_graph"]["replays"] == 3
+
+
+class Counter(nn.Module):
+    """A static cache and its position, as transformers' decode step keeps them: the
+    position is read, then advanced in place, then the row written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(16, 8))
+        self.register_buffer("pos", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        at = torch.arange(1) + self.pos
+        self.pos.add_(1)
+        self.cache.index_copy_(0, at, x * 2 + 1)
+        return self.cache * 3
+
+
+def _decode(patch: Any = None) -> tuple[list[bool], dict[str, Any]]:
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    model, ref = Counter().eval(), Counter().eval()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"fuse": True, "cuda_graphs": False, "cache_dir": False, "recheck": "every"})
+    same = []
+    with torch.no_grad(), patch or contextlib.nullcontext():
+        for i in range(4):
+            x = torch.randn(1, 8, generator=torch.Generator().manual_seed(i))
+            same.append(torch.equal(compiled(x), ref(x)) and torch.equal(model.cache, ref.cache))
+    (graph,) = accounted_graphs()
+    return same, graph
+
+
+def test_writes_in_place_run_between_the_fused_parts_in_order():
+    same, graph = _decode()
+    assert all(same) and graph["lowering_check"]["status"] == "bitwise"
+    assert graph["fusion"]["rounds"] == 0 and graph["fusion"]["segments"] == 3
+    assert [w["in_place"] for w in graph["input_writes"]] == [True, True]
+
+
+def test_without_it_a_fused_read_of_the_position_follows_its_write():
+    """Mutation: the writes inside the fused graph, as ATen calls there. Inductor realizes a
+    fused value where its first ATen user needs it, after the position's `add_`: the row
+    goes to the next position, outside what the check snapshots and puts back."""
+    same, graph = _decode(mock.patch.object(segments_mod, "_writes", lambda target: False))
+    assert not all(same) or graph["lowering_check"]["status"] != "bitwise"
 
 
 def test_autograd_and_dynamic_graphs_are_not_fused_and_say_why():
