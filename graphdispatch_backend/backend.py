@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
+from graphdispatch_backend.codegen import generated_forward
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import (
     Contain,
@@ -84,14 +84,6 @@ def _static(gm: fx.GraphModule) -> bool:
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
             return False
     return True
-
-
-def generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
-    """`gm`'s generated forward. A lazily recompiled GraphModule (what aot and Dynamo hand
-    over) has a stub `forward` until its first call, and the stub calls the module through
-    nn.Module's call machinery on every call (microseconds): compile it now, take the real one."""
-    _LazyGraphModule.force_recompile(gm)
-    return gm.forward
 
 
 def make_contain(strict: bool) -> Contain:

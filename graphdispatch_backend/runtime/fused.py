@@ -26,8 +26,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
+from graphdispatch_backend.codegen import entry
 from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
@@ -43,10 +45,13 @@ Keep = frozenset[str]
 
 
 def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callable[..., Any]:
-    """`outer`'s forward with each segment call bound to its compiled code."""
+    """`outer`'s forward with each segment call bound to its compiled code (and the ATen
+    calls between segments to their C++ entries, as codegen.py binds every graph's)."""
     gm = fx.GraphModule(outer, copy.deepcopy(outer.graph))
     for node in gm.graph.nodes:
-        if SEGMENT_META in node.meta:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            node.target = entry(node.target)
+        elif SEGMENT_META in node.meta:
             run = compiled[node.meta[SEGMENT_META]].run
 
             def segment(*args: Any, _run: Callable[..., Any] = run) -> Any:
