@@ -71,6 +71,10 @@ class CudaGraphStats:
     # replays the runner's hot path answered (runtime/runner/hot.py): each is also a call of
     # the graph, counted here rather than on the record (no record lock per replay)
     hot_replays: int = 0
+    # captures made for held inputs that only moved (a new cache per request), and captures
+    # parked for other addresses (a rotation of caches): runtime/runner/relocate.py
+    relocations: int = 0
+    parked: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def replayed(self) -> None:
@@ -103,6 +107,8 @@ class CudaGraphStats:
                 "evictions": self.evictions,
                 "live_captures": self.live_captures,
                 "copy_bytes": self.copy_bytes,
+                "relocations": self.relocations,
+                "parked": self.parked,
             }
 
 
@@ -240,6 +246,7 @@ class GraphRecord:
             "reason": self.cuda_graph_reason,
             "captures": sum(s["captures"] for s in pieces),
             "recaptures": sum(s["recaptures"] for s in pieces),
+            "relocations": sum(s["relocations"] for s in pieces),
             "replays": replays,
             "eager_calls": eager_calls,
             "eager_by_reason": eager_by_reason,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,6 +85,9 @@ class Entry:
     skip_reason: Decline = Decline.OUT_OF_MEMORY  # what those calls are counted as
     quick_moves: int = 0  # an input never copied whole moved before REPIN_AFTER replays, times in a row
     reason: Decline | None = None
+    # captures of this entry for other addresses of its held inputs (runner/relocate.py), by
+    # those addresses, least recently used first
+    parked: OrderedDict[tuple[int, ...], Any] = dataclasses.field(default_factory=OrderedDict)
 
     @property
     def copy_bytes(self) -> int:
@@ -93,6 +97,9 @@ class Entry:
         return self.inputs.bytes_in + self.inputs.bytes_back + self.outputs.bytes_out
 
     def release(self) -> None:
+        for parked in self.parked.values():
+            parked.release()
+        self.parked.clear()
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.static_args, self.moving, self.identity, self.last_inputs = None, [], (), None, None

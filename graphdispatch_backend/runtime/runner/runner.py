@@ -41,12 +41,23 @@ from graphdispatch_backend.runtime.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.keys import layout_key
+from graphdispatch_backend.runtime.runner import transitions
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.hints import CHURN_CALLS, churn_detail
 from graphdispatch_backend.runtime.runner.hot import Hot, HotPath, hot_of, in_place
 from graphdispatch_backend.runtime.runner.publish import NOT_DISTINCT_LIMIT, Publish
 from graphdispatch_backend.runtime.runner.record import record
+from graphdispatch_backend.runtime.runner.relocate import (
+    alignment,
+    held_key,
+    keep,
+    observe,
+    only_held_moved,
+    park,
+    take,
+    unpark,
+)
 from graphdispatch_backend.runtime.runner.scope import RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
 from graphdispatch_backend.runtime.runner.transitions import Transitions
@@ -98,6 +109,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._guarded = guarded  # inputs come through Dynamo's guards (sizes, strides)
         self._static_shapes = static_shapes
         self._device = scope.device(device)
+        self._align = alignment(torch.device(device) if not isinstance(device, torch.device) else device)
         self._streams = self._device.streams
         self._acquire, self._release = self._device.lock.acquire, self._device.lock.release
         self._book = EntryBook(max_captures, self._device.lock, self._report)
@@ -323,9 +335,51 @@ class GraphRunner(HotPath, Publish, Transitions):
         try:
             if entry.state is not State.VERIFIED:  # another thread already handled it
                 return self._eager(args, problem[0])
+            if problem[0] is Decline.PINNED_INPUT_MOVED:
+                out = self._relocate(entry, args)
+                if out is not None:
+                    return out
             return self._mismatch(entry, args, *problem)
         finally:
             self._lock.release()
+
+    def _relocate(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any] | None:
+        """Only held inputs moved (runner/relocate.py): the capture parked for their new
+        addresses, or one made now as the verified one was; a replay answers. None: not a
+        relocation, or its capture failed (the usual paths decide)."""
+        moved = {p for p, ptr in zip(entry.pinned, entry.ptrs) if p not in self._state and _data_ptr(args[p]) != ptr}
+        held = transitions.never_moving(moved, args, self._writes.positions)
+        if not moved or held != moved or self._gates_changed(entry):
+            return None
+        entry.held |= held
+        if not only_held_moved(entry, args, list(self._state), self._align):
+            return None
+        key = held_key(entry, args)
+        with self._device.lock:  # no replay of it may be running while it is taken off
+            old_key, pinned, moving = held_key(entry, entry.static_args), entry.pinned, [p for p, _ in entry.moving]
+            old = park(entry)
+            found = take(entry.parked, key)
+            if found is not None:
+                unpark(entry, found, args)
+        if found is None:
+            observe(entry, args, moving)
+            try:
+                self._capture(entry, args)
+            except CudaGraphUnavailable:
+                entry.state = State.WARMING  # the usual paths re-capture it, or decline
+                old.release()
+                return None
+            if entry.pinned != pinned:  # not the verified classification: verify it as any capture
+                old.release()
+                return None
+            entry.state, entry.verified, entry.last_inputs = State.VERIFIED, self._verify_inputs, None
+            with self._stats.lock:
+                self._stats.relocations += 1
+        with self._device.lock:
+            keep(entry.parked, old_key, old, self._book.max_captures - 1)
+            self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
+        self._set_state()
+        return self._replay(entry, args)
 
     def _replay_failed(self, entry: Entry, args: Sequence[Any], exc: BaseException) -> Sequence[Any]:
         """A verified graph raised on replay: an allocation failure is transient (this call

@@ -1,0 +1,147 @@
+"""Relocation: a verified graph whose held inputs only moved is the same graph at another address.
+
+A server makes a KV cache per request (transformers' `generate` does by default) or
+rotates a few (one per slot). The decode step's graph holds the cache in place (an input
+it writes, or one marked `mark_static_address`, is never copied whole: runner/transitions.py),
+so a new cache is a new address, and a capture reads addresses. What changed is the
+address and nothing else: same shapes, strides, dtypes, storage offsets, parameters, and
+the same alignment class (ALIGNMENT), so the kernels a capture records are the ones the
+verified capture recorded, reading other memory. So:
+
+- the capture made for those addresses is kept beside the entry (`Parked`), at most
+  `max_captures` per entry, the least recently used released first, and one whose held
+  inputs the caller has dropped (a weak reference to each) released as soon as it is seen;
+- a call whose held inputs are where a parked capture reads them swaps it in and replays:
+  a rotation of caches replays without capturing again;
+- a call with new addresses captures at once, with the classification the verified entry
+  had (the same pinned and moving inputs), and replays to answer: the graph runs as many
+  times as a capture runs it (the host model: its warmup run and its recording; CUDA: its
+  side-stream warmup), plus the replay. No warmup calls, no verification again: it was
+  verified at the first addresses, the same kernels on the same layouts and alignment class
+  were recorded. The `recheck` schedule of the shape key goes on (runtime/eager_check.py
+  checks the served call, replayed or not).
+
+ALIGNMENT: kernels choose by address, so relocation requires the same address modulo it.
+On CUDA, ATen's cuBLASLt calls pass each operand's alignment to the algorithm heuristics,
+computed as the largest power of two up to 256 bytes dividing the address
+(`_getAlignment` in ATen/cuda/CUDABlas.cpp), and cuDNN and Triton kernels pick vector
+widths from alignments up to 16 bytes: 256 covers both (the caching allocator hands out
+512-byte aligned blocks, so fresh caches of one size share their class). On the CPU,
+oneDNN and MKL pick paths from cache-line alignment: 64 bytes, c10's CPU allocator's own.
+Anything else that moved (a parameter, an input the entry copies) takes the usual paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphdispatch_backend.runtime.contract import layout_identity
+from graphdispatch_backend.runtime.runner.entry import Entry
+
+ALIGNMENT = {"cuda": 256, "cpu": 64}
+_data_ptr = torch.Tensor.data_ptr
+
+
+def alignment(device: torch.device) -> int:
+    return ALIGNMENT.get(device.type, 256)
+
+
+@dataclasses.dataclass(eq=False)
+class Parked:
+    """One capture of an entry for other held addresses, off duty."""
+
+    graph: Any
+    moving: tuple[tuple[int, torch.Tensor], ...]
+    inputs: Any
+    outputs: Any
+    ptrs: list[int]
+    identity: Any
+    held: list[weakref.ref[torch.Tensor]]  # the held inputs it reads, as the caller passed them
+
+    @property
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.held)
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.inputs = self.outputs = None
+
+
+def only_held_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: int) -> bool:
+    """Whether the pinned inputs that are not where the entry reads them are all held
+    inputs, at another address of the same alignment class, with the same layout; and no
+    parameter moved."""
+    first = entry.observations[0] if entry.observations else ()
+    moved = False
+    for pos, ptr in zip(entry.pinned, entry.ptrs):
+        t = args[pos]
+        now = _data_ptr(t)
+        if now == ptr:
+            continue
+        if pos in state or pos not in entry.held or now % align != ptr % align:
+            return False
+        seen = first[pos] if pos < len(first) else None
+        if seen is None or layout_identity(t)[1:] != seen[1:]:
+            return False
+        moved = True
+    return moved
+
+
+def held_key(entry: Entry, args: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(_data_ptr(args[p]) for p in sorted(entry.held))
+
+
+def park(entry: Entry) -> Parked:
+    """The entry's capture, taken off it (the entry holds no capture until one is put back)."""
+    held = [weakref.ref(entry.static_args[p]) for p in sorted(entry.held)]
+    parked = Parked(entry.graph, entry.moving, entry.inputs, entry.outputs, entry.ptrs, entry.identity, held)
+    entry.graph, entry.static_args, entry.inputs, entry.outputs = None, [], None, None
+    return parked
+
+
+def unpark(entry: Entry, parked: Parked, args: Sequence[Any]) -> None:
+    entry.graph, entry.moving, entry.inputs, entry.outputs = parked.graph, parked.moving, parked.inputs, parked.outputs
+    entry.ptrs, entry.identity, entry.static_args = parked.ptrs, parked.identity, list(args)
+
+
+def keep(shelf: OrderedDict[tuple[int, ...], Parked], key: tuple[int, ...], parked: Parked, most: int) -> None:
+    """Shelve `parked` under its held addresses, most recently used last; release the
+    captures whose held inputs are gone and, past `most`, the least recently used."""
+    for k in [k for k, p in shelf.items() if not p.alive]:
+        shelf.pop(k).release()
+    if parked.alive and most > 0:
+        shelf[key] = parked
+        shelf.move_to_end(key)
+    else:
+        parked.release()
+    while len(shelf) > most:
+        shelf.popitem(last=False)[1].release()
+
+
+def take(shelf: OrderedDict[tuple[int, ...], Parked], key: tuple[int, ...]) -> Parked | None:
+    """The parked capture for these held addresses, if its held inputs are the caller's."""
+    parked = shelf.pop(key, None)
+    if parked is not None and not parked.alive:
+        parked.release()
+        return None
+    return parked
+
+
+def observe(entry: Entry, args: Sequence[Any], moving: Sequence[int]) -> None:
+    """Make the entry's next capture classify its inputs as its verified one did: every
+    tensor seen once, stable where it is, the moving ones forced moving."""
+    entry.observations = [tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args)]
+    entry.first_storages = [StorageWeakRef(a.untyped_storage()) if isinstance(a, torch.Tensor) else None
+                            for a in args]
+    entry.forced_moving |= set(moving)
+
+
+Capture = Callable[[Entry, Sequence[Any]], None]
