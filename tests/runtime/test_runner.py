@@ -574,6 +574,61 @@ def test_a_transformers_sliding_window_cache_generate_captures_and_replays():
     assert report["totals"]["replays"] > 0
 
 
+def _llama(cache_len: int = 64) -> tuple[Any, Any, torch.Tensor, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=cache_len,
+                                      attn_implementation="eager", bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", max_cache_len=cache_len,
+              pad_token_id=0, disable_compile=True)
+    return transformers, model, prompt, kw
+
+
+def _decode(report: dict[str, Any]) -> dict[str, Any]:
+    return max(report["graphs"], key=lambda g: g["calls"])
+
+
+def test_short_transformers_requests_with_a_new_cache_each_replay_after_the_first():
+    """`generate` with 4 new tokens, a new StaticCache per request (transformers' default):
+    every decode call after the first request replays or is the call that captures."""
+    _, model, prompt, kw = _llama()
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
+                                      dynamic=False)
+        for _ in range(6):
+            assert torch.equal(model.generate(prompt, **kw), ref)
+    report = graphdispatch_backend.latest_report()
+    assert_report_accounted(report)
+    decode = _decode(report)["cuda_graph"]
+    assert decode["eager_calls"] == 2 and decode["replays"] == 6 * 3 - 2  # the first request: warmup, capture
+    assert decode["relocations"] == 5 and not decode["declines"]
+
+
+def test_a_rotation_of_transformers_caches_replays_without_capturing_after_the_first_round():
+    transformers, model, prompt, kw = _llama()
+    kw.pop("cache_implementation")
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=64) for _ in range(4)]
+    with torch.no_grad():
+        ref = model.generate(prompt, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=64),
+                             **kw)
+        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
+                                      dynamic=False)
+        for rnd in range(3):
+            for cache in caches:
+                cache.reset()
+                assert torch.equal(model.generate(prompt, past_key_values=cache, **kw), ref)
+            if rnd == 0:
+                captures = _decode(graphdispatch_backend.latest_report())["cuda_graph"]["captures"]
+    decode = _decode(graphdispatch_backend.latest_report())["cuda_graph"]
+    assert decode["captures"] == captures and decode["replays"] == 12 * 3 - 2 and not decode["declines"]
+
+
 def test_several_pinned_inputs_moving_at_once_are_demoted_together():
     def four(a, b, c, d):
         return (a + b * c - d,)
