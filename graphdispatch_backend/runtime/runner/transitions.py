@@ -17,7 +17,8 @@
   a few tokens, each with a new cache) the entry first answers 2, 4, 8, ... calls
   eagerly, counted `pinned_input_moved`, so re-captures stay rare against its calls. (An
   activation the piece writes moves during warmup already: it is moving from its first
-  capture, copied at an activation's size.)
+  capture, copied at an activation's size.) A verified entry whose held inputs only moved
+  never gets here: it relocates (runner/relocate.py, GraphRunner._relocate).
 - An artifact demoted after capture (its kernels are in the graph) re-captures, at most
   MAX_RECAPTURES times.
 - An allocation failure backs off: the entry answers 2, 4, 8, ... calls eagerly, then
