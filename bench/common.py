@@ -9,6 +9,12 @@
   unrolled with a `torch._dynamo.graph_break()` after every block.
 - `Target` and `emit(...)`: every script ends by printing a table and its JSON, and by
   writing `bench/results/<name>.json`; `run.py` reads the `targets` list from there.
+- `parse_args(...)`: the options every script takes. `--smoke` is the CI mode: tiny sizes
+  and repeats, seconds, every section and variant of the script run once; its figures are
+  meaningless, so `emit` leaves every target unjudged (`met` None, the verdict it would
+  have had in the note) and writes to `bench/results/smoke/<name>.json`, leaving a real
+  run's results alone. An error a full run records as a result (a variant that failed to
+  compile, a child process that crashed) fails a smoke run instead (`fail_on_errors`).
 """
 
 from __future__ import annotations
@@ -206,17 +212,40 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     parser.add_argument("--quick", action="store_true", help="fewer repeats (noisier), for run.py --quick")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON")
     parser.add_argument("--table-only", action="store_true", help="print the tables, not the JSON (still written)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes and repeats, seconds: the script's plumbing, not figures (CI)")
     if extra is not None:
         extra(parser)
     return parser.parse_args()
 
 
+def results_dir(smoke: bool) -> Path:
+    """Where a run's JSON goes: bench/results/, or bench/results/smoke/ for a smoke run."""
+    return RESULTS / "smoke" if smoke else RESULTS
+
+
+def unjudged(targets: Sequence[Target]) -> list[Target]:
+    """The targets of a smoke run: figures of tiny sizes judge nothing (`met` None); what the
+    verdict would have been stays in the note."""
+    out = []
+    for t in targets:
+        said = f"smoke, not judged (would be {verdict(t.met)})" if t.met is not None else "smoke"
+        out.append(dataclasses.replace(t, met=None, note=f"{said}; {t.note}" if t.note else said))
+    return out
+
+
 def emit(name: str, payload: dict[str, Any], tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[Any]]]],
          targets: Sequence[Target], args: argparse.Namespace) -> None:
-    """Print the tables, the targets and the JSON (as `args` say); write bench/results/<name>.json."""
-    payload = {"benchmark": name, "machine": machine(), **payload, "targets": [t.to_dict() for t in targets]}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """Print the tables, the targets and the JSON (as `args` say); write bench/results/<name>.json
+    (with `--smoke`: bench/results/smoke/<name>.json, every target unjudged)."""
+    smoke = bool(getattr(args, "smoke", False))
+    if smoke:
+        targets = unjudged(targets)
+    payload = {"benchmark": name, "machine": machine(), "smoke": smoke, **payload,
+               "targets": [t.to_dict() for t in targets]}
+    folder = results_dir(smoke)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n", "utf-8")
     os.replace(tmp, path)
@@ -232,6 +261,15 @@ def emit(name: str, payload: dict[str, Any], tables: Sequence[tuple[str, Sequenc
     else:
         print(json.dumps(payload, indent=2, default=str))
     sys.stdout.flush()
+
+
+def fail_on_errors(args: argparse.Namespace, errors: Sequence[str]) -> None:
+    """After `emit`: in a smoke run, an error that a full run records as a result (a peer
+    that failed to compile, a crashed child process) ends the script with exit 1, since
+    catching such breakage is what a smoke run is for. Outside smoke runs: nothing."""
+    if getattr(args, "smoke", False) and errors:
+        print("smoke run: errors recorded as results:", *(f"  {e}" for e in errors), sep="\n", file=sys.stderr)
+        sys.exit(1)
 
 
 def target_table(targets: Sequence[Target]) -> str:

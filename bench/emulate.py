@@ -13,6 +13,9 @@ whole with `backend="graphdispatch", options={"cuda_graphs": "emulate"}`, under
 Figure: microseconds per call (median over repeats) and each variant's paired ratio to
 eager. Every output is compared with eager bit for bit (a mismatch: exit 1). No target:
 emulation is a CPU model, not a product path; the figure says what CI pays for it.
+
+`--smoke` (CI): every variant on a 2-block stack, 3 repeats of 5 calls: the script's
+plumbing, no figure.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import graphdispatch_backend
 from graphdispatch_backend.runtime.cudagraph import tape as tape_mod
 
 _PYTHON = [False]  # the `emulate (python)` variant is running
+DEPTH, SMOKE_DEPTH, DIM, BATCH = 8, 2, 64, 8
 
 
 def _patch() -> None:
@@ -55,13 +59,15 @@ def _patch() -> None:
 def main() -> None:
     args = parse_args(__doc__)
     raise_dynamo_limits()
+    torch.set_num_threads(1)  # as every CPU benchmark (bench/README.md): two threads on a busy 2-core guest spin
     _patch()
-    model = block_stack(depth=8, dim=64)
-    x = torch.randn(8, 64)
+    depth = SMOKE_DEPTH if args.smoke else DEPTH
+    model = block_stack(depth=depth, dim=DIM)
+    x = torch.randn(BATCH, DIM)
     compiled = {
-        "emulate (tape)": torch.compile(block_stack(depth=8, dim=64), backend="graphdispatch",
+        "emulate (tape)": torch.compile(block_stack(depth=depth, dim=DIM), backend="graphdispatch",
                                         options={"cuda_graphs": "emulate"}),
-        "cuda_graphs=False": torch.compile(block_stack(depth=8, dim=64), backend="graphdispatch",
+        "cuda_graphs=False": torch.compile(block_stack(depth=depth, dim=DIM), backend="graphdispatch",
                                            options={"cuda_graphs": False}),
     }
     with torch.no_grad():
@@ -85,10 +91,11 @@ def main() -> None:
 
         variants = {"eager": lambda: model(x), "emulate (tape)": lambda: compiled["emulate (tape)"](x),
                     "emulate (python)": python_replay, "cuda_graphs=False": lambda: compiled["cuda_graphs=False"](x)}
-        res = interleaved(variants, repeats=5 if args.quick else 15, inner=50 if args.quick else 200,
-                          baseline="eager")
+        repeats, inner = (3, 5) if args.smoke else (5, 50) if args.quick else (15, 200)
+        res = interleaved(variants, repeats=repeats, inner=inner, baseline="eager")
     rows = [[name, f"{r['median_us']:.1f}", f"{r['ratio']:.2f}x"] for name, r in res.items()]
-    payload = {"model": "block_stack depth 8 dim 64 batch 8", "replays_before_timing": replays, "bitwise": ok,
+    payload = {"model": f"block_stack depth {depth} dim {DIM} batch {BATCH}", "replays_before_timing": replays,
+               "bitwise": ok,
                "results": {n: {k: v for k, v in r.items() if k != "samples_us"} for n, r in res.items()}}
     emit("emulate", payload, [("emulated replay: us per call (median), paired ratio to eager",
                                ["variant", "us/call", "vs eager"], rows)], [], args)

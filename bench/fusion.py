@@ -64,7 +64,8 @@ def _compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
     return torch.compile(model, backend="graphdispatch", options=options)
 
 
-def measure(family: str, dtype: torch.dtype, repeats: int, inner: int) -> dict[str, Any]:
+def measure(family: str, dtype: torch.dtype, repeats: int, inner: int,
+            variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     torch.manual_seed(0)
     model, inputs = FAMILIES[family]()
     autocast = family == "demo" and dtype == torch.bfloat16  # the demo's users run bf16 under autocast
@@ -77,7 +78,7 @@ def measure(family: str, dtype: torch.dtype, repeats: int, inner: int) -> dict[s
 
     row: dict[str, Any] = {"model": family, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
     callables: dict[str, Callable[[], Any]] = {}
-    for name in VARIANTS:
+    for name in variants:
         torch._dynamo.reset()
         graphdispatch_backend.reset()
         fn = _compiled(name, model)
@@ -98,10 +99,13 @@ def measure(family: str, dtype: torch.dtype, repeats: int, inner: int) -> dict[s
             callables[name]()
     times = interleaved(callables, repeats=repeats, inner=inner, baseline="graphdispatch")
     for name in VARIANTS:
-        row[f"{name}_us"] = times[name]["median_us"]
+        row[f"{name}_us"] = times[name]["median_us"] if name in times else float("nan")
+        row.setdefault(f"{name}_bitwise", False)
+        row.setdefault(f"{name}_first_s", float("nan"))
     row["fused_vs_graphdispatch"] = paired_ratio(times, "fused", "graphdispatch")
     row["fused_vs_eager"] = paired_ratio(times, "fused", "eager")
-    row["inductor_vs_graphdispatch"] = paired_ratio(times, "inductor", "graphdispatch")
+    row["inductor_vs_graphdispatch"] = (paired_ratio(times, "inductor", "graphdispatch") if "inductor" in times
+                                        else float("nan"))
     torch._dynamo.reset()
     return row
 
@@ -136,9 +140,8 @@ def learning() -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args(__doc__, lambda p: (p.add_argument("--smoke", action="store_true", help="the demo, fp32"),
-                                          p.add_argument("--cold", action="store_true",
-                                                         help="Inductor's caches empty (a temp folder)")))
+    args = parse_args(__doc__, lambda p: p.add_argument("--cold", action="store_true",
+                                                        help="Inductor's caches empty (a temp folder)"))
     if args.cold:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gd-fusion-bench-")
     torch.set_num_threads(1)
@@ -146,7 +149,9 @@ def main() -> None:
     cases = [("demo", torch.float32)] if args.smoke else [
         (m, dt) for m in FAMILIES for dt in (torch.float32, torch.bfloat16)]
     repeats, inner = (3, 3) if args.smoke else (9, 5) if args.quick else (21, 10)
-    rows = [measure(m, dt, repeats, inner) for m, dt in cases]
+    # smoke: no default Inductor (a C++ build of half a minute on a fresh machine: figures, not plumbing)
+    variants = tuple(v for v in VARIANTS if v != "inductor") if args.smoke else VARIANTS
+    rows = [measure(m, dt, repeats, inner, variants) for m, dt in cases]
     learned = None if args.smoke else learning()
     header = ["model", "dtype", *(f"{v} us" for v in VARIANTS), "fused/gd", "fused/eager", "inductor/gd",
               "bitwise (aot, ind, gd, fused)", "kernels", "learned"]

@@ -42,7 +42,9 @@ Target: <= 1.3x the floor at 256 and 1024 inputs.
 Budget: well under 5 minutes on an H200 (inductor's compile dominates).
 
 `--cpu-smoke` runs the same plumbing on CPU in seconds (graphdispatch in emulate mode,
-no inductor, no floor): a check of this script on a machine without a GPU, not a figure.
+no inductor, no floor, depth 4, one thread): a check of this script on a machine without
+a GPU, not a figure. `--smoke` (the flag every benchmark takes) is the same here; its JSON
+goes to `bench/results/smoke/gpu_bench_cpu_smoke.json`, every target unjudged.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Target, emit, parse_args, raise_dynamo_limits
+from common import Target, emit, fail_on_errors, parse_args, raise_dynamo_limits
 
 FUSED = "graphdispatch fuse=True"
 
@@ -67,6 +69,7 @@ SKIP_LINE = "no CUDA device: skipping GPU benchmark"
 FLOOR_SLACK = 1.10
 STEPS = 4
 REPLAY_NODES = 1  # graph nodes of the replay-path measurement: device work under the host's
+DEPTH, SMOKE_DEPTH = 28, 4
 
 
 def replay_floor(device: torch.device, smoke: bool, quick: bool) -> tuple[dict[str, Any], list[Target], Any]:
@@ -105,10 +108,10 @@ def replay_floor(device: torch.device, smoke: bool, quick: bool) -> tuple[dict[s
     return results, targets, table
 
 
-def make(device: torch.device) -> tuple[torch.nn.Module, Any]:
+def make(device: torch.device, depth: int = DEPTH) -> tuple[torch.nn.Module, Any]:
     from graphdispatch_backend.examples import dit
 
-    cfg = dit.DiTConfig(image_size=16, patch=2, in_channels=4, dim=32, heads=2, depth=28, mlp_ratio=4, freq_dim=32)
+    cfg = dit.DiTConfig(image_size=16, patch=2, in_channels=4, dim=32, heads=2, depth=depth, mlp_ratio=4, freq_dim=32)
     return dit.make_model(seed=0, cfg=cfg).to(device), cfg
 
 
@@ -160,16 +163,18 @@ def device_floor_ms(model: torch.nn.Module, pool: list[tuple[torch.Tensor, torch
 
 def main() -> None:
     args = parse_args(__doc__ or "", lambda p: p.add_argument(
-        "--cpu-smoke", action="store_true", help="check the plumbing on CPU (no figures)"))
-    smoke = args.cpu_smoke
+        "--cpu-smoke", action="store_true", help="check the plumbing on CPU (no figures); --smoke: the same"))
+    smoke = args.smoke = args.cpu_smoke or args.smoke
     if not torch.cuda.is_available() and not smoke:
         print(SKIP_LINE)
         return
     raise_dynamo_limits()
+    if smoke:
+        torch.set_num_threads(1)  # two threads on a busy 2-core machine spin
     device = torch.device("cpu" if smoke else "cuda")
     replay_results, replay_targets, replay_table = replay_floor(device, smoke, args.quick)
     repeats, inner = (3, 2) if smoke else (10, 20) if args.quick else (25, 50)
-    model, cfg = make(device)
+    model, cfg = make(device, SMOKE_DEPTH if smoke else DEPTH)
     pool = inputs(cfg, device, 8)
     nothing: Callable[[], None] = lambda: None
     mark = getattr(torch.compiler, "cudagraph_mark_step_begin", nothing)
@@ -277,6 +282,7 @@ def main() -> None:
          ["variant", "ms/call", "x floor", "speedup vs eager", "bitwise (4 steps)", "compile+warmup s"], rows),
         replay_table],
         targets, args)
+    fail_on_errors(args, [f"{name}: {err}" for name, err in errors.items()])
 
 
 if __name__ == "__main__":

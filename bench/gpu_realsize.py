@@ -49,8 +49,9 @@ than an out-of-memory error. Budget: about 1-2 minutes on an H200.
 
 Without CUDA it prints "no CUDA device: skipping" and exits 0. `--cpu-smoke` runs the same
 plumbing on CPU at a tiny size (dim 64, 4 heads, 512 tokens) with `cuda_graphs="emulate"`,
-in seconds: a check of this script, not a figure. Results:
-`bench/results/gpu_realsize.json` (`gpu_realsize_cpu_smoke.json` for the smoke run).
+in seconds: a check of this script, not a figure (`--smoke`, the flag every benchmark
+takes, is the same here). Results: `bench/results/gpu_realsize.json`
+(`bench/results/smoke/gpu_realsize_cpu_smoke.json` for the smoke run, every target unjudged).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ SIZES = {
 
 
 def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpu-smoke", action="store_true", help="check the plumbing on CPU (no figures)")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="check the plumbing on CPU (no figures); --smoke: the same")
     parser.add_argument("--tokens", type=int, default=None, help="sequence length (default 65536; smoke 512)")
     parser.add_argument("--dim", type=int, default=None, help="model width, heads of 128 (default 3072)")
     parser.add_argument("--budget-s", type=float, default=None, help="stop the steady rounds past this (s)")
@@ -215,10 +217,12 @@ def summarize(calls: list[dict[str, Any]], first: int) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args(__doc__ or "", options)
-    smoke = args.cpu_smoke
+    smoke = args.smoke = args.cpu_smoke or args.smoke
     if not torch.cuda.is_available() and not smoke:
         print(SKIP_LINE)
         return
+    if smoke:
+        torch.set_num_threads(1)  # two threads on a busy 2-core machine spin
     began = time.perf_counter()
     size = dict(SIZES["smoke" if smoke else "cuda"])
     if args.dim:

@@ -20,6 +20,9 @@ bytes of the rows the step writes (2 x LAYERS x dim x 4) plus the token in and t
 out. Target: `in place` copies no more than the written rows and the step's own input and
 output, never the cache. (No timing here: the eager check's re-checks on the 2nd, 4th,
 8th, ... call run eager twice on those calls; bench/overhead.py times the runtime.)
+
+`--smoke` (CI): both variants with 2 layers of dim 64, a 64-row cache and 8 steps: the
+script's plumbing, no figure.
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ import graphdispatch_backend
 from graphdispatch_backend.capture import lower as lower_mod
 
 LAYERS, DIM, HEADS, MAX_LEN = 4, 256, 4, 2048
+SMOKE = {"LAYERS": 2, "DIM": 64, "HEADS": 4, "MAX_LEN": 64}
+SMOKE_STEPS = 8
 OPTIONS = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
+
+
+def smoke_sizes() -> None:
+    """The tiny model of `--smoke` (module globals: the model reads them when built and called)."""
+    global LAYERS, DIM, HEADS, MAX_LEN
+    LAYERS, DIM, HEADS, MAX_LEN = SMOKE["LAYERS"], SMOKE["DIM"], SMOKE["HEADS"], SMOKE["MAX_LEN"]
 
 
 class Layer(nn.Module):
@@ -114,7 +125,9 @@ def run_variant(in_place: bool, steps: int) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args(__doc__)
-    steps = 16 if args.quick else 32
+    if args.smoke:
+        smoke_sizes()
+    steps = SMOKE_STEPS if args.smoke else 16 if args.quick else 32
     start = time.perf_counter()
     results = [run_variant(True, steps), run_variant(False, steps)]
     rows_bytes = 2 * LAYERS * DIM * 4  # the key and value rows a step writes
@@ -136,7 +149,7 @@ def main() -> None:
                "cache_bytes": cache_bytes, "results": results,
                "seconds": round(time.perf_counter() - start, 1)}
     emit("kv_cache", payload, [(
-        f"static KV cache decode, emulate ({LAYERS} layers, cache {cache_bytes >> 20} MiB, {steps} steps)",
+        f"static KV cache decode, emulate ({LAYERS} layers, cache {cache_bytes / (1 << 20):g} MiB, {steps} steps)",
         ["variant", "bitwise", "replays", "copied B/replay", "rows written B", "cache B"], rows)], targets, args)
 
 

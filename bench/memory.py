@@ -29,6 +29,9 @@ Figures, read from the runtime itself after the runners reach steady state:
 Targets: one buffer set (shared / per-piece = 1/48); copy-in only for moving inputs
 (copied bytes == moving-input bytes == what the plans copy in; no parameter bytes copied);
 and every piece replays.
+
+`--smoke` (CI): both variants with 4 blocks and 2 steady calls: the script's plumbing, no
+figure.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
 
 DEPTH, DIM, SHAPE = 48, 16, (1, 8, 16)
+SMOKE_DEPTH = 4
 WARM_CALLS = 12
 
 
@@ -84,10 +88,10 @@ def _copy_bytes(runners: list[GraphRunner]) -> int:
     return sum(r._stats.to_dict()["copy_bytes"] for r in runners)
 
 
-def run_variant(loop: bool, steady_calls: int, traffic: Traffic) -> dict[str, Any]:
+def run_variant(loop: bool, steady_calls: int, traffic: Traffic, depth: int = DEPTH) -> dict[str, Any]:
     torch._dynamo.reset()
     graphdispatch_backend.reset()
-    model = block_stack(DEPTH, DIM, graph_breaks=True, loop=loop)
+    model = block_stack(depth, DIM, graph_breaks=True, loop=loop)
     compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
     gen = torch.Generator().manual_seed(0)
     # warmup (3) + capture/verify (2 distinct input sets), twice over: an activation whose
@@ -162,11 +166,12 @@ def main() -> None:
     args = parse_args(__doc__ or "")
     torch.set_num_threads(1)
     raise_dynamo_limits()
-    steady = 4 if args.quick else 20
+    steady = 2 if args.smoke else 4 if args.quick else 20
+    depth = SMOKE_DEPTH if args.smoke else DEPTH
     traffic = Traffic()
     traffic.install()
     try:
-        results = [run_variant(loop, steady, traffic) for loop in (False, True)]
+        results = [run_variant(loop, steady, traffic, depth) for loop in (False, True)]
     finally:
         traffic.uninstall()
     rows = []
@@ -183,9 +188,9 @@ def main() -> None:
     targets = []
     for r in results:
         shared, per_piece = r["static_bytes_shared"], r["static_bytes_per_piece"]
-        moving_bytes = DEPTH * r["activation_bytes"]
-        one_set = r["static_buffers"] == 1 and per_piece == DEPTH * shared
-        targets.append(Target(f"memory {r['variant']}: static buffers shared", "one set (1/48)",
+        moving_bytes = depth * r["activation_bytes"]
+        one_set = r["static_buffers"] == 1 and per_piece == depth * shared
+        targets.append(Target(f"memory {r['variant']}: static buffers shared", f"one set (1/{depth})",
                               f"{r['static_buffers']} buffer(s), {shared} B vs {per_piece} B per-piece", one_set))
         copy_ok = r["copy_in_bytes_per_call"] == moving_bytes == r["plans_bytes_per_call"]["in"]
         targets.append(Target(f"memory {r['variant']}: copy-in per call", "moving inputs only",
@@ -197,9 +202,9 @@ def main() -> None:
                               f"{replays}/{piece_calls} piece calls replayed"
                               + (f"; declines {r['declines']}" if r["declines"] else ""),
                               replays == piece_calls > 0 and r["bitwise_equal_to_eager"] and not r["declines"]))
-    emit("memory", {"quick": args.quick, "model": {"depth": DEPTH, "dim": DIM, "input": list(SHAPE)},
+    emit("memory", {"quick": args.quick, "model": {"depth": depth, "dim": DIM, "input": list(SHAPE)},
                     "steady_calls": steady, "variants": results},
-         [("static memory and copy traffic, emulate mode, 48 blocks with a graph break each (per model call)",
+         [(f"static memory and copy traffic, emulate mode, {depth} blocks with a graph break each (per model call)",
            ["variant", "graphs", "captures", "state", "steady replays", "recaptures", "static buffers",
             "report", "per-piece", "shared", "copy-in", "inputs", "bitwise"], rows)],
          targets, args)

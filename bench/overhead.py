@@ -45,6 +45,10 @@ Second table (`timing off vs host, runtime alone`): the same CompiledGraph + Gra
 objects scaling.py builds (graph execution excluded), timing "off" against "host":
 with timing off the hot path pays one boolean check, so the difference is the cost of
 the host clocks themselves.
+
+`--smoke` (CI): every variant and table at tiny sizes (4 blocks, 3 repeats of 2 calls; the
+runtime objects at 10 nodes and 4 inputs; the calling context at 8 layers, a few calls):
+the script's plumbing, no figure.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from common import Target, block_stack, emit, fmt_us, interleaved, paired_ratio,
 import graphdispatch_backend
 
 DEPTH, DIM, SHAPE = 48, 16, (1, 8, 16)
+SMOKE_DEPTH = 4
 TARGET_RATIO = 1.02
 
 
@@ -87,8 +92,10 @@ def main() -> None:
     torch.set_num_threads(1)
     raise_dynamo_limits()
     # short windows, many repeats: paired neighbours see the same machine state
-    repeats, inner = (150, 5) if args.quick else (400, 10)
-    model = block_stack(DEPTH, DIM)
+    repeats, inner = (3, 2) if args.smoke else (150, 5) if args.quick else (400, 10)
+    depth = SMOKE_DEPTH if args.smoke else DEPTH
+    layers = SMOKE_CONTEXT_LAYERS if args.smoke else CONTEXT_LAYERS
+    model = block_stack(depth, DIM)
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     fns = variants(model)
     graphdispatch_backend.reset()
@@ -102,8 +109,8 @@ def main() -> None:
         report = graphdispatch_backend.latest_report() or {}
         calls = {name: (lambda f: lambda: f(x))(fn) for name, fn in fns.items()}
         res = interleaved(calls, repeats=repeats, inner=inner, baseline="aot_eager")
-        micro = micro_timing(args.quick)
-        context = calling_context(args.quick)
+        micro = micro_timing(args.quick, args.smoke)
+        context = calling_context(args.quick, args.smoke)
     emulate = _emulate_state()
     base_min = res["aot_eager"]["min_us"]
     rows = [[name, fmt_us(r["median_us"]), fmt_us(r["iqr_us"]), f"{r['ratio']:.3f}", f"{r['min_us'] / base_min:.3f}",
@@ -124,7 +131,7 @@ def main() -> None:
                None),
         Target("overhead: timing=host / timing=off (model)", "(info)",
                f"{host:.3f}x ({(host - 1) * res['graphdispatch']['median_us']:+.1f} us)", None),
-        *[Target(f"overhead: {name}, {CONTEXT_LAYERS} layers: a script's top level / a function",
+        *[Target(f"overhead: {name}, {layers} layers: a script's top level / a function",
                  f"<= {CONTEXT_SLACK:.2f}", f"{c['ratio']:.2f}x ({c['top_level_ms']:.2f} vs {c['function_ms']:.2f} ms)",
                  c["ratio"] <= CONTEXT_SLACK if name.startswith("graphdispatch") else None)
           for name, c in context.items()],
@@ -133,7 +140,7 @@ def main() -> None:
     ]
     payload = {
         "quick": args.quick,
-        "model": {"depth": DEPTH, "dim": DIM, "input": list(SHAPE), "threads": 1},
+        "model": {"depth": depth, "dim": DIM, "input": list(SHAPE), "threads": 1},
         "results": res,
         "bitwise_equal_to_plain": equal,
         "emulate_state": emulate,
@@ -146,18 +153,19 @@ def main() -> None:
         "graphdispatch_totals": report.get("totals"),
     }
     emit("overhead", payload, [
-        (f"per-call time, {DEPTH} blocks, CPU, 1 thread (A/B interleaved, {repeats}x{inner} calls; ratio = median of "
+        (f"per-call time, {depth} blocks, CPU, 1 thread (A/B interleaved, {repeats}x{inner} calls; ratio = median of "
          "paired ratios to aot_eager)",
          ["variant", "median us", "IQR us", "x aot_eager", "min / min", "bitwise"], rows),
         ("timing off vs host, runtime alone (scaling.py objects, graph not run; ratio to off)",
          ["variant", "median us", "x off"], micro_rows),
-        (f"calling context: {CONTEXT_LAYERS} Linear(4, 4) layers with residual adds, ms per call (medians)",
+        (f"calling context: {layers} Linear(4, 4) layers with residual adds, ms per call (medians)",
          ["variant", "a script's top level", "a function", "top / function"],
          [[n, f"{c['top_level_ms']:.2f}", f"{c['function_ms']:.2f}", f"{c['ratio']:.2f}"] for n, c in context.items()]),
     ], targets, args)
 
 
 CONTEXT_LAYERS = 200
+SMOKE_CONTEXT_LAYERS = 8
 CONTEXT_SLACK = 1.10
 
 
@@ -198,11 +206,12 @@ print(json.dumps({"top_level_ms": statistics.median(top), "function_ms": statist
 """
 
 
-def calling_context(quick: bool) -> dict[str, dict[str, float]]:
+def calling_context(quick: bool, smoke: bool = False) -> dict[str, dict[str, float]]:
     """ms per call of the 200-layer model from a script's top level and from a function,
     each variant in a script of its own (the context is the script's `__main__` code)."""
-    repeats, calls = (5, 20) if quick else (15, 50)
-    script = _CONTEXT_SCRIPT.replace("LAYERS", str(CONTEXT_LAYERS)).replace("REPEATS", str(repeats))
+    repeats, calls = (2, 3) if smoke else (5, 20) if quick else (15, 50)
+    layers = SMOKE_CONTEXT_LAYERS if smoke else CONTEXT_LAYERS
+    script = _CONTEXT_SCRIPT.replace("LAYERS", str(layers)).replace("REPEATS", str(repeats))
     script = script.replace("CALLS", str(calls))
     # recheck: checks far apart, so no window holds one (what is timed is the calling context)
     variants = {"aot_eager": ("aot_eager", {}),
@@ -221,18 +230,20 @@ def calling_context(quick: bool) -> dict[str, dict[str, float]]:
     return out
 
 
-def micro_timing(quick: bool) -> dict[str, dict[str, float]]:
+def micro_timing(quick: bool, smoke: bool = False) -> dict[str, dict[str, float]]:
+    nodes, k = (10, 4) if smoke else (100, 32)
     calls: dict[str, Callable[[], Any]] = {}
     for series in ("eager/contract", "replay/pinned"):
         for timing in ("off", "host"):
-            compiled, a = scaling.build(series, 100, 32, timing=timing)
-            calls[f"{series} K=32 timing={timing}"] = (lambda c, x: lambda: c(x))(compiled, a)
+            compiled, a = scaling.build(series, nodes, k, timing=timing)
+            calls[f"{series} K={k} timing={timing}"] = (lambda c, x: lambda: c(x))(compiled, a)
     # ~1 ms per sample at least: shorter windows are dominated by scheduler noise
-    res = interleaved(calls, repeats=15 if quick else 40, inner=1000 if quick else 3000)
+    repeats, inner = (3, 10) if smoke else (15, 1000) if quick else (40, 3000)
+    res = interleaved(calls, repeats=repeats, inner=inner)
     for series in ("eager/contract", "replay/pinned"):
         for timing in ("off", "host"):
-            res[f"{series} K=32 timing={timing}"]["ratio"] = paired_ratio(
-                res, f"{series} K=32 timing={timing}", f"{series} K=32 timing=off")
+            res[f"{series} K={k} timing={timing}"]["ratio"] = paired_ratio(
+                res, f"{series} K={k} timing={timing}", f"{series} K={k} timing=off")
     return res
 
 

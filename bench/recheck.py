@@ -25,6 +25,9 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    window's time. On a shared 2-core guest the timed ratio's spread across repeats is
    several percent, wider than the 1% it would have to show; the target is judged on the
    figure from its parts: <= 1.01.
+
+`--smoke` (CI): both parts at tiny sizes (a 2-block stack; 3 batch sizes, 6 rounds; one
+steady repeat of 48 calls after 16, windows of 16): the script's plumbing, no figure.
 """
 
 from __future__ import annotations
@@ -45,12 +48,20 @@ import graphdispatch_backend
 
 SIZES = list(range(2, 22))  # Dynamo specializes a size of 1
 ROUNDS = 6
-DIM = 64
+DEPTH, DIM = 8, 64
 STEADY_CALLS, STEADY_AFTER = 4096, 64
 STEADY_MAX = 1.01
 NO_RECHECK = 10**9
 VARIANTS = {"doubling": "doubling", "none": NO_RECHECK, "every": "every"}
 CHUNK = 256  # calls per timed window; windows of the three variants alternate
+SMOKE = {"SIZES": [2, 3, 4], "ROUNDS": 6, "DEPTH": 2, "STEADY_CALLS": 48, "STEADY_AFTER": 16, "CHUNK": 16}
+
+
+def smoke_sizes() -> None:
+    """The tiny sizes of `--smoke` (module globals, read by every function at call time)."""
+    global SIZES, ROUNDS, DEPTH, STEADY_CALLS, STEADY_AFTER, CHUNK
+    SIZES, ROUNDS, DEPTH = SMOKE["SIZES"], SMOKE["ROUNDS"], SMOKE["DEPTH"]
+    STEADY_CALLS, STEADY_AFTER, CHUNK = SMOKE["STEADY_CALLS"], SMOKE["STEADY_AFTER"], SMOKE["CHUNK"]
 
 
 def _compiled(model: torch.nn.Module, options: dict[str, Any], dynamic: bool | None = None) -> Any:
@@ -66,7 +77,7 @@ def _replays() -> int:
 
 
 def server(options: dict[str, Any]) -> dict[str, Any]:
-    model = block_stack(depth=8, dim=DIM)
+    model = block_stack(depth=DEPTH, dim=DIM)
     compiled = _compiled(model, {"max_captures": len(SIZES), **options}, dynamic=True)
     first_replay: dict[int, int] = {}
     calls: dict[int, int] = dict.fromkeys(SIZES, 0)
@@ -92,8 +103,8 @@ def steady() -> tuple[dict[str, float], dict[str, int]]:
     order rotated chunk by chunk; us per call, and the checks each made in the window."""
     graphdispatch_backend.reset()
     torch._dynamo.reset()
-    model = block_stack(depth=8, dim=DIM)
-    compiled = {name: torch.compile(block_stack(depth=8, dim=DIM), backend="graphdispatch",
+    model = block_stack(depth=DEPTH, dim=DIM)
+    compiled = {name: torch.compile(block_stack(depth=DEPTH, dim=DIM), backend="graphdispatch",
                                     options={"cuda_graphs": "emulate", "recheck": recheck})
                 for name, recheck in VARIANTS.items()}
     xs = [torch.randn(4, DIM) for _ in range(8)]
@@ -131,6 +142,8 @@ def _checks(recheck: Any) -> int:
 
 def main() -> None:
     args = parse_args(__doc__)
+    if args.smoke:
+        smoke_sizes()
     raise_dynamo_limits()
     torch.set_num_threads(1)
     rows, targets = [], []
@@ -143,7 +156,7 @@ def main() -> None:
     targets.append(Target("recheck server: every size first replays at its 3rd call (defaults)", "yes",
                           f"{got['eager_before_every_size_replays']} eager calls before every size replays "
                           f"(warmup=3: {servers['warmup=3']['eager_before_every_size_replays']})", third))
-    repeats = 3 if args.quick else 7
+    repeats = 1 if args.smoke else 3 if args.quick else 7
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     checks: dict[str, list[int]] = {name: [] for name in VARIANTS}
     for _ in range(repeats):
@@ -168,7 +181,7 @@ def main() -> None:
     targets.append(Target("recheck steady: every / no re-checks (stated)", "(info)", f"{every:.2f}x", None))
     emit("recheck", {"server": servers, "steady_us": samples, "checks_in_window": checks, "repeats": repeats,
                      "per_check_us": per_check, "modeled_ratio": modeled, "timed_ratio": ratio},
-         [("a server cycling through 20 batch sizes, 6 rounds (emulate)",
+         [(f"a server cycling through {len(SIZES)} batch sizes, {ROUNDS} rounds (emulate)",
            ["options", "sizes replaying", "eager calls before every size replays", "first replay at call"], rows),
           (f"steady state: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER} "
            f"({repeats} repeats, windows of {CHUNK} calls rotated; ratio = median of paired ratios to no re-checks)",

@@ -104,6 +104,12 @@ path never touches CUDA.
 This script imports the graphdispatch_backend of the checkout it lives in (it puts the
 repository root first on `sys.path`), not whichever copy the interpreter has installed.
 `--only decode,llama,dit,lifetime` runs a subset (development; run.py runs all).
+
+`--smoke` (CI): every section at tiny sizes (`SMOKE`): caches of 1 and 2 MiB with 12
+checked calls; a Llama of one layer, hidden 64, at `max_cache_len` 16 and 32, 4 new tokens,
+3 requests per churn case; DiT blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the
+3rd replays); 2 lifetime rounds; 2-3 repeats. Inductor is skipped (recorded as skipped,
+not failed: a cold C++ build takes 10-30 s). The script's plumbing, no figure.
 """
 
 from __future__ import annotations
@@ -133,7 +139,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed copy
 
-from common import Target, emit, fit_line, fmt_us, interleaved, parse_args, raise_dynamo_limits
+from common import Target, emit, fail_on_errors, fit_line, fmt_us, interleaved, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
 from graphdispatch_backend.artifacts.scaffold import scaffold
@@ -178,6 +184,25 @@ SLOPE_FROM, SLOPE_TO = 4, 64
 # -- 4. lifetime -------------------------------------------------------------------------------
 ROUNDS, ROUND_CALLS, FIT_LAST = 20, 8, 10
 RSS_SLACK_MIB = 0.5
+
+# -- --smoke: every section at tiny sizes (the script's plumbing; see the module docstring) ---------------
+SMOKE: dict[str, Any] = {
+    "DECODE_MIB": {"cpu": (1, 2), "cuda": (1, 2)}, "SCALE_FROM": 1, "SCALE_TO": 2, "WARM_CALLS": 12,
+    "LLAMA": {**LLAMA, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
+    "CACHE_LENS": (16, 32), "NEW_TOKENS": 4, "PROMPT_LEN": 4, "REQUESTS": 3, "REQUEST_TOKENS": (6, 2),
+    "DIT": {device: {**cfg, "dim": 64, "mlp_ratio": 1, "sizes": (1, 2), "n_at": 1} for device, cfg in DIT.items()},
+    "DIT_STEPS": 4, "DIT_BLOCKS": (1, 2), "SLOPE_FROM": 1, "SLOPE_TO": 2,
+    "ROUNDS": 2, "FIT_LAST": 2,
+}
+SMOKE_SKIPPED = {"inductor": "skipped (--smoke: a cold C++ build takes 10-30 s)"}
+_SMOKE = [False]  # smoke sizes in force: the children are started with --smoke too
+
+
+def smoke_sizes() -> None:
+    """The tiny sizes of `--smoke`: the module's globals (every function reads them at call time)."""
+    globals().update(SMOKE)
+    _SMOKE[0] = True
 
 
 def gd_options(device: str) -> dict[str, Any]:
@@ -410,13 +435,16 @@ def section_decode(args: argparse.Namespace, device: str) -> tuple[dict[str, Any
     big_note = ""
     if device == "cpu":
         free = available_bytes()
-        if args.big or (not args.quick and free >= BIG_FREE_GIB << 30):
+        if args.smoke:
+            big_note = "--smoke: 1 GiB skipped"
+        elif args.big or (not args.quick and free >= BIG_FREE_GIB << 30):
             sizes.append(BIG_MIB)
         else:
             big_note = ("--quick" if args.quick else f"{free / (1 << 30):.1f} GiB free < {BIG_FREE_GIB} GiB") + \
                 ": 1 GiB skipped (--big to force)"
-    repeats = 5 if args.quick else 11
-    window_us = 20_000.0 if args.quick else 40_000.0
+    repeats = 3 if args.smoke else 5 if args.quick else 11
+    window_us = 2_000.0 if args.smoke else 20_000.0 if args.quick else 40_000.0
+    skipped = SMOKE_SKIPPED if args.smoke else {}
     gen = torch.Generator().manual_seed(0)
     ks = [torch.randn(1, ROW, generator=gen).to(device) for _ in range(K_POOL)]
     variants = decode_variants(device)
@@ -430,6 +458,9 @@ def section_decode(args: argparse.Namespace, device: str) -> tuple[dict[str, Any
             ref_cache: torch.Tensor | None = None
             for variant, make in variants.items():
                 key = (variant, mib)
+                if variant in skipped:
+                    checks[key] = {"skipped": skipped[variant]}
+                    continue
                 if variant in errors:
                     checks[key] = {"error": f"skipped: {errors[variant]}"}
                     continue
@@ -475,8 +506,10 @@ def section_decode(args: argparse.Namespace, device: str) -> tuple[dict[str, Any
             key = (variant, mib)
             check = checks.get(key, {})
             if key not in cells:
-                rows.append([mib, variant, "-", "-", "-", "-", "-", "-", "-", f"failed: {check.get('error', '?')}"])
-                results.append({"variant": variant, "cache_mib": mib, "error": check.get("error")})
+                rows.append([mib, variant, "-", "-", "-", "-", "-", "-", "-",
+                             check.get("skipped") or f"failed: {check.get('error', '?')}"])
+                results.append({"variant": variant, "cache_mib": mib, "error": check.get("error"),
+                                "skipped": check.get("skipped")})
                 continue
             cell = cells[key]
             samples = per_call[key]
@@ -508,7 +541,7 @@ def section_decode(args: argparse.Namespace, device: str) -> tuple[dict[str, Any
         r = paired(("graphdispatch", mib), ("inductor", mib))
         note = ""
         if r is None:
-            note = (checks.get(("inductor", mib), {}).get("error")
+            note = (checks.get(("inductor", mib), {}).get("error") or checks.get(("inductor", mib), {}).get("skipped")
                     or checks.get(("graphdispatch", mib), {}).get("error") or "")
         targets.append(Target(f"scale decode: graphdispatch / inductor at {mib} MiB", f"<= {DECODE_PEER_MAX}",
                               f"{r:.2f}x ({fmt_us(med(('graphdispatch', mib)))} vs {fmt_us(med(('inductor', mib)))} us)"
@@ -529,7 +562,7 @@ def section_decode(args: argparse.Namespace, device: str) -> tuple[dict[str, Any
     table = (title, ["cache MiB", "variant", "us/call", "IQR us", "x eager", f"x own {sizes[0]} MiB",
                      "bytes written/call", "calls/window", "replays/calls", "bitwise"], rows)
     payload = {"sizes_mib": sizes, "big": big_note or "included", "repeats": repeats, "window_us": window_us,
-               "warm_calls": WARM_CALLS, "results": results, "errors": errors}
+               "warm_calls": WARM_CALLS, "results": results, "errors": errors, "skipped": skipped}
     return payload, [table], targets, bitwise_ok
 
 
@@ -597,7 +630,7 @@ def section_llama(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
                 and all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits)))
         mismatches[name] = mismatches.get(name, 0) + (not same)
 
-    repeats = 5 if args.quick else 11
+    repeats = 2 if args.smoke else 5 if args.quick else 11
     with torch.no_grad():
         for key in models:
             start = time.perf_counter()
@@ -801,7 +834,8 @@ def run_children(argvs: list[list[str]], device: str) -> list[dict[str, Any]]:
     while pending or running:
         while pending and len(running) < CHILD_PARALLEL:
             i, argv = pending.pop(0)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, "--child", *argv]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, *(["--smoke"] * _SMOKE[0]),
+                   "--child", *argv]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
             running.append((i, proc, time.monotonic()))
         i, proc, started = running.pop(0)
@@ -962,6 +996,18 @@ def section_lifetime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any
 
 
 # -- main ------------------------------------------------------------------------------------------------------
+def recorded_errors(payload: dict[str, Any]) -> list[str]:
+    """The failures the sections record as results (a variant, a generate, a child process)."""
+    errors = [f"{section} {name}: {error}" for section in ("decode", "llama")
+              for name, error in payload.get(section, {}).get("errors", {}).items()]
+    errors += [f"dit {variant} N={run['blocks']} {run['hidden_mib']} MiB: {run[variant]['error']}"
+               for run in payload.get("dit", {}).get("runs", []) for variant in ("eager", "graphdispatch")
+               if "error" in run.get(variant, {})]
+    errors += [f"lifetime {backend}: {run['error']}"
+               for backend, run in payload.get("lifetime", {}).get("runs", {}).items() if "error" in run]
+    return errors
+
+
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: sections decode and dit on the GPU (bench/results/scale_cuda.json)")
@@ -978,6 +1024,8 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     raise_dynamo_limits()
+    if args.smoke:
+        smoke_sizes()
     if args.child:
         kind, *rest = args.child
         if kind == "dit":
@@ -1019,6 +1067,7 @@ def main() -> None:
     payload["seconds"] = round(time.perf_counter() - start, 1)
     payload["bitwise_mismatch"] = mismatched
     emit("scale_cuda" if device == "cuda" else "scale", payload, tables, targets, args)
+    fail_on_errors(args, recorded_errors(payload))
     if mismatched:
         print(f"scale: results differ from eager (not bitwise) in: {', '.join(mismatched)}", file=sys.stderr)
         sys.exit(1)

@@ -45,6 +45,10 @@ is measured for the grid and the floor ratio: its copies meet cache effects of t
 time, so on a shared machine the minimum is the cleanest estimate of a deterministic cost
 (the line through the medians is in the JSON too); and a cProfile of the replay path (top
 functions by own time), to say where the Python time goes.
+
+`--smoke` (CI): every series, table and target on a tiny grid (4, 8, 16 nodes; 4 and 8
+inputs), 3 repeats of short windows, a profile of 20 calls: the script's plumbing, no
+figure (`smoke_grid`).
 """
 
 from __future__ import annotations
@@ -90,8 +94,18 @@ FLOOR_RATIO = 1.3  # replay path / bare replay, at the large K
 FLOOR_AT = (256, 1024)
 PER_INPUT = {"replay/pinned": (2.0, 70.0), "replay/moving": (2.0, 300.0)}  # (intercept us, ns per input)
 NODE_RATIO = 1.10
+SMOKE = {"NODES": (4, 8, 16), "LINE_NODES": 8, "INPUTS": (4, 8), "LINE_INPUTS": (4, 8), "FLOOR_AT": (8,)}
+SMOKE_WINDOW_US = 100.0
 _data_ptr = torch.Tensor.data_ptr
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def smoke_grid() -> None:
+    """The tiny grid of `--smoke` (module globals: every function here reads them at call time)."""
+    global NODES, LINE_NODES, INPUTS, LINE_INPUTS, FLOOR_AT, MEASURED
+    NODES, LINE_NODES, INPUTS = SMOKE["NODES"], SMOKE["LINE_NODES"], SMOKE["INPUTS"]
+    LINE_INPUTS, FLOOR_AT = SMOKE["LINE_INPUTS"], SMOKE["FLOOR_AT"]
+    MEASURED = tuple(sorted(set(LINE_INPUTS) | set(INPUTS)))
 
 
 class _NoReplay:
@@ -352,9 +366,12 @@ def floor_table(results: dict[str, Any], label: str = "") -> tuple[str, list[str
 def main() -> None:
     args = parse_args(__doc__ or "")
     torch.set_num_threads(1)
+    if args.smoke:
+        smoke_grid()
     # short windows, many of them: on a shared machine a short window is more often a clean one
-    repeats = 15 if args.quick else 61
-    window = WINDOW_US[args.quick]
+    repeats = 3 if args.smoke else 15 if args.quick else 61
+    window = SMOKE_WINDOW_US if args.smoke else WINDOW_US[args.quick]
+    lo, hi = NODES[0], NODES[-1]
     results: dict[str, Any] = {"method": "direct construction, no-op replay engine, bare-replay floor (see docstring)",
                                "quick": args.quick, "series": {}}
     tables = []
@@ -368,8 +385,8 @@ def main() -> None:
                 m["floor_line"] = fit(rows, "floor")
             results["series"][series] = m
             grid = [[f"{n}"] + [fmt_us(rows[k][f"N{n}"]["net_us"]) for k in INPUTS] for n in NODES]
-            grid.append(["1000/10 (paired)"] + [f"{rows[k]['node_ratio']:.3f}" for k in INPUTS])
-            grid.append(["1000/10 (min/min)"] + [f"{rows[k]['node_ratio_min']:.3f}" for k in INPUTS])
+            grid.append([f"{hi}/{lo} (paired)"] + [f"{rows[k]['node_ratio']:.3f}" for k in INPUTS])
+            grid.append([f"{hi}/{lo} (min/min)"] + [f"{rows[k]['node_ratio_min']:.3f}" for k in INPUTS])
             title = (f"{series}: runtime us per call, net of a null call; line (fastest windows, N={LINE_NODES}) "
                      f"over K={list(LINE_INPUTS)}: {line['intercept_us']:.2f} us + {line['ns_per_input']:.0f} ns/input")
             if series in REPLAY:
@@ -379,7 +396,7 @@ def main() -> None:
             tables.append((title, ["nodes"] + [f"K={k}" for k in INPUTS], grid))
             worst = max(rows[k]["node_ratio"] for k in INPUTS)
             worst_min = max(rows[k]["node_ratio_min"] for k in INPUTS)
-            targets.append(Target(f"scaling {series}: 1000-node/10-node", f"<= {NODE_RATIO:.2f}",
+            targets.append(Target(f"scaling {series}: {hi}-node/{lo}-node", f"<= {NODE_RATIO:.2f}",
                                   f"{worst:.3f} (worst K; min/min {worst_min:.3f})", worst <= NODE_RATIO))
             resid = line["max_residual_share"]
             if series in PER_INPUT:
@@ -406,10 +423,11 @@ def main() -> None:
                                       f"{line['ns_per_input']:.0f} ns/input + {line['intercept_us']:.1f} us, "
                                       f"residual {100 * resid:.0f}%", resid <= 0.10))
         tables.insert(0, floor_table(results))
-        calls = 2000 if args.quick else 20000
+        calls = 20 if args.smoke else 2000 if args.quick else 20000
+        k_big, k_mid = (INPUTS[-1], INPUTS[0]) if args.smoke else (256, 32)
         results["profile"] = {
-            "replay/pinned N100 K256": profile("replay/pinned", 100, 256, calls // 4),
-            "replay/moving N100 K32": profile("replay/moving", 100, 32, calls),
+            f"replay/pinned N{LINE_NODES} K{k_big}": profile("replay/pinned", LINE_NODES, k_big, max(1, calls // 4)),
+            f"replay/moving N{LINE_NODES} K{k_mid}": profile("replay/moving", LINE_NODES, k_mid, calls),
         }
     for name, rows in results["profile"].items():
         tables.append((f"cProfile of the replay path, {name} (top by own time; cProfile inflates small calls)",
