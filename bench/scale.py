@@ -91,6 +91,9 @@ invisible. Four measurements, each side by side in one run (CPU, one torch threa
    after each round, the live `GraphRunner`s (`gc.get_objects()`) and the RSS; growth per
    round is the slope of a line fitted to the RSS over the last 10 rounds. Targets: no live
    runner after any round; graphdispatch's growth <= aot_eager's + 0.5 MiB per round.
+   The same 20 rounds with a 2-layer diffusers LTX transformer (tiny, `examples/families.py`,
+   8 calls of its inputs): a real model's many graphs, regions and records; target:
+   graphdispatch's growth <= aot_eager's + 0.1 MiB per round.
 
 `--device cuda` runs sections 1 and 3 on one CUDA device instead (without a device it
 prints one line and exits 0): the cache in float32 at 4, 64, 256 and 1024 MiB, with
@@ -184,6 +187,8 @@ SLOPE_FROM, SLOPE_TO = 4, 64
 # -- 4. lifetime -------------------------------------------------------------------------------
 ROUNDS, ROUND_CALLS, FIT_LAST = 20, 8, 10
 RSS_SLACK_MIB = 0.5
+LTX_RSS_SLACK_MIB = 0.1  # a real model's graphs: what graphdispatch keeps per dropped graph must be small
+LIFETIME_MODELS = ("mlp", "ltx")
 
 # -- --smoke: every section at tiny sizes (the script's plumbing; see the module docstring) ---------------
 SMOKE: dict[str, Any] = {
@@ -923,22 +928,38 @@ def section_dit(args: argparse.Namespace, device: str) -> tuple[dict[str, Any], 
 
 
 # -- section 4: lifetime (children) ----------------------------------------------------------------------
-def lifetime_child(backend: str, rounds: int) -> dict[str, Any]:
+def _lifetime_model(kind: str, seed: int) -> tuple[nn.Module, Callable[[int], dict[str, Any]]]:
+    """An MLP, or a diffusers LTX transformer (2 layers, tiny: a real model's many graphs and records)."""
+    torch.manual_seed(seed)
+    if kind == "ltx":
+        from graphdispatch_backend.examples.families import ltx
+
+        model, inputs = ltx()
+        return model.eval(), lambda i: inputs(i, torch.float32)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).eval()
+    return model, lambda i: {"input": torch.randn(8, 64, generator=torch.Generator().manual_seed(i))}
+
+
+def _first(out: Any) -> torch.Tensor:
+    while not isinstance(out, torch.Tensor):
+        out = out[0]
+    return out
+
+
+def lifetime_child(backend: str, rounds: int, kind: str = "mlp") -> dict[str, Any]:
     from graphdispatch_backend.runtime.runner import GraphRunner
 
     records = []
     equal = True
     for r in range(rounds):
-        torch.manual_seed(r)
-        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).eval()
+        model, inputs = _lifetime_model(kind, r)
         if backend == "graphdispatch":
             compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
         else:
             compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
-            for _ in range(ROUND_CALLS):
-                x = torch.randn(8, 64)
-                equal &= bool(torch.equal(compiled(x), model(x)))
+            for i in range(ROUND_CALLS):
+                equal &= bool(torch.equal(_first(compiled(**inputs(i))), _first(model(**inputs(i)))))
         torch._dynamo.reset()
         del compiled, model
         gc.collect()
@@ -949,8 +970,9 @@ def lifetime_child(backend: str, rounds: int) -> dict[str, Any]:
 
 
 def section_lifetime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], list[Target], bool]:
-    backends = ("aot_eager", "graphdispatch")
-    runs = dict(zip(backends, run_children([["lifetime", b, str(ROUNDS)] for b in backends], "cpu")))
+    cases = [(b, k) for k in LIFETIME_MODELS for b in ("aot_eager", "graphdispatch")]
+    found = run_children([["lifetime", b, str(ROUNDS), k] for b, k in cases], "cpu")
+    runs = {b if k == "mlp" else f"{b} ({k})": run for (b, k), run in zip(cases, found)}
     for backend, run in runs.items():
         print(f"scale: lifetime {backend}: " + (run.get("error") or "done"), file=sys.stderr, flush=True)
 
@@ -975,6 +997,7 @@ def section_lifetime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any
     most = max((r["runners"] for r in gd.get("rounds", [])), default=None)
     s_gd, s_aot = slope("graphdispatch"), slope("aot_eager")
     bitwise_ok = all(r.get("bitwise", True) for r in runs.values())
+    s_ltx, s_ltx_aot = slope("graphdispatch (ltx)"), slope("aot_eager (ltx)")
     targets = [
         Target("scale lifetime: live GraphRunners after each round", "0",
                f"max {most} (after round {ROUNDS}: {gd['rounds'][-1]['runners']})" if most is not None
@@ -983,6 +1006,11 @@ def section_lifetime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any
                f"{s_gd:.3f} vs {s_aot:.3f} MiB/round" if s_gd is not None and s_aot is not None
                else f"failed: {gd.get('error') or aot.get('error')}",
                s_gd <= s_aot + RSS_SLACK_MIB if s_gd is not None and s_aot is not None else False),
+        Target(f"scale lifetime: a diffusers LTX, emulate: RSS growth per round (last {FIT_LAST})",
+               f"<= aot_eager + {LTX_RSS_SLACK_MIB} MiB",
+               f"{s_ltx:.3f} vs {s_ltx_aot:.3f} MiB/round" if s_ltx is not None and s_ltx_aot is not None
+               else "failed", s_ltx <= s_ltx_aot + LTX_RSS_SLACK_MIB
+               if s_ltx is not None and s_ltx_aot is not None else False),
         Target("scale lifetime: outputs bitwise equal to eager", "every call", "yes" if bitwise_ok else "NO",
                bitwise_ok),
     ]
@@ -1031,7 +1059,7 @@ def main() -> None:
         if kind == "dit":
             got = dit_child(rest[0], int(rest[1]), int(rest[2]), rest[3], device)
         elif kind == "lifetime":
-            got = lifetime_child(rest[0], int(rest[1]))
+            got = lifetime_child(rest[0], int(rest[1]), *rest[2:])
         else:
             raise SystemExit(f"unknown child {kind!r}")
         print(CHILD_TAG + json.dumps(got), flush=True)

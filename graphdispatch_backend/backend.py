@@ -11,6 +11,7 @@ Registered through the `torch_dynamo_backends` entry point as "graphdispatch".
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,7 +113,9 @@ def graphdispatch_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **k
     session = session_for(options, make_contain)
     record = session.report.new_graph()
     try:
-        return _compile(session, record, gm, example_inputs)
+        compiled = _compile(session, record, gm, example_inputs)
+        weakref.finalize(compiled, record.retire)  # the graph gone, its record keeps figures only
+        return compiled
     except _DYNAMO_CONTROL:
         raise
     except Exception as exc:
@@ -250,7 +253,7 @@ class _Builder:
         record.kind = {"inference": "inference", "forward": "autograd"}.get(role, "backward")
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         record.nodes, record.inputs = len(gm.graph.nodes), len(placeholders)
-        native = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the original, for contract fallbacks
+        native = generated_forward(gm)  # the original, before the passes: for contract fallbacks
         tokens = frozenset(effect_tokens(gm))
         contract = PlaceholderContract.of(gm, tokens)
         suspects = nondeterministic_suspects(gm)
@@ -300,7 +303,7 @@ class _Builder:
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
             if training and reason is None:
-                run = without_history(run, generated_forward(native), self.session.events, record)
+                run = without_history(run, native, self.session.events, record)
         if fusion is not None:
             fusion.finish()  # compiled with what the graph learned before (the verdict cache)
         record.cuda_graph_reason = reason.value if reason else None
@@ -315,7 +318,7 @@ class _Builder:
             self.session.events.warn_once(
                 f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
                 record.name, reason.value, _DETAILS.get(reason), runs)
-        return CompiledGraph(run, generated_forward(native), contract, record, self.session.timing, reason,
+        return CompiledGraph(run, native, contract, record, self.session.timing, reason,
                              lambda detail: self._contract_mismatch(record, detail),
                              guarded=self.guarded and role != "backward")
 

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import linecache
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph_module import _loader
 
 _ENTRIES: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 
@@ -44,10 +47,32 @@ def generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
     docstring). A lazily recompiled GraphModule (what aot and Dynamo hand over) has a stub
     `forward` until its first call, which goes through nn.Module's call machinery on every
     call: the copy is compiled now."""
-    bound = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    for node in bound.graph.nodes:
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             node.target = entry(node.target)
-    bound.recompile()
-    _LazyGraphModule.force_recompile(bound)
-    return bound.forward
+    return module_of(gm, graph).forward
+
+
+def module_of(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule of `graph` over `root`'s attributes, its code generated once, now,
+    and forgotten by FX when the module goes (`forget_source_when_gone`)."""
+    gm = fx.GraphModule(root, graph)
+    _LazyGraphModule.force_recompile(gm)  # a lazy module generates its code here; an eager one already did
+    forget_source_when_gone(gm)
+    return gm
+
+
+def forget_source_when_gone(gm: fx.GraphModule) -> None:
+    """FX keeps the source of every module it generates, for tracebacks, for the process
+    (`_EvalCacheLoader.eval_cache` and a `linecache` entry): for the copies made here, a
+    graph's worth of text per compile, which a server that compiles and drops models all
+    day would keep. Dropped with the module."""
+    key = type(gm).forward.__code__.co_filename
+    if key in _loader.eval_cache:
+        weakref.finalize(gm, _forget, key)
+
+
+def _forget(key: str) -> None:
+    _loader.eval_cache.pop(key, None)
+    linecache.cache.pop(key, None)

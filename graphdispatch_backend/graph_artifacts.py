@@ -120,7 +120,7 @@ class GraphArtifacts:
             hits: Counter[str] = Counter()
             for graph in list(session.report.graphs):
                 hits.update(graph.pattern_matches)
-            names = [r["module"] for g in list(session.report.graphs) for r in g.regions]
+            names = [r["module"] for g in list(session.report.graphs) for r in g.region_detail()[0]]
             patterns = {a.id: a.manifest.module for a in session.registry.artifacts.values()}
             for miss in unmatched(patterns, hits, names, self.model_modules):
                 self._authoring_failure(AuthoringFailure.UNMATCHED, miss.artifact, miss.artifact, miss.message())

@@ -13,6 +13,7 @@ import enum
 import json
 import os
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -199,11 +200,33 @@ class GraphRecord:
     # with `fuse`: status (fused | fusion_mismatch | failed | off), kernels, ops fused and kept
     # (and why), rounds, compile time (runtime/fused.py); None without `fuse`
     fusion: dict[str, Any] | None = None
+    _frozen: bytes | None = dataclasses.field(default=None, repr=False)  # see retire()
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
     def name(self) -> str:
         return f"graph_{self.index}" + (f".{self.role}" if self.role else "")
+
+    def retire(self) -> None:
+        """The graph is gone (its compiled callable collected): its region detail (the
+        regions and the region graphs the scaffold reads, most of a record) is kept as
+        compressed JSON, about a tenth of its size as Python objects, so that a server that
+        compiles and drops models all day holds a bounded report that still says all it
+        said (`to_dict()` is unchanged; `report_dir` is written again at exit)."""
+        with self.lock:
+            if self._frozen is not None:
+                return
+            detail = {"regions": self.regions, "region_graphs": self.region_graphs}
+            self._frozen = zlib.compress(json.dumps(detail, separators=(",", ":")).encode(), 6)
+            self.regions, self.region_graphs = [], {}
+
+    def region_detail(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """(regions, region_graphs), of a live graph or of one retired."""
+        with self.lock:
+            if self._frozen is None:
+                return self.regions, self.region_graphs
+            detail = json.loads(zlib.decompress(self._frozen))
+            return detail["regions"], detail["region_graphs"]
 
     def called(self, replayed: bool, reason: str | None) -> None:
         with self.lock:
@@ -261,6 +284,7 @@ class GraphRecord:
             for info, stats in zip(self.pieces, self._stats_per_piece())
         ]
         counts = self._counts()
+        regions, region_graphs = self.region_detail()
         return {
             "name": self.name,
             "compile_id": self.compile_id,
@@ -278,10 +302,10 @@ class GraphRecord:
             "split_reasons": dict(self.split_reasons),
             "input_writes": list(self.input_writes),
             "substitutions": [s.to_dict() for s in self.substitutions],
-            "regions": self.regions,
+            "regions": regions,
             "module_rejections": dict(self.module_rejections),
             "pattern_matches": dict(self.pattern_matches),
-            "region_graphs": dict(self.region_graphs),
+            "region_graphs": dict(region_graphs),
             "export": self.export,
             "backward": self.backward.backward_dict() if self.backward is not None else None,
             "fusion": dict(self.fusion) if self.fusion is not None else None,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.codegen import entry
+from graphdispatch_backend.codegen import entry, module_of
 from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
@@ -47,8 +47,8 @@ Keep = frozenset[str]
 def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callable[..., Any]:
     """`outer`'s forward with each segment call bound to its compiled code (and the ATen
     calls between segments to their C++ entries, as codegen.py binds every graph's)."""
-    gm = fx.GraphModule(outer, copy.deepcopy(outer.graph))
-    for node in gm.graph.nodes:
+    graph = copy.deepcopy(outer.graph)
+    for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             node.target = entry(node.target)
         elif SEGMENT_META in node.meta:
@@ -59,8 +59,7 @@ def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callabl
 
             segment.__name__ = segment.__qualname__ = f"gd_segment_{node.meta[SEGMENT_META]}"
             node.target = segment
-    gm.recompile()
-    return gm.forward
+    return module_of(outer, graph).forward
 
 
 class FusedUnit:

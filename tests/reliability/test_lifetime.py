@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.graph_module import _loader
 
 import graphdispatch_backend
 from graphdispatch_backend import session as session_mod
@@ -556,3 +557,37 @@ def test_a_cuda_graph_ends_its_use_of_the_pool_before_dropping_it():
             graph.reset()
             graph.reset()  # a second reset does nothing
         assert events == ["graph reset", "mempool dropped"], (gone, events)
+
+
+def test_a_graph_that_is_gone_keeps_its_report_compressed(tmp_path):
+    compiled = torch.compile(make(), backend="graphdispatch",
+                             options={**EMULATE, "artifacts": str(mlp_bundle(tmp_path))})
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(torch.randn(4, 16))
+    before = graphdispatch_backend.latest_report()
+    (record,) = session_mod._LATEST[0].report.graphs
+    assert len(record.regions) == 4 and record.region_graphs, "nothing to retire: this test would prove nothing"
+    del compiled
+    torch._dynamo.reset()
+    collect()
+    assert record.regions == [] and record.region_graphs == {}, "the detail of a graph that is gone stays as objects"
+    assert graphdispatch_backend.latest_report()["graphs"] == before["graphs"]  # it still says all it said
+    detail = json.dumps({"regions": before["graphs"][0]["regions"], "region_graphs": before["graphs"][0]["region_graphs"]})
+    assert len(record._frozen) < len(detail) / 3, (len(record._frozen), len(detail))
+
+
+def test_fx_forgets_the_source_of_a_model_that_is_gone():
+    def one_round(backend: str) -> None:
+        inference_round(backend)
+        torch._dynamo.reset()
+        collect()
+
+    left = {}
+    for backend in ("aot_eager", "graphdispatch"):
+        start = len(_loader.eval_cache)
+        for _ in range(3):
+            one_round(backend)
+        left[backend] = len(_loader.eval_cache) - start
+    # Dynamo's own module of each graph stays under both; graphdispatch's copies must not
+    assert left["graphdispatch"] <= left["aot_eager"], left
