@@ -56,12 +56,6 @@ invisible. Four measurements, each side by side in one run (CPU, one torch threa
    that length), a kernel that writes its cache rows in place (`signature.mutates`), served
    from the compiled model. Target: its 4096/256 ratio <= 1.2x graphdispatch's without it
    (the artifact is as flat in cache size as the native region), every kernel's parity passed.
-   Then a server's life in small: 20 generates at 4096, each with a new cache, of 24 new
-   tokens (each request re-captures the decode graph at its cache) and of 4 (too few to pay
-   for a re-capture: the graph backs off to eager); target: the decode graph's bytes
-   copied per replay (the report's `copy_bytes`) <= 1% of the cache's, every generate
-   bitwise (before the rule: from the 17th request on, the cache was copied in and back
-   whole on every token).
 3. `dit`: peak memory of DiT-like blocks compiled as regions. N blocks (LayerNorm, MLP
    dim -> dim -> dim with GELU, residual; dim 256; MLP ratio 1 to keep the CPU run short),
    each compiled with `block.compile(backend="graphdispatch", options={"cuda_graphs":
@@ -106,11 +100,15 @@ path never touches CUDA.
 
 This script imports the graphdispatch_backend of the checkout it lives in (it puts the
 repository root first on `sys.path`), not whichever copy the interpreter has installed.
-`--only decode,llama,dit,lifetime` runs a subset (development; run.py runs all).
+`server`: a transformers server's requests at a 4096-long static cache, on a Llama and an
+MoE: a new cache per request, one cache reused, short requests, a rotation of caches
+(bench/serving.py says what and its targets).
+
+`--only decode,llama,server,dit,lifetime` runs a subset (development; run.py runs all).
 
 `--smoke` (CI): every section at tiny sizes (`SMOKE`): caches of 1 and 2 MiB with 12
-checked calls; a Llama of one layer, hidden 64, at `max_cache_len` 16 and 32, 4 new tokens,
-3 requests per churn case; DiT blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the
+checked calls; a Llama of one layer, hidden 64, at `max_cache_len` 16 and 32, 4 new tokens;
+the server's models of one layer at 32, 3 requests; DiT blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the
 3rd replays); 2 lifetime rounds; 2-3 repeats. Inductor is skipped (recorded as skipped,
 not failed: a cold C++ build takes 10-30 s). The script's plumbing, no figure.
 """
@@ -143,12 +141,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed copy
 
 from common import Target, emit, fail_on_errors, fit_line, fmt_us, interleaved, parse_args, raise_dynamo_limits
+from serving import section_server
 
 import graphdispatch_backend
 from graphdispatch_backend.artifacts.scaffold import scaffold
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("decode", "llama", "dit", "lifetime")
+SECTIONS = ("decode", "llama", "server", "dit", "lifetime")
 CUDA_SECTIONS = ("decode", "dit")
 CHILD_TAG = "SCALE_CHILD "
 CHILD_TIMEOUT_S = 900
@@ -173,8 +172,6 @@ CACHE_LENS = (256, 4096)
 NEW_TOKENS, PROMPT_LEN = 32, 8
 LLAMA_RATIO_MAX = 1.2  # graphdispatch's 4096/256 per-token ratio over eager's
 WARM_GENERATES = 2  # the prefill graph, called once per generate, captures at its 2nd call
-REQUESTS, REQUEST_TOKENS = 20, (24, 4)  # more requests than a capture re-pins its cache (16) in the runner's first rule
-REQUEST_COPY_MAX = 0.01  # decode bytes copied per replay / cache bytes
 
 # -- 3. DiT-like blocks ----------------------------------------------------------------------
 DIT = {"cpu": {"dim": 256, "mlp_ratio": 1, "dtype": "float32", "sizes": (4, 16, 64), "n_at": 16},
@@ -195,7 +192,7 @@ SMOKE: dict[str, Any] = {
     "DECODE_MIB": {"cpu": (1, 2), "cuda": (1, 2)}, "SCALE_FROM": 1, "SCALE_TO": 2, "WARM_CALLS": 12,
     "LLAMA": {**LLAMA, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
-    "CACHE_LENS": (16, 32), "NEW_TOKENS": 4, "PROMPT_LEN": 4, "REQUESTS": 3, "REQUEST_TOKENS": (6, 2),
+    "CACHE_LENS": (16, 32), "NEW_TOKENS": 4, "PROMPT_LEN": 4,
     "DIT": {device: {**cfg, "dim": 64, "mlp_ratio": 1, "sizes": (1, 2), "n_at": 1} for device, cfg in DIT.items()},
     "DIT_STEPS": 4, "DIT_BLOCKS": (1, 2), "SLOPE_FROM": 1, "SLOPE_TO": 2,
     "ROUNDS": 2, "FIT_LAST": 2,
@@ -693,7 +690,6 @@ def section_llama(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
                      f"{generates[name] - mismatches[name]}/{generates[name]} equal" if name in generates
                      else "not compared"])
     rel = gd_r / eager_r if gd_r is not None and eager_r else None
-    churn = llama_requests(base, prompt)
     targets = [
         Target(f"scale llama: graphdispatch per-token ratio {hi}/{lo} / eager's", f"<= {LLAMA_RATIO_MAX}",
                f"{rel:.2f}x (graphdispatch {gd_r:.2f}, eager {eager_r:.2f})" if rel is not None else "failed",
@@ -709,60 +705,18 @@ def section_llama(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
                f"{totals.get('replays', 0)}/{totals.get('calls', 0)} graph calls replayed", None),
         Target("scale llama: tokens and logits bitwise equal to eager", "every generate",
                "yes" if bitwise_ok and prompt_ok else "NO", bitwise_ok and prompt_ok),
-        *[Target(f"scale llama: {c['requests']} requests of {c['new_tokens']} tokens, a new cache each: decode "
-                 "bytes copied per replay / cache bytes", f"<= {REQUEST_COPY_MAX}",
-                 f"{c['copied_per_replay'] / c['cache_bytes']:.4f} ({c['copied_per_replay']:.0f} B of "
-                 f"{c['cache_bytes']} B; {c['replays']}/{c['calls']} decode calls replayed; bitwise: "
-                 f"{'yes' if c['bitwise'] else 'NO'})",
-                 c["copied_per_replay"] / c["cache_bytes"] <= REQUEST_COPY_MAX and c["bitwise"])
-          for c in churn],
     ]
     payload = {"config": {**LLAMA, "attn_implementation": base.config._attn_implementation},
                "new_tokens": NEW_TOKENS, "prompt_len": PROMPT_LEN, "repeats": repeats,
                "ms_per_token": {f"{k[0]}@{k[1]}": s for k, s in samples.items()},
                "median_ms_per_token": {f"{k[0]}@{k[1]}": statistics.median(s) for k, s in samples.items()},
                "ratio_hi_lo": {"eager": eager_r, "graphdispatch": gd_r}, "warm_s": warm_s,
-               "requests": churn, "mismatched_generates": mismatches, "generates": generates, "errors": errors,
+               "mismatched_generates": mismatches, "generates": generates, "errors": errors,
                "graphdispatch_totals": totals, "transformers": transformers.__version__}
     table = (f"tiny Llama generate, static cache, {NEW_TOKENS} new tokens (ms per token incl. prefill; "
              f"{repeats} repeats rotated; ratio = median of paired {hi}/{lo})",
              ["variant", "max_cache_len", "cache MiB", "ms/token", f"{hi}/{lo}", "bitwise"], rows)
-    return payload, [table], targets, bitwise_ok and prompt_ok and all(c["bitwise"] for c in churn)
-
-
-def llama_requests(base: Any, prompt: torch.Tensor) -> list[dict[str, Any]]:
-    """A server's life in small: REQUESTS generates at the largest cache length, each with
-    a new static cache (transformers makes one per generate), of tokens enough to re-capture
-    (more than the runner's 16 replays) and of a few; the decode graph's bytes copied per
-    replay (the report's copy_bytes) against the cache's bytes, every generate bitwise."""
-    length = CACHE_LENS[-1]
-    cache_bytes = 2 * LLAMA["num_hidden_layers"] * LLAMA["num_key_value_heads"] * length * LLAMA["head_dim"] * 4
-    out = []
-    for tokens in REQUEST_TOKENS:
-        graphdispatch_backend.reset()
-        torch._dynamo.reset()
-        model, eager = copy.deepcopy(base), copy.deepcopy(base)
-        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
-                                      dynamic=False)
-        kw = dict(max_new_tokens=tokens, do_sample=False, cache_implementation="static", max_cache_len=length,
-                  pad_token_id=0, return_dict_in_generate=True, output_logits=True, disable_compile=True)
-        with torch.no_grad():
-            ref = eager.generate(prompt, **kw)
-            same = True
-            for _ in range(REQUESTS):
-                got = model.generate(prompt, **kw)
-                same = same and torch.equal(got.sequences, ref.sequences) and all(
-                    torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
-        report = graphdispatch_backend.latest_report() or {}
-        decode = max(report.get("graphs", []), key=lambda g: g["calls"])
-        pieces = [p["cuda_graph"] for p in decode["pieces"] if "cuda_graph" in p]
-        replays = sum(p["replays"] for p in pieces)
-        out.append({"requests": REQUESTS, "new_tokens": tokens, "cache_bytes": cache_bytes,
-                    "calls": decode["calls"], "replays": replays,
-                    "copied_per_replay": sum(p["copy_bytes"] for p in pieces) / max(replays, 1),
-                    "eager_by_reason": decode["cuda_graph"]["eager_by_reason"], "bitwise": same})
-    graphdispatch_backend.reset()
-    return out
+    return payload, [table], targets, bitwise_ok and prompt_ok
 
 
 # -- section 3: DiT-like blocks compiled as regions (children) ------------------------------------------
@@ -1082,6 +1036,8 @@ def main() -> None:
             got = section_decode(args, device)
         elif section == "llama":
             got = section_llama(args)
+        elif section == "server":
+            got = section_server(args.smoke)
         elif section == "dit":
             got = section_dit(args, device)
         else:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 
 def _argument(node: fx.Node, name: str) -> Any:
@@ -175,3 +176,31 @@ def collective_groups(gm: fx.GraphModule) -> list[str]:
                     if isinstance(value, str):
                         names.add(value)
     return sorted(names)
+
+
+_UNKNOWN = object()  # a node without a recorded value
+_SIZED_BY_ARGUMENTS = {"aten::index", "aten::repeat_interleave", "aten::one_hot"}
+
+
+def sized_by_arguments(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    """An op tagged `dynamic_output_shape` whose output size follows from its arguments:
+    `index` by integer indices (an MoE's `weights[expert_ids]`), `repeat_interleave` given
+    its `output_size`, `one_hot` given its number of classes. A CUDA capture holds these
+    (no host sync); it refuses the rest. `args` may hold tensors, or FX nodes (their
+    `meta["val"]` is read)."""
+    if name not in _SIZED_BY_ARGUMENTS:
+        return False
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val", _UNKNOWN), (args, kwargs))
+    if name == "aten::index":
+        return not indexes_by_mask(args[1] if len(args) > 1 else kwargs.get("indices"))
+    if name == "aten::one_hot":
+        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        return classes != -1
+    return kwargs.get("output_size") is not None
+
+
+def indexes_by_mask(indices: Any) -> bool:
+    """Boolean (or byte) masks among an `index`/`index_put` call's indices: their
+    selection's size is known only after it ran (an index not known here counts as one)."""
+    leaves = [i for i in pytree.tree_leaves(indices) if i is not None]
+    return any(not isinstance(i, torch.Tensor) or i.dtype in (torch.bool, torch.uint8) for i in leaves)

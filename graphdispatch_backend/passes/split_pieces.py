@@ -5,7 +5,9 @@ A node cannot be captured when it reads a scalar back to the host
 random numbers (a replay would not advance the generator as eager does), is an effectful
 op (`with_effects`: a linalg error check must raise on every singular input), has a
 dynamic output shape (`nonzero`, `masked_select`, boolean indexing: its sizes are known only
-after it ran), is a collective on a graph that is not on CUDA (gloo work cannot be
+after it ran; indexing by integer indices, `repeat_interleave` given its `output_size` and
+`one_hot` given its classes are sized by their arguments and stay in: an MoE's
+`weights[expert_ids]`), is a collective on a graph that is not on CUDA (gloo work cannot be
 captured; NCCL collectives stay inside, as vLLM captures them), produces a tensor on
 another device than the graph's (a CPU tensor in a CUDA graph), is an artifact call
 whose manifest says `"capturable": false`, or makes a tensor out of a Python-number input
@@ -50,6 +52,7 @@ from graphdispatch_backend.passes.ops import (
     draws_random,
     is_collective,
     is_effectful,
+    sized_by_arguments,
     storage_readers,
     written_inputs,
 )
@@ -80,7 +83,7 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
     tags = getattr(node.target, "tags", ())
     if torch.Tag.cudagraph_unsafe in tags:
         return SplitReason.CUDAGRAPH_UNSAFE_TAG
-    if torch.Tag.dynamic_output_shape in tags:
+    if torch.Tag.dynamic_output_shape in tags and not sized_by_arguments(schema.name, node.args, node.kwargs):
         return SplitReason.DYNAMIC_OUTPUT_SHAPE
     if draws_random(node):
         return SplitReason.RANDOM_OP

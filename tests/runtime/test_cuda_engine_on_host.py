@@ -294,7 +294,8 @@ def _dropout(compile_: Any) -> list[torch.Tensor]:
 
 
 def _mixtral(compile_: Any) -> list[torch.Tensor]:
-    """transformers' grouped GEMM fallback reads its offsets on the host: two pieces fail."""
+    """transformers' grouped GEMM fallback reads its offsets on the host: the capture fails
+    (its integer indexing of expert weights splits nothing)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -364,10 +365,11 @@ def test_both_engines_decide_alike_and_give_the_same_bits(name, monkeypatch):
         engines = {type(s.engine).__name__ for s in session_mod._LATEST[0]._scopes.values()}
     assert engines == {"CudaGraphEngine"}
     assert decided == host
-    assert sum(p[2]["replays"] for g in host for p in g[4] if p[2]) > 0 or name == "host_read_in_custom_op", host
+    declines_all = ("host_read_in_custom_op", "mixtral_grouped_mm_fallback")
+    assert sum(p[2]["replays"] for g in host for p in g[4] if p[2]) > 0 or name in declines_all, host
     if name == "mixtral_grouped_mm_fallback":  # what a GPU running the fallback reports, from its engine
         failed = [p for g in decided for p in g[4] if p[2] and p[2]["declines"]]
-        assert len(failed) == 2 and all("transformers::grouped_mm_fallback" in str(p[2]["decline_details"])
+        assert len(failed) == 1 and all("transformers::grouped_mm_fallback" in str(p[2]["decline_details"])
                                         for p in failed), decided
     for a, b, e in zip(host_outs, cuda_outs, eager, strict=True):
         assert torch.equal(a, e) and torch.equal(b, e)

@@ -56,3 +56,26 @@ def test_an_expanded_tensor_is_read_in_bounded_pieces(monkeypatch):
     monkeypatch.setattr(digest_mod, "CHUNK", 16)
     x = torch.randn(5, 1).expand(5, 100)
     assert torch.equal(digest(x), digest(x.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_bytes_past_the_last_whole_word_count(dtype):
+    """Read as 64-bit words: a tensor whose bytes end inside a word, or whose rows do,
+    still has every byte in its digest."""
+    x = _values(dtype).reshape(-1)[:13]
+    for i in (0, 12):
+        y = x.clone()
+        y[i] += 1
+        assert not torch.equal(digest(y), digest(x)), i
+    rows = _values(dtype)[:, :3, :]  # 15-element rows, not contiguous: words straddle them
+    changed = rows.clone()
+    changed[2, 2, 4] += 1
+    assert torch.equal(digest(rows), digest(rows.contiguous()))
+    assert not torch.equal(digest(changed), digest(rows))
+
+
+def test_memory_not_aligned_to_a_word_is_read_by_copy(monkeypatch):
+    monkeypatch.setattr(digest_mod, "CHUNK", 4)
+    x = torch.randn(43)
+    assert torch.equal(digest(x[1:]), digest(x[1:].clone()))  # 4 bytes into its storage
+    assert torch.equal(digest(x[3:].view(5, 8)[:, 1:6]), digest(x[3:].view(5, 8)[:, 1:6].contiguous()))

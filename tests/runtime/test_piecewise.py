@@ -330,6 +330,15 @@ def test_split_reason_of_each_kind():
     assert split_reason(call(aten.rand_like.default, x), "cpu") is SplitReason.RANDOM_OP
     assert split_reason(call(aten.sin.default, x, gd_capturable=False), "cpu") is SplitReason.ARTIFACT_NOT_CAPTURABLE
     assert split_reason(call(aten.sin.default, x), "cuda") is SplitReason.FOREIGN_DEVICE
+    # sized by what they are given: an MoE's weights[expert_ids] stays in a piece; a mask does not
+    ids, mask = graph.placeholder("ids"), graph.placeholder("mask")
+    ids.meta["val"], mask.meta["val"] = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool)
+    assert split_reason(call(aten.index.Tensor, x, [ids]), "cpu") is None
+    assert split_reason(call(aten.index.Tensor, x, [mask]), "cpu") is SplitReason.DYNAMIC_OUTPUT_SHAPE
+    assert split_reason(call(aten.nonzero.default, x), "cpu") is SplitReason.DYNAMIC_OUTPUT_SHAPE
+    repeat = graph.call_function(aten.repeat_interleave.Tensor, (ids,), {"output_size": 8})
+    repeat.meta["val"] = torch.zeros(8, dtype=torch.long)
+    assert split_reason(repeat, "cpu") is None
 
 
 def test_draws_random_reads_dropout_arguments():

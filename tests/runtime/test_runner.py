@@ -453,7 +453,10 @@ def test_a_relocation_runs_the_graph_as_often_as_its_capture_plus_the_replay():
     runs[0] = 0
     runner(cache, torch.tensor([0]), torch.randn(1, 4))  # the new cache's first call
     assert stats.relocations == 1 and stats.replays == before + 1
-    assert runs[0] <= 2  # the host model's capture: its warmup run and its recording; the replay runs none
+    # the host model rebinds the verified tape to the new cache (cudagraph/host.py): no run
+    # of the graph's Python; a CUDA capture runs it twice (its warmup and its recording),
+    # and the replay runs none
+    assert runs[0] == 0
 
 
 def test_a_rotation_of_caches_replays_without_capturing_after_the_first_round():

@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, view_bits, with_view_bits
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, Like, recording, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import CudaStreams
 
 _CAPTURE_LOCK = threading.Lock()  # one capture underway in the process (trees' graph_capture_lock)
@@ -208,9 +208,12 @@ class CudaGraphEngine:
         return total
 
     def capture(self, fn: Fn, args: Sequence[Any], device: Any, warmup: bool = True,
-                rewind: Callable[[], None] | None = None) -> _CudaGraph:
+                rewind: Callable[[], None] | None = None, like: Like | None = None) -> _CudaGraph:
         """`warmup=False` for a piece that holds collectives: its warmup run would run them
-        on this rank alone (the runner's eager warmup calls, on every rank, did that work)."""
+        on this rank alone (the runner's eager warmup calls, on every rank, did that work).
+        `like` (a relocation) changes nothing here: torch exposes no update of a captured
+        graph's kernel arguments (cudaGraphExecKernelNodeSetParams), so the graph is
+        recorded at the new addresses, as cudagraph trees record a new node."""
         index = self._index(device)
         with _CAPTURE_LOCK, torch.cuda.device(index):
             side = self._capture_streams.get(index)

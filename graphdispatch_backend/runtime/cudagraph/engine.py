@@ -7,7 +7,9 @@ CapturedGraph whose `replay()` (launched on the current stream) re-runs it, writ
 the same static `outputs`. One warmup run comes first; `rewind` puts back what it wrote
 into the arguments, so the capture starts from the caller's state (a cache position the
 warmup advanced would otherwise index past a sliding window while the host model
-records). Static outputs are not owned beyond the clone that follows each replay: later
+records). `like` names the same graph captured at other addresses (a relocation): the host
+model rebinds its tape to the new ones; CUDA records anew (torch has no update of a
+captured graph's kernel arguments). Static outputs are not owned beyond the clone that follows each replay: later
 captures reuse their memory, so replays that share a pool must be serialized per device
 and every output cloned before the next replay (the runner does both).
 
@@ -27,6 +29,9 @@ import torch
 from graphdispatch_backend.runtime.cudagraph.streams import Streams
 
 Fn = Callable[..., Sequence[Any]]
+# (a graph of the engine, the arguments it was captured with): the graph a capture makes
+# again at other addresses (a relocation); an engine may rebind it instead of recording
+Like = tuple[Any, Sequence[Any]]
 
 
 class CapturedGraph(Protocol):
@@ -45,7 +50,7 @@ class ReplayEngine(Protocol):
     def guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]: ...
 
     def capture(self, fn: Fn, args: Sequence[Any], device: torch.device, warmup: bool = True,
-                rewind: Callable[[], None] | None = None) -> CapturedGraph: ...
+                rewind: Callable[[], None] | None = None, like: Like | None = None) -> CapturedGraph: ...
 
     def pool_bytes(self) -> int: ...
 

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphdispatch_backend.runtime.cudagraph.engine import Fn, recording, storage_group, view_bits, with_view_bits
+from graphdispatch_backend.runtime.cudagraph.engine import Fn, Like, recording, storage_group, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import HostStreams
 from graphdispatch_backend.runtime.cudagraph.tape import Recorder, Tape
+from graphdispatch_backend.runtime.cudagraph.tape_code import view_over
 
 _ALIGN = 64  # bytes between carved blocks, so every dtype's element offset is whole
 
@@ -86,9 +87,11 @@ class HostPool:
 
 class _HostGraph:
     def __init__(self, tape: Tape, outputs: tuple[Any, ...], arena: torch.UntypedStorage,
-                 blocks: list[tuple[int, torch.Tensor]], inference: bool, pool: HostPool) -> None:
+                 blocks: list[tuple[int, torch.Tensor]], inference: bool, pool: HostPool,
+                 layout: list[tuple[list[int], int, int]], working: int) -> None:
         self._tape: Tape | None = tape  # holds the pinned inputs it reads, as a graph holds their addresses
         self.outputs = outputs
+        self.layout, self.working = layout, working  # where its outputs lie in the pool, and its bytes
         self._pool: HostPool | None = pool  # the graphs captured into a pool keep it (module docstring)
         self._arena = arena  # kept alive: the blocks are views of it
         self._blocks = blocks  # (output index, its storage's bytes in the arena, as uint8)
@@ -171,16 +174,25 @@ class HostReplayEngine:
             raise RuntimeError(f"host engine: {what} of a graph on {device} while the current device is {current}")
 
     def capture(self, fn: Fn, args: Sequence[Any], device: Any = "cpu", warmup: bool = True,
-                rewind: Callable[[], None] | None = None) -> _HostGraph:
+                rewind: Callable[[], None] | None = None, like: Like | None = None) -> _HostGraph:
         """`warmup`: one run before recording, as the CUDA engine's side-stream run (and
         cudagraph trees' warmup): a kernel that caches on the host at its first call (a
         descriptor keyed by address, a memo) serves the capture from that cache, on a GPU
-        and here alike."""
+        and here alike. `like`: (a graph of this engine, the arguments it was captured
+        with) when these arguments are the same graph's at other addresses (a relocation,
+        runtime/runner/relocate.py): its tape is rebound to them, the arguments that moved
+        read where they are now, nothing run or recorded. That is what a CUDA capture at
+        the new addresses records, the same kernels reading other memory; the recording
+        is this model's own cost (Python dispatch per op, about six runs of the graph),
+        which a CUDA capture does not pay, so relocations cost here what they cost on a GPU
+        less the capture's launches (docs/design.md)."""
         key = self._key(device)
         self.require(key, "capture")
         # detach() aliases the storage live now; a later `param.data = new` or a new
         # tensor in the caller leaves this alias on the old storage, like an address.
         pinned = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        if like is not None and isinstance(like[0], _HostGraph) and like[0]._tape is not None:
+            return self._rebound(like[0], like[1], pinned, key)
         held = {a.untyped_storage().data_ptr() for a in pinned if isinstance(a, torch.Tensor)}
         recorder = Recorder(held)
         with recording(), torch.no_grad():
@@ -197,8 +209,21 @@ class HostReplayEngine:
         for indices in groups.values():
             layout.append((indices, offset, fresh[indices[0]].untyped_storage().nbytes()))
             offset = _align(offset + layout[-1][2])
+        return self._carve(recorder.tape, list(fresh), layout, max(offset, recorder.peak), key)
+
+    def _rebound(self, old: _HostGraph, old_args: Sequence[Any], pinned: Sequence[Any], key: str) -> _HostGraph:
+        moves = {a.untyped_storage().data_ptr(): b for a, b in zip(old_args, pinned)
+                 if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() != b.data_ptr()}
+        assert old._tape is not None
+        tape = old._tape.rebound(moves)
+        outputs = [_moved(out, moves) for out in old.outputs]  # the carved ones are carved anew below
+        return self._carve(tape, outputs, old.layout, old.working, key)
+
+    def _carve(self, tape: Tape, fresh: list[Any], layout: list[tuple[list[int], int, int]], working: int,
+               key: str) -> _HostGraph:
+        """The graph, its outputs carved out of the device pool's arena (module docstring)."""
         pool = self.pool(key)
-        arena = pool.arena(max(offset, recorder.peak))
+        arena = pool.arena(working)
         outputs = list(fresh)
         blocks = []
         for indices, start, nbytes in layout:
@@ -215,4 +240,15 @@ class HostReplayEngine:
                     made[id(out)] = with_view_bits(made[id(out)], view_bits(out))
                 outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
-        return _HostGraph(recorder.tape, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool)
+        return _HostGraph(tape, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool,
+                          layout, working)
+
+
+def _moved(out: Any, moves: dict[int, torch.Tensor]) -> Any:
+    """An output that views an argument, over where that argument is now."""
+    if not isinstance(out, torch.Tensor):
+        return out
+    new = moves.get(out.untyped_storage().data_ptr())
+    if new is None:
+        return out
+    return with_view_bits(view_over(new, out.storage_offset(), out.shape, out.stride(), out.dtype), view_bits(out))

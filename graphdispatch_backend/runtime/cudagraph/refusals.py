@@ -25,10 +25,10 @@ import traceback
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 import graphdispatch_backend
 from graphdispatch_backend.errors import CaptureRefused
+from graphdispatch_backend.passes.ops import indexes_by_mask, sized_by_arguments
 
 _HOST_SYNCS = {
     "aten::_local_scalar_dense": ".item(), or bool(), int() or float() of a tensor: a host sync",
@@ -60,39 +60,14 @@ def refusal(func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
     why = _HOST_SYNCS.get(schema.name)
     if why is not None:
         return why
-    if torch.Tag.dynamic_output_shape in func.tags and not _sized_by_arguments(schema.name, args, kwargs):
+    if torch.Tag.dynamic_output_shape in func.tags and not sized_by_arguments(schema.name, args, kwargs):
         return "an output whose size depends on the values: a host sync"
     if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is not None:
         return "a random draw from a generator the graph does not own (register_generator_state)"
-    if schema.name in ("aten::index_put", "aten::index_put_") and _indexes_by_mask(
+    if schema.name in ("aten::index_put", "aten::index_put_") and indexes_by_mask(
             args[1] if len(args) > 1 else kwargs.get("indices")):
         return "indexing by a boolean mask: a host sync"
     return None
-
-
-_SIZED_BY_ARGUMENTS = {"aten::index", "aten::repeat_interleave", "aten::one_hot"}
-
-
-def _indexes_by_mask(indices: Any) -> bool:
-    """Boolean (or byte) masks among an `index`/`index_put` call's indices: their
-    selection's size is known only after it ran."""
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in pytree.tree_leaves(indices))
-
-
-def _sized_by_arguments(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
-    """An op tagged `dynamic_output_shape` whose output size follows from its arguments in
-    this call: `index` by integer indices, `repeat_interleave`
-    given its `output_size`, `one_hot` given its number of classes. A CUDA capture
-    permits these; it refuses the rest (a host sync to learn the size)."""
-    if name not in _SIZED_BY_ARGUMENTS:
-        return False
-    if name == "aten::index":
-        return not _indexes_by_mask(args[1] if len(args) > 1 else kwargs.get("indices"))
-    if name == "aten::one_hot":
-        classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        return classes != -1
-    return kwargs.get("output_size") is not None
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep

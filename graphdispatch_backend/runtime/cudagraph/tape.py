@@ -7,7 +7,8 @@ The host model records the same thing: while it captures, `Recorder` (a dispatch
 appends every ATen op with its arguments bound (a tensor made earlier in the capture is
 a slot, filled again by each replay; any other tensor, the pinned inputs and parameters
 among them, is held as the capture saw it, as a graph holds an address; every other
-argument is a constant). `Tape.replay` runs that list. Custom ops made with
+argument is a constant). `Tape.replay` runs that list, as one straight-line function
+generated from it (cudagraph/tape_code.py). Custom ops made with
 `torch.library.custom_op` are entered, so their Python is frozen too (their ops are
 recorded, not the op); other custom ops are recorded whole (a C++ kernel has no Python).
 
@@ -37,10 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphdispatch_backend.errors import CaptureRefused
 from graphdispatch_backend.runtime.cudagraph.refusals import HOST_READS, refusal
+from graphdispatch_backend.runtime.cudagraph.tape_code import FLAT, NESTED, SLOT, TENSOR, VIEW, straight_line, view_over
 
 _COLLECTIVES = ("_c10d_functional", "c10d_functional")
 _recording = threading.local()  # the Recorder capturing on this thread, if any
-_SLOT, _VIEW = 0, 1  # a tensor argument made during the capture: itself, or a view rebuilt over its storage
 
 
 def opaque(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -60,46 +61,38 @@ class Tape:
         # per step: (op, positional arguments, keyword arguments (tensors of the capture
         # replaced by None), the positions holding a list to copy before filling it,
         # [(0 for args | 1 for kwargs, position or key, index in a list or None, kind, what)]
-        # to fill, the slots the op's tensor outputs go to, whether its outputs nest, the
-        # slots no later step reads: freed after this one)
+        # to fill, the slots the op's tensor outputs go to, what it returned (TENSOR, FLAT
+        # or NESTED), the slots no later step reads: freed after this one)
         self.steps: list[tuple[Any, ...]] = []
         self.slots = 0
         self.outputs: list[tuple[int | None, Any]] = []  # per output: (kind, what), as an argument's
+        self._replay: Callable[[], list[Any]] | None = None
 
     def replay(self) -> list[Any]:
-        env: list[Any] = [None] * self.slots
-        for op, args, kwargs, lists, fills, outs, nested, free in self.steps:
-            if fills:
-                args = list(args)
-                if kwargs:
-                    kwargs = dict(kwargs)
-                for where, key in lists:
-                    holder = args if where == 0 else kwargs
-                    holder[key] = list(holder[key])
-                for where, key, index, kind, what in fills:
-                    holder = args if where == 0 else kwargs
-                    value = env[what] if kind == _SLOT else _fill(env, kind, what)
-                    if index is None:
-                        holder[key] = value
-                    else:
-                        holder[key][index] = value
-            result = op(*args, **kwargs) if kwargs else op(*args)
-            if outs:
-                flat = pytree.tree_leaves(result) if nested else (
-                    (result,) if isinstance(result, torch.Tensor) else result)
-                for i, slot in outs:
-                    env[slot] = flat[i]
-            for slot in free:
-                env[slot] = None
-        return [_fill(env, kind, what) if kind is not None else what for kind, what in self.outputs]
+        if self._replay is None:  # generated at the first replay (cudagraph/tape_code.py)
+            self._replay = straight_line(self.steps, self.outputs)
+        return self._replay()
 
+    def rebound(self, moves: dict[int, torch.Tensor]) -> Tape:
+        """This tape reading, wherever it held a tensor over the storage at address `p`,
+        the same view over `moves[p]`'s storage instead (HostReplayEngine.capture's `like`:
+        what a CUDA capture at the new addresses records). Nothing else changes."""
+        def move(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                new = moves.get(value.untyped_storage().data_ptr())
+                if new is not None:
+                    return view_over(new, value.storage_offset(), value.shape, value.stride(), value.dtype)
+                return value
+            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                return type(value)(move(v) for v in value)
+            return value
 
-def _fill(env: list[Any], kind: int, what: Any) -> Any:
-    if kind == _SLOT:
-        return env[what]
-    slot, offset, size, stride, dtype = what
-    base = env[slot]
-    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
+        tape = Tape()
+        tape.slots = self.slots
+        tape.steps = [(op, tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}, *rest)
+                      for op, args, kwargs, *rest in self.steps]
+        tape.outputs = [(kind, move(what) if kind is None else what) for kind, what in self.outputs]
+        return tape
 
 
 class _HostReads(TorchFunctionMode):
@@ -179,7 +172,7 @@ class Recorder(TorchDispatchMode):
         tape.outputs = [self._bind(out, len(tape.steps)) if isinstance(out, torch.Tensor) else (None, out)
                         for out in fresh]
         last_reads: dict[int, list[int]] = {}
-        kept = {what if kind == _SLOT else what[0] for kind, what in tape.outputs if kind is not None}
+        kept = {what if kind == SLOT else what[0] for kind, what in tape.outputs if kind is not None}
         for slot, step in enumerate(self._reads):
             if slot not in kept:
                 last_reads.setdefault(step, []).append(slot)
@@ -247,10 +240,10 @@ class Recorder(TorchDispatchMode):
                 self._storages.setdefault(storage.data_ptr(), (StorageWeakRef(storage), slot))
                 outs.append((i, slot))
         self.tape.slots = len(self._reads)
-        nested = not (isinstance(out, torch.Tensor) or (  # else a flat sequence of tensors, indexed as is
-            isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out)))
+        form = TENSOR if isinstance(out, torch.Tensor) else FLAT if (
+            isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out)) else NESTED
         op = getattr(func, "_op", func)  # the C++ entry: an OpOverload's __call__ is a Python frame around it
-        self.tape.steps.append((op, tuple(args), kwargs, tuple(lists), fills, outs, nested, ()))
+        self.tape.steps.append((op, tuple(args), kwargs, tuple(lists), fills, outs, form, ()))
 
     def _arg(self, t: torch.Tensor, step: int, fills: list[Any], where: int, key: Any, index: int | None) -> Any:
         """The value a step holds for tensor argument `t`: None where each replay fills it in."""
@@ -270,12 +263,12 @@ class Recorder(TorchDispatchMode):
         slot = self._slot_of(t)
         if slot is not None:
             self._reads[slot] = step
-            return _SLOT, slot
+            return SLOT, slot
         storage = t.untyped_storage()
         owner = self._storages.get(storage.data_ptr())
         if owner is not None and not owner[0].expired() and owner[0].cdata == storage._cdata:
             self._reads[owner[1]] = step  # made in the capture, reached without an op (`.data`)
-            return _VIEW, (owner[1], t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            return VIEW, (owner[1], t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         return None, t.detach()
 
     def _measure(self, out: Any) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.contract import LayoutIdentity
-from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
@@ -63,9 +63,12 @@ def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
 
 def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
            device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], writes: Writes,
-           wide: Sequence[int], guarded: bool, lockstep: bool = False) -> list[tuple[int, torch.Tensor]]:
+           wide: Sequence[int], guarded: bool, lockstep: bool = False,
+           like: Like | None = None) -> list[tuple[int, torch.Tensor]]:
     """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
-    raise CudaGraphUnavailable with the reason otherwise."""
+    raise CudaGraphUnavailable with the reason otherwise. `like`: the entry's verified
+    capture and its arguments, when this one is the same graph at other addresses
+    (runner/relocate.py; the engine may rebind it, cudagraph/engine.py)."""
     first = entry.observations[0]
     stable = {i for i, ident in enumerate(first)
               if ident is not None and all(o[i] == ident for o in entry.observations) and _kept(entry, args, i)}
@@ -95,7 +98,8 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
         # collectives inside (lockstep): no warmup run that one rank would make alone
         with device.guard():
             graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device,
-                                                                    warmup=not lockstep, rewind=before.restore))
+                                                                    warmup=not lockstep, rewind=before.restore,
+                                                                    like=like))
         before.restore()
     if exc is not None:
         raise _refusal(exc, "capturing")

@@ -38,7 +38,7 @@ from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
 from graphdispatch_backend.runtime.agree import Agreement
 from graphdispatch_backend.runtime.calls import mark_eager
 from graphdispatch_backend.runtime.contract import layout_identity
-from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
+from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner import transitions
@@ -285,9 +285,9 @@ class GraphRunner(HotPath, Publish, Transitions):
         self._book.limit(Decline.SHAPE_CHURN, detail, then="calls with new shape keys run eager meanwhile")
         return Decline.SHAPE_CHURN
 
-    def _capture(self, entry: Entry, args: Sequence[Any]) -> None:
+    def _capture(self, entry: Entry, args: Sequence[Any], like: Like | None = None) -> None:
         buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,
-                         self._writes, self._wide, self._guarded, lockstep=self._agreement is not None)
+                         self._writes, self._wide, self._guarded, lockstep=self._agreement is not None, like=like)
         entry.replays_at_capture = self._stats.replays
         with self._stats.lock:
             self._stats.captures += 1
@@ -357,6 +357,8 @@ class GraphRunner(HotPath, Publish, Transitions):
         key = held_key(entry, args)
         with self._device.lock:  # no replay of it may be running while it is taken off
             old_key, pinned, moving = held_key(entry, entry.static_args), entry.pinned, [p for p, _ in entry.moving]
+            # aliases, not the caller's tensors: a cache the caller dropped dies at park (relocate.keep)
+            old_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in entry.static_args]
             old = park(entry)
             found = take(entry.parked, key)
             if found is not None:
@@ -364,7 +366,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         if found is None:
             observe(entry, args, moving)
             try:
-                self._capture(entry, args)
+                self._capture(entry, args, like=(old.graph, old_args))  # the same graph, other addresses
             except CudaGraphUnavailable:
                 entry.state = State.WARMING  # the usual paths re-capture it, or decline
                 old.release()

@@ -1,0 +1,118 @@
+"""tape_code: a recorded tape as one straight-line Python function, for its replays.
+
+A CUDA graph replay runs no Python; the host model's replay runs the tape's steps. Read
+step by step from a list (unpack the step, copy its argument lists, fill the slots,
+store the outputs, free what no later step reads), a step costs ~2 us of bookkeeping
+beside its op: 0.5 ms per replay of a 2-layer transformers decode step (about 250 ops),
+more than the Python of the eager forward it stands for, so a replayed decode step was
+slower than eager's. Generated once per tape, a replay is one call of a function whose
+lines are the steps, slots its local variables:
+
+    s0 = o0(k0, k1)                # mm(held weight, held input)
+    r = o1(s0, 1)
+    s1 = r[0]; s2 = r[1]           # a flat tuple of tensors
+    s0 = None                      # no later step reads s0
+    return [s1, _view(s2, 0, (4, 4), (4, 1), k2)]
+
+`o*` are the ops' C++ entries, `k*` the constants a step holds (tensors made before the
+capture, read where the capture read them, as a graph holds their addresses), both in
+the function's globals. Same steps, same order, same frees as the tape: only the
+bookkeeping is compiled away.
+"""
+
+from __future__ import annotations
+
+import keyword
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+SLOT, VIEW = 0, 1  # a tensor argument made during the capture: itself, or a view rebuilt over its storage
+TENSOR, FLAT, NESTED = 0, 1, 2  # what an op returned: a tensor, a flat sequence of tensors, anything else
+
+
+def view_over(base: torch.Tensor, offset: int, size: Sequence[int], stride: Sequence[int],
+              dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over `base`'s storage (reached at capture without an op, as `.data` is)."""
+    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {"_view": view_over, "_leaves": pytree.tree_leaves}
+
+    def const(self, value: Any) -> str:
+        if value is None or isinstance(value, bool) or (isinstance(value, int) and not isinstance(value, bool)):
+            return repr(value)
+        name = f"k{len(self.names)}"
+        self.names[name] = value
+        return name
+
+    def filled(self, kind: int, what: Any) -> str:
+        if kind == SLOT:
+            return f"s{what}"
+        slot, offset, size, stride, dtype = what
+        return f"_view(s{slot}, {offset}, {tuple(size)!r}, {tuple(stride)!r}, {self.const(dtype)})"
+
+
+def straight_line(steps: Sequence[tuple[Any, ...]], outputs: Sequence[tuple[int | None, Any]]
+                  ) -> Callable[[], list[Any]]:
+    """The function that replays `steps` (Tape.steps) and returns `outputs` anew."""
+    w = _Writer()
+    for op, args, kwargs, lists, fills, outs, form, free in steps:
+        fill = {(where, key, index): w.filled(kind, what) for where, key, index, kind, what in fills}
+        listed = set(lists)
+
+        def expr(where: int, key: Any, value: Any, fill: dict[Any, str] = fill, listed: set[Any] = listed) -> str:
+            if (where, key) in listed:
+                items = [fill.get((where, key, i)) or w.const(v) for i, v in enumerate(value)]
+                return "[" + ", ".join(items) + "]"
+            return fill.get((where, key, None)) or w.const(value)
+
+        parts = [expr(0, i, v) for i, v in enumerate(args)]
+        for key, value in kwargs.items():
+            text = expr(1, key, value)
+            parts.append(f"{key}={text}" if key.isidentifier() and not keyword.iskeyword(key)
+                         else f"**{{{key!r}: {text}}}")
+        call = f"{w.const(op)}({', '.join(parts)})"
+        if not outs:
+            w.lines.append(call)
+        elif form == TENSOR:
+            w.lines.append(f"s{outs[0][1]} = {call}")
+        else:
+            w.lines.append(f"r = {call}" if form == FLAT else f"r = _leaves({call})")
+            w.lines.append("; ".join(f"s{slot} = r[{i}]" for i, slot in outs))
+        if free:
+            w.lines.append("; ".join(f"s{slot} = None" for slot in free))
+    returned = [w.filled(kind, what) if kind is not None else w.const(what) for kind, what in outputs]
+    w.lines.append(f"return [{', '.join(returned)}]")
+    source = "def replay():\n" + "".join(f"    {line}\n" for line in w.lines)
+    namespace = dict(w.names)
+    exec(_compiled(source), namespace)  # our own generated code
+    return namespace["replay"]
+
+
+_CODE: OrderedDict[str, Any] = OrderedDict()  # source -> code: a tape rebound (Tape.rebound) has the same text
+_CODE_KEPT = 16
+_CODE_LOCK = threading.Lock()
+
+
+def _compiled(source: str) -> Any:
+    """Compiling is most of the generation's cost (4 ms for a 200-op decode step): the code
+    of a tape that differs from one before only in the tensors it holds is reused."""
+    with _CODE_LOCK:
+        code = _CODE.get(source)
+        if code is not None:
+            _CODE.move_to_end(source)
+            return code
+    code = compile(source, "<graphdispatch tape>", "exec")
+    with _CODE_LOCK:
+        _CODE[source] = code
+        while len(_CODE) > _CODE_KEPT:
+            _CODE.popitem(last=False)
+    return code
