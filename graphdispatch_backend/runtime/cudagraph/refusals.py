@@ -54,20 +54,45 @@ def refused_by_capture(exc: BaseException) -> bool:
 
 def refusal(func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
     """Why a CUDA capture would refuse this op, or None."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = _kind(func)
+    if kind is _NEVER:
+        return None
+    if isinstance(kind, str):
+        return kind
+    name = func._schema.name
+    if kind is _SIZED:
+        sized = sized_by_arguments(name, args, kwargs)
+        return None if sized else "an output whose size depends on the values: a host sync"
+    if kind is _SEEDED:
+        if kwargs.get("generator") is not None:
+            return "a random draw from a generator the graph does not own (register_generator_state)"
+        return None
+    return "indexing by a boolean mask: a host sync" if indexes_by_mask(
+        args[1] if len(args) > 1 else kwargs.get("indices")) else None
+
+
+# what an op's refusal depends on, worked out once per op (a capture asks for every op it records)
+_NEVER, _SIZED, _SEEDED, _MASK = object(), object(), object(), object()
+_KINDS: dict[Any, Any] = {}
+
+
+def _kind(func: Any) -> Any:
     schema = getattr(func, "_schema", None)
     if schema is None:
-        return None
+        return _NEVER
     why = _HOST_SYNCS.get(schema.name)
     if why is not None:
         return why
-    if torch.Tag.dynamic_output_shape in func.tags and not sized_by_arguments(schema.name, args, kwargs):
-        return "an output whose size depends on the values: a host sync"
-    if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is not None:
-        return "a random draw from a generator the graph does not own (register_generator_state)"
-    if schema.name in ("aten::index_put", "aten::index_put_") and indexes_by_mask(
-            args[1] if len(args) > 1 else kwargs.get("indices")):
-        return "indexing by a boolean mask: a host sync"
-    return None
+    tags = getattr(func, "tags", ())
+    if torch.Tag.dynamic_output_shape in tags:
+        return _SIZED
+    if torch.Tag.nondeterministic_seeded in tags:
+        return _SEEDED
+    if schema.name in ("aten::index_put", "aten::index_put_"):
+        return _MASK
+    return _NEVER
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep

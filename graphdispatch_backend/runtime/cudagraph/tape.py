@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +116,7 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self._held = held  # the arguments' storages: not the computation's own memory
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._total = 0  # bytes of the storages in _live, some possibly gone since
         self.peak = 0
         self.tape = Tape()
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # id -> (tensor, slot)
@@ -231,17 +232,17 @@ class Recorder(TorchDispatchMode):
                     holder[key] = items
                     lists.append((where, key))
         outs = []
-        for i, leaf in enumerate(pytree.tree_leaves(out)):
+        form, leaves = _leaves(out)
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and self._slot_of(leaf) is None:
                 slot = len(self._reads)
                 self._reads.append(step)  # freed after the step that made it, unless read later
                 self._made[id(leaf)] = (weakref.ref(leaf), slot)
                 storage = leaf.untyped_storage()
-                self._storages.setdefault(storage.data_ptr(), (StorageWeakRef(storage), slot))
+                if storage.data_ptr() not in self._storages:
+                    self._storages[storage.data_ptr()] = (StorageWeakRef(storage), slot)
                 outs.append((i, slot))
         self.tape.slots = len(self._reads)
-        form = TENSOR if isinstance(out, torch.Tensor) else FLAT if (
-            isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out)) else NESTED
         op = getattr(func, "_op", func)  # the C++ entry: an OpOverload's __call__ is a Python frame around it
         self.tape.steps.append((op, tuple(args), kwargs, tuple(lists), fills, outs, form, ()))
 
@@ -272,14 +273,39 @@ class Recorder(TorchDispatchMode):
         return None, t.detach()
 
     def _measure(self, out: Any) -> None:
-        for t in pytree.tree_leaves(out):
+        """The peak bytes of the storages the capture made and still holds. Their total
+        only grows with a new storage: only then can it pass the peak, and only then are
+        the ones gone dropped and the total counted again (not on every op)."""
+        added = False
+        for t in _leaves(out)[1]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
-                if key not in self._held and key not in self._live:
-                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self._live.values()))
+                if key in self._held:
+                    continue
+                known = self._live.get(key)
+                if known is not None:
+                    if not known[0].expired():  # alive: this very storage, counted
+                        continue
+                    self._total -= known[1]  # gone, and a new storage at its address
+                nbytes = storage.nbytes()
+                self._live[key] = (StorageWeakRef(storage), nbytes)
+                self._total += nbytes
+                added = True
+        if added and self._total > self.peak:  # the total counts storages gone since: count again
+            self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+            self._total = sum(n for _, n in self._live.values())
+            self.peak = max(self.peak, self._total)
+
+
+def _leaves(out: Any) -> tuple[int, Sequence[Any]]:
+    """What an op returned (TENSOR, FLAT or NESTED) and its leaves, without pytree for the
+    two common forms."""
+    if isinstance(out, torch.Tensor):
+        return TENSOR, (out,)
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return FLAT, out
+    return NESTED, pytree.tree_leaves(out)
 
 
 def _device_type(args: Any) -> str | None:
