@@ -10,7 +10,7 @@ lines are the steps, slots its local variables:
 
     s0 = o0(k0, k1)                # mm(held weight, held input)
     r = o1(s0, 1)
-    s1 = r[0]; s2 = r[1]           # a flat tuple of tensors
+    s1 = r[0]; s2 = r[1]; r = None # a flat tuple of tensors
     s0 = None                      # no later step reads s0
     return [s1, _view(s2, 0, (4, 4), (4, 1), k2)]
 
@@ -86,7 +86,9 @@ def straight_line(steps: Sequence[tuple[Any, ...]], outputs: Sequence[tuple[int 
             w.lines.append(f"s{outs[0][1]} = {call}")
         else:
             w.lines.append(f"r = {call}" if form == FLAT else f"r = _leaves({call})")
-            w.lines.append("; ".join(f"s{slot} = r[{i}]" for i, slot in outs))
+            # r dropped at once: held until the next such step, it would keep the outputs no
+            # slot keeps (a layer norm's normalized output: one more hidden state per replay)
+            w.lines.append("; ".join(f"s{slot} = r[{i}]" for i, slot in outs) + "; r = None")
         if free:
             w.lines.append("; ".join(f"s{slot} = None" for slot in free))
     returned = [w.filled(kind, what) if kind is not None else w.const(what) for kind, what in outputs]
