@@ -25,15 +25,32 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    window's time. On a shared 2-core guest the timed ratio's spread across repeats is
    several percent, wider than the 1% it would have to show; the target is judged on the
    figure from its parts: <= 1.01.
+3. `artifact steady`: what the artifacts' own schedule costs (`artifact_recheck`, default
+   "dense": 1, 2, 4, 8, then twice per doubling, then about every DENSE_CAP = 256 calls,
+   jittered). The same stack with every block served by a bitwise artifact (the Block's own
+   ATen ops, `blocks.?`: all of the graph is artifacts, the worst case for a check), in
+   both places a check can run: `cuda_graphs=False` (every call eager: each region's gate
+   judges it beside its native region) and `"emulate"` (every steady call replays: the
+   graph's own eager check follows the artifacts' schedule too, `recheck="doubling|dense"`).
+   Per mode, `artifact_recheck="dense"` against no artifact re-check after the first call
+   (`10**9`, the baseline) and `"every"`, each with the default `recheck`, timed as in 2.
+   Figure, judged from its parts as in 2: the checks the default made in the window beyond
+   the baseline's, times what a check costs (`every` minus the baseline, per check), over
+   the window's time. Target: <= 1.02 in both modes: DENSE_CAP is the densest power of two
+   that meets it with room for the noise (2026-12-05, `--quick`, 2 cores: 256 gives 1.014
+   eager, where a check of all 8 regions costs 2.7 calls, and 1.006 replaying; 128 gave
+   1.024 eager and 1.011 replaying).
 
-`--smoke` (CI): both parts at tiny sizes (a 2-block stack; 3 batch sizes, 6 rounds; one
+`--smoke` (CI): every part at tiny sizes (a 2-block stack; 3 batch sizes, 6 rounds; one
 steady repeat of 48 calls after 16, windows of 16): the script's plumbing, no figure.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Target, block_stack, emit, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
+from graphdispatch_backend.runtime.schedule import DENSE_CAP
+from graphdispatch_backend.testing import write_bundle
 
 SIZES = list(range(2, 22))  # Dynamo specializes a size of 1
 ROUNDS = 6
@@ -55,6 +74,20 @@ NO_RECHECK = 10**9
 VARIANTS = {"doubling": "doubling", "none": NO_RECHECK, "every": "every"}
 CHUNK = 256  # calls per timed window; windows of the three variants alternate
 SMOKE = {"SIZES": [2, 3, 4], "ROUNDS": 6, "DEPTH": 2, "STEADY_CALLS": 48, "STEADY_AFTER": 16, "CHUNK": 16}
+ARTIFACT_MAX = 1.02
+ARTIFACT_VARIANTS = {"dense": "dense", "none": NO_RECHECK, "every": "every"}
+ARTIFACT_MODES = {"eager (cuda_graphs=False)": False, "replay (emulate)": "emulate"}
+# the bench Block's own ATen ops, in its order: bitwise with the native region, so the
+# artifact serves every call and a check costs what it costs when nothing is wrong
+BLOCK_KERNEL = """
+import torch
+
+
+def forward(x, norm_weight, norm_bias, fc_weight, fc_bias):
+    h = torch.ops.aten.native_layer_norm.default(x, [x.shape[-1]], norm_weight, norm_bias, 1e-05)[0]
+    y = torch.ops.aten.addmm.default(fc_bias, h, torch.ops.aten.t.default(fc_weight))
+    return (torch.ops.aten.add.Tensor(x, torch.ops.aten.gelu.default(y)),)
+"""
 
 
 def smoke_sizes() -> None:
@@ -97,16 +130,18 @@ def server(options: dict[str, Any]) -> dict[str, Any]:
             "sizes_replaying": len(first_replay)}
 
 
-def steady() -> tuple[dict[str, float], dict[str, int]]:
-    """One repeat: the three variants compiled side by side (one graph each), warmed for
-    STEADY_AFTER calls, then STEADY_CALLS calls each in chunks of CHUNK, the variants'
-    order rotated chunk by chunk; us per call, and the checks each made in the window."""
+def steady(variants: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, float], dict[str, int]]:
+    """One repeat: the variants (name -> options) compiled side by side (one graph each),
+    warmed for STEADY_AFTER calls, then STEADY_CALLS calls each in chunks of CHUNK, the
+    variants' order rotated chunk by chunk; us per call, and the checks each made in the
+    window (the graph's, and its artifacts' gates' per region)."""
     graphdispatch_backend.reset()
     torch._dynamo.reset()
+    if variants is None:
+        variants = {name: {"cuda_graphs": "emulate", "recheck": recheck} for name, recheck in VARIANTS.items()}
     model = block_stack(depth=DEPTH, dim=DIM)
-    compiled = {name: torch.compile(block_stack(depth=DEPTH, dim=DIM), backend="graphdispatch",
-                                    options={"cuda_graphs": "emulate", "recheck": recheck})
-                for name, recheck in VARIANTS.items()}
+    compiled = {name: torch.compile(block_stack(depth=DEPTH, dim=DIM), backend="graphdispatch", options=options)
+                for name, options in variants.items()}
     xs = [torch.randn(4, DIM) for _ in range(8)]
     before, after = {}, {}
     with torch.no_grad():
@@ -114,30 +149,91 @@ def steady() -> tuple[dict[str, float], dict[str, int]]:
             for i in range(STEADY_AFTER):
                 if not torch.equal(fn(xs[i % 8]), model(xs[i % 8])):
                     raise SystemExit("recheck: not bitwise equal to eager")
-            before[name] = _checks(VARIANTS[name])
+            before[name] = _checks(variants[name])
         spent = dict.fromkeys(compiled, 0.0)
         names = list(compiled)
         for chunk in range(STEADY_CALLS // CHUNK):
-            for name in names[chunk % 3:] + names[: chunk % 3]:
+            turn = chunk % len(names)
+            for name in names[turn:] + names[:turn]:
                 fn = compiled[name]
                 start = time.perf_counter()
                 for i in range(CHUNK):
                     fn(xs[i % 8])
                 spent[name] += time.perf_counter() - start
-                after[name] = _checks(VARIANTS[name])  # untimed
+                after[name] = _checks(variants[name])  # untimed
+        for name, fn in compiled.items():  # still eager's bits after the window
+            if not torch.equal(fn(xs[0]), model(xs[0])):
+                raise SystemExit(f"recheck: {name} not bitwise equal to eager after the window")
     return ({name: t / STEADY_CALLS * 1e6 for name, t in spent.items()},
             {name: after[name] - before[name] for name in compiled})
 
 
-def _checks(recheck: Any) -> int:
-    """Eager checks so far in the session of that `recheck` option (each variant's options
-    make a session of their own; the bench reads the session table directly)."""
+def _checks(options: dict[str, Any]) -> int:
+    """Checks so far in the session of those options (each variant's options make a session
+    of their own; the bench reads the session table directly): the graphs' eager checks, and
+    the artifacts' gate judgments in units of one call (every region judged once)."""
     from graphdispatch_backend import session as gd_session
 
     for session in list(gd_session._SESSIONS.values()):
-        if session.options.recheck == recheck:
-            return sum(g["lowering_check"]["checked"] for g in session.report.to_dict()["graphs"])
+        if all(getattr(session.options, k) == v for k, v in options.items() if k != "artifacts"):
+            graphs = session.report.to_dict()["graphs"]
+            subs = [s for g in graphs for s in g["substitutions"]]
+            gates = sum(s["gates"] for s in subs) / len(subs) if subs else 0
+            return round(sum(g["lowering_check"]["checked"] for g in graphs) + gates)
     return 0
+
+
+def artifact_bundle(folder: Path) -> str:
+    """A bitwise artifact for every Block of the bench stack (`blocks.?`: the blocks, not
+    their `blocks.0.norm` or `blocks.0.fc`); the bundle root."""
+    vec = {"shape": [DIM], "dtype": "float32"}
+    inputs = [{"name": "input0", "shape": [None, DIM], "dtype": "float32"}, {"name": "norm.weight", **vec},
+              {"name": "norm.bias", **vec}, {"name": "fc.weight", "shape": [DIM, DIM], "dtype": "float32"},
+              {"name": "fc.bias", **vec}]
+    outputs = [{"shape": [None, DIM], "dtype": "float32"}]
+    write_bundle(folder / "block", "block", "blocks.?", inputs, outputs, BLOCK_KERNEL, devices=["cpu"])
+    return os.path.abspath(folder)  # as the options resolve it
+
+
+def artifact_steady(root: str, repeats: int) -> dict[str, Any]:
+    """Part 3, per mode: us per call and checks in the window of each artifact_recheck
+    variant, over `repeats`; the modeled and the timed ratio of the default to none."""
+    out: dict[str, Any] = {}
+    for mode, cuda_graphs in ARTIFACT_MODES.items():
+        variants = {name: {"cuda_graphs": cuda_graphs, "artifacts": root, "artifact_recheck": value}
+                    for name, value in ARTIFACT_VARIANTS.items()}
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        checks: dict[str, list[int]] = {name: [] for name in variants}
+        for _ in range(repeats):
+            us, made = steady(variants)
+            for name in variants:
+                samples[name].append(us[name])
+                checks[name].append(made[name])
+        _served_everywhere(root)
+        base = samples["none"]
+        per_check = statistics.median(e - n for e, n in zip(samples["every"], base))  # us, one check of all regions
+        extra = statistics.median(d - n for d, n in zip(checks["dense"], checks["none"]))
+        out[mode] = {
+            "steady_us": samples, "checks_in_window": checks, "per_check_us": per_check, "extra_checks": extra,
+            "modeled_ratio": 1 + extra * per_check / (STEADY_CALLS * statistics.median(base)),
+            "timed_ratio": statistics.median(d / n for d, n in zip(samples["dense"], base)),
+        }
+    return out
+
+
+def _served_everywhere(root: str) -> None:
+    """The artifact served every block of every variant, and none was demoted: else the
+    figures would time the native regions."""
+    from graphdispatch_backend import session as gd_session
+
+    graphs = [g for session in list(gd_session._SESSIONS.values()) if session.options.artifacts == (root,)
+              for g in session.report.to_dict()["graphs"]]
+    if not graphs:
+        raise SystemExit("recheck: no graph compiled with the block artifact")
+    for graph in graphs:
+        subs = graph["substitutions"]
+        if len(subs) != DEPTH or any(s["demoted"] or s["parity"] != "passed" for s in subs):
+            raise SystemExit(f"recheck: the block artifact does not serve every block: {subs}")
 
 
 def main() -> None:
@@ -179,13 +275,32 @@ def main() -> None:
                           f"timed directly {ratio:.3f}x", modeled <= STEADY_MAX,
                           "the direct ratio's spread across repeats is wider than the 1% it would show"))
     targets.append(Target("recheck steady: every / no re-checks (stated)", "(info)", f"{every:.2f}x", None))
+    with tempfile.TemporaryDirectory(prefix="gd_recheck_") as folder:
+        artifacts = artifact_steady(artifact_bundle(Path(folder)), repeats)
+    artifact_rows = []
+    for mode, got in artifacts.items():
+        base = got["steady_us"]["none"]
+        for name, s in got["steady_us"].items():
+            artifact_rows.append([mode, name, f"{statistics.median(s):.1f}",
+                                  f"{statistics.median(a / b for a, b in zip(s, base)):.3f}",
+                                  f"{statistics.median(got['checks_in_window'][name]):g}"])
+        targets.append(Target(
+            f"artifact steady, {mode}: artifact_recheck='dense' / no artifact re-checks over {STEADY_CALLS} calls",
+            f"<= {ARTIFACT_MAX}",
+            f"{got['modeled_ratio']:.4f}x from its parts ({got['extra_checks']:g} checks x "
+            f"{got['per_check_us']:.0f} us); timed directly {got['timed_ratio']:.3f}x",
+            got["modeled_ratio"] <= ARTIFACT_MAX, f"DENSE_CAP={DENSE_CAP}; every block is an artifact"))
     emit("recheck", {"server": servers, "steady_us": samples, "checks_in_window": checks, "repeats": repeats,
-                     "per_check_us": per_check, "modeled_ratio": modeled, "timed_ratio": ratio},
+                     "per_check_us": per_check, "modeled_ratio": modeled, "timed_ratio": ratio,
+                     "artifact_steady": artifacts, "dense_cap": DENSE_CAP},
          [(f"a server cycling through {len(SIZES)} batch sizes, {ROUNDS} rounds (emulate)",
            ["options", "sizes replaying", "eager calls before every size replays", "first replay at call"], rows),
           (f"steady state: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER} "
            f"({repeats} repeats, windows of {CHUNK} calls rotated; ratio = median of paired ratios to no re-checks)",
-           ["recheck", "us/call", "x no re-checks", "checks in window"], steady_rows)],
+           ["recheck", "us/call", "x no re-checks", "checks in window"], steady_rows),
+          (f"artifact steady: every block an artifact, us per call over {STEADY_CALLS} calls after the first "
+           f"{STEADY_AFTER} ({repeats} repeats; checks: the graph's, and the gates' per call of all regions)",
+           ["mode", "artifact_recheck", "us/call", "x none", "checks in window"], artifact_rows)],
          targets, args)
 
 

@@ -138,9 +138,9 @@ class NoReplayEngine:
         return 0
 
     def capture(self, fn: Callable[..., Any], args: Any, device: Any = "cpu", warmup: bool = True,
-                rewind: Callable[[], None] | None = None) -> _NoReplay:
+                rewind: Callable[[], None] | None = None, like: Any = None) -> _NoReplay:
         """The ReplayEngine protocol's capture (runtime/cudagraph/engine.py): one run, no
-        separate warmup run to rewind."""
+        separate warmup run to rewind; a relocation (`like`) runs it too."""
         with torch.no_grad():
             return _NoReplay(tuple(fn(*args)))
 

@@ -45,6 +45,7 @@ from graphdispatch_backend.runtime.eager_check import EagerCheck
 from graphdispatch_backend.runtime.fused import Fusion
 from graphdispatch_backend.runtime.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
+from graphdispatch_backend.runtime.schedule import graph_schedule
 from graphdispatch_backend.runtime.world import Region, Writes
 from graphdispatch_backend.session import Session, session_for
 
@@ -182,7 +183,9 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         compiled = EagerCheck(generated_forward(gm), compiled, record, session.events, session.contain,
                               session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
                               builder.agreement, gradients,
-                              recheck="every" if session.options.timing == "shadow" else session.options.recheck,
+                              recheck="every" if session.options.timing == "shadow" else graph_schedule(
+                                  session.options.recheck, session.options.artifact_recheck,
+                                  bool(record.substitutions) and record.cuda_graph_mode != "off"),
                               runners=builder.runners, draws=builder.draws, fusion=builder.fusion)
     if session.exporter is None:
         return compiled

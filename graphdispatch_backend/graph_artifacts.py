@@ -84,7 +84,8 @@ class GraphArtifacts:
                             contain=session.contain, events=session.events, timing=session.timing,
                             speed_gate=session.options.speed_gate, strict=session.options.strict,
                             kernel_inputs=region.kernel_positions, writes=writes,
-                            snapshot_limit=session.options.max_snapshot_bytes, input_names=region.input_names)
+                            snapshot_limit=session.options.max_snapshot_bytes, input_names=region.input_names,
+                            recheck=session.options.artifact_recheck)
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return call_target(gate, f"gd_artifact_{artifact.id}")

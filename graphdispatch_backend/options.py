@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from graphdispatch_backend.errors import OptionsError
+from graphdispatch_backend.runtime.schedule import MODES as RECHECK_MODES
 
 ENV_PREFIX = "GRAPHDISPATCH_"
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
 TIMING_MODES = ("off", "host", "sync", "shadow")
-RECHECK_MODES = ("doubling", "every")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -41,7 +41,12 @@ class Options:
     strict: raise GraphDispatchError instead of falling back.
     recheck: the calls checked against eager for the graph's whole life (runtime/schedule.py):
         "doubling" (1st, 2nd, 4th, ... call of each shape key, then every ~1024, jittered),
-        an integer N (every Nth call) or "every".
+        "dense", an integer N (every Nth call) or "every".
+    artifact_recheck: the calls on which each artifact is checked beside its native region,
+        its own schedule (runtime/schedule.py), denser than the lowering's by default: "dense"
+        (1st, 2nd, 4th, 8th, then twice per doubling: 12, 16, 24, 32, ..., 1024, then every
+        ~256, jittered), or any value `recheck` takes. Where the graph replays, its eager check also
+        follows it (a replay runs no gate).
     max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
         writes it at places graphdispatch cannot locate (runtime/world.py); located writes
         (a KV cache's rows) are snapshotted row by row, whatever this says.
@@ -64,6 +69,7 @@ class Options:
     export_regions: bool = False
     strict: bool = False
     recheck: str | int = "doubling"
+    artifact_recheck: str | int = "dense"
     max_snapshot_bytes: int = 256 * 2**20
     fuse: bool = False
     cache_dir: str | bool | None = None
@@ -160,6 +166,7 @@ _KINDS = {
     "export_regions": "bool",
     "strict": "bool",
     "recheck": "recheck",
+    "artifact_recheck": "recheck",
     "max_snapshot_bytes": "int",
     "fuse": "bool",
     "cache_dir": "path",
@@ -183,10 +190,10 @@ def _validate(key: str, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         raise OptionsError(f"option 'cuda_graphs' must be one of {CUDA_GRAPH_MODES}, got {value!r}")
-    if key == "recheck":
+    if kind == "recheck":  # recheck, artifact_recheck: runtime/schedule.py
         if value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
-        raise OptionsError(f"option 'recheck' must be one of {RECHECK_MODES} or an integer >= 1, got {value!r}")
+        raise OptionsError(f"option {key!r} must be one of {RECHECK_MODES} or an integer >= 1, got {value!r}")
     if key == "timing":
         if value not in TIMING_MODES:
             raise OptionsError(f"option 'timing' must be one of {TIMING_MODES}, got {value!r}")

@@ -152,7 +152,7 @@ class Region:
     def graph(self) -> dict[str, Any]:
         """The region's nodes as JSON data (`artifacts scaffold` writes a kernel from it):
         per node its target (`aten.addmm.default`, `operator.getitem`), arguments with
-        references to inputs and earlier nodes, and its value's dtype and shape."""
+        references to inputs and earlier nodes, and its value's dtype, shape and stride."""
         refs: dict[fx.Node, dict[str, int]] = {n: {"input": k} for k, n in enumerate(self.inputs)}
         nodes = []
         for i, node in enumerate(self.nodes):
@@ -162,7 +162,7 @@ class Region:
                 "target": target_name(node.target) if node.op == "call_function" else None,
                 "args": [encode_arg(a, refs) for a in node.args],
                 "kwargs": {k: encode_arg(v, refs) for k, v in node.kwargs.items()},
-                **({"dtype": spec.dtype, "shape": list(spec.shape)} if spec is not None else {}),
+                **({"dtype": spec.dtype, "shape": list(spec.shape), "stride": list(spec.stride)} if spec else {}),
             })
             refs[node] = {"node": i}
         return {"inputs": list(self.input_names), "nodes": nodes, "outputs": [refs[o] for o in self.outputs]}

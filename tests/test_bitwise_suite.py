@@ -331,7 +331,7 @@ def test_report_is_written_atomically_to_report_dir(tmp_path, monkeypatch) -> No
             compiled(torch.randn(2, 8))
     graphdispatch_backend.flush()
     report = json.loads((out / "dispatch.json").read_text())
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 2
     assert report["options"]["report_dir"] == str(out)
     (graph,) = report["graphs"]
     assert graph["calls"] == 3

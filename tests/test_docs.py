@@ -4,7 +4,11 @@ the project's own (no path outside the repository)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from graphdispatch_backend.__main__ import _parser
@@ -43,3 +47,60 @@ def test_the_design_document_is_the_projects_own():
         assert "DESIGN.md" not in text and "/work/" not in text
     sections = re.findall(r"^## (\d)\. ", DESIGN, flags=re.M)
     assert sections == [str(i) for i in range(1, 9)]
+
+
+def _setup_block() -> list[str]:
+    section = README.split("## Set up, demo, test", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.strip().splitlines()]
+
+
+def test_two_readme_commands_set_up_and_run_the_demo_and_the_tests():
+    """A fresh machine needs two commands (README), and CI runs exactly those on a clean clone."""
+    assert _setup_block() == ["./dev demo", "./dev test"]
+    ci = (ROOT / ".ci" / "run").read_text("utf-8")
+    commands = [line.strip() for line in ci.splitlines() if line.strip().startswith("./dev")]
+    assert [c.split()[:2] for c in commands] == [["./dev", "demo"], ["./dev", "test"]]
+    script = ROOT / "dev"
+    assert script.stat().st_mode & 0o111, "./dev is not executable"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    wrong = subprocess.run([str(script), "bogus"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "usage: ./dev demo|test" in wrong.stderr
+
+
+def test_dev_reuses_a_set_up_environment_and_passes_arguments_through(tmp_path):
+    """With the environment set up for this pyproject.toml and setup.cfg (its stamp), ./dev
+    installs nothing and runs the command with the arguments given."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    (venv / "bin" / "activate").write_text(f"PATH={Path(sys.executable).parent}:$PATH\n")
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "setup.cfg").read_bytes()).hexdigest()
+    (venv / ".graphdispatch-setup").write_text(digest + "\n")
+    done = subprocess.run([str(ROOT / "dev"), "demo", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "GD_VENV": str(venv)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "setting up" not in done.stderr and "--report-dir" in done.stdout
+
+
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+\s?(?:x|ms|us|s|MiB|GiB|KiB|KB|MB|GB|%)(?![\w])|under \d+ (?:MiB|KB|ms)")
+DATE = re.compile(r"20\d\d-\d\d-\d\d")
+
+
+def _prose_units(text: str) -> list[str]:
+    """README text outside fenced blocks, cut into bullets, paragraphs and table rows."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    units: list[str] = []
+    for para in re.split(r"\n\s*\n", prose):
+        units += [u for u in re.split(r"\n(?=- |\| )", para) if u.strip()]
+    return units
+
+
+def test_every_figure_in_the_readme_names_its_command_and_date():
+    """A measured figure (a decimal with a unit, or "under N MiB") is a promise: its bullet,
+    paragraph or table row says the command that gives it and the date it was measured."""
+    bare = [u.strip()[:160] for u in _prose_units(README)
+            if FIGURE.search(u) and not (DATE.search(u) and re.search(r"`(python |bench/|\./dev|time )", u))]
+    assert not bare, "figures without their command and date:\n" + "\n".join(bare)

@@ -15,8 +15,8 @@ from graphdispatch_backend import Options, OptionsError
 
 VALID_KEYS = (
     "artifacts", "enable", "cuda_graphs", "warmup", "max_captures", "verify_inputs",
-    "speed_gate", "timing", "report_dir", "export_regions", "strict", "recheck", "max_snapshot_bytes",
-    "fuse", "cache_dir",
+    "speed_gate", "timing", "report_dir", "export_regions", "strict", "recheck", "artifact_recheck",
+    "max_snapshot_bytes", "fuse", "cache_dir",
 )
 
 
@@ -44,7 +44,8 @@ def test_defaults():
     assert o.to_dict() == {
         "artifacts": [], "enable": None, "cuda_graphs": "auto", "warmup": 1, "max_captures": 8,
         "verify_inputs": 2, "speed_gate": False, "timing": "off", "report_dir": None,
-        "export_regions": False, "strict": False, "recheck": "doubling", "max_snapshot_bytes": 256 * 2**20,
+        "export_regions": False, "strict": False, "recheck": "doubling", "artifact_recheck": "dense",
+        "max_snapshot_bytes": 256 * 2**20,
         "fuse": False, "cache_dir": None,
     }
 
@@ -93,6 +94,10 @@ BAD_VALUES = [
     ("recheck", -1, "an integer >= 1"),
     ("recheck", True, "an integer >= 1"),
     ("recheck", "sometimes", "'doubling'"),
+    ("artifact_recheck", 0, "an integer >= 1"),
+    ("artifact_recheck", False, "an integer >= 1"),
+    ("artifact_recheck", "often", "'dense'"),
+    ("artifact_recheck", "doubling|dense", "'every'"),  # a union is the graph's own, never an option
     ("fuse", "yes", "True or False"),
     ("fuse", 1, "True or False"),
     ("cache_dir", "", "a path"),
@@ -110,10 +115,18 @@ def test_bad_value_names_the_key_and_what_is_allowed(key, value, allowed):
     assert allowed in message, message
 
 
-@pytest.mark.parametrize("value", ["doubling", "every", 1, 64])
-def test_recheck_accepts_its_values(value):
-    assert Options.resolve({"recheck": value}, environ={}).recheck == value
-    assert Options.resolve(environ={"GRAPHDISPATCH_RECHECK": str(value)}).recheck == value
+@pytest.mark.parametrize("key", ["recheck", "artifact_recheck"])
+@pytest.mark.parametrize("value", ["doubling", "dense", "every", 1, 64])
+def test_recheck_accepts_its_values(key, value):
+    assert getattr(Options.resolve({key: value}, environ={}), key) == value
+    assert getattr(Options.resolve(environ={f"GRAPHDISPATCH_{key.upper()}": str(value)}), key) == value
+
+
+def test_artifact_recheck_is_its_own_schedule_denser_than_the_lowerings():
+    o = Options.resolve({"recheck": 10**9}, environ={})
+    assert (o.recheck, o.artifact_recheck) == (10**9, "dense")  # one does not set the other
+    with pytest.raises(OptionsError, match="GRAPHDISPATCH_ARTIFACT_RECHECK='sometimes'"):
+        Options.resolve(environ={"GRAPHDISPATCH_ARTIFACT_RECHECK": "sometimes"})
 
 
 def test_cache_dir_is_a_path_none_or_false(tmp_path):

@@ -4,6 +4,11 @@ Checks run cheapest first: module pattern, enable filter, device, torch version,
 fingerprint, signature, then the region's own shape (convex, deterministic). Every miss
 is a RejectionRecord with a detail a human can act on ("input 1 'net.0.proj.weight':
 dtype bfloat16, region has float32").
+
+A manifest's fingerprint fits the region's, or the fingerprint the same graph has on
+another device the manifest lists: a fingerprint covers the boundary's device type, and a
+bundle scaffolded in CPU CI (`devices: ["cpu", "cuda"]`) must still serve its region on a
+GPU, where it is the same graph of the same ops (`devices` is what says where it runs).
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from graphdispatch_backend.artifacts.fingerprint import fingerprint
 from graphdispatch_backend.artifacts.manifest import Manifest, version_tuple
 from graphdispatch_backend.artifacts.patterns import matches
 from graphdispatch_backend.artifacts.signature import manifest_miss
 from graphdispatch_backend.errors import Rejection
-from graphdispatch_backend.region import Region
+from graphdispatch_backend.region import Region, TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +89,40 @@ def match_region(
     return outcome
 
 
+def fingerprint_on(region: Region, device_type: str) -> str | None:
+    """The fingerprint the region's graph has with its tensors on `device_type` (the same
+    nodes, arguments, shapes, strides and dtypes); None once its nodes are erased (a region
+    inside one substituted before it, which cannot be substituted either way)."""
+    if any(getattr(n, "_erased", False) for n in region.nodes):
+        return None
+    # the boundary as it stands now: a region substituted before this one replaced the
+    # inputs it produced with the call's items, at the same positions in first-use order
+    members = set(region.nodes)
+    inputs = list(dict.fromkeys(a for n in region.nodes for a in n.all_input_nodes if a not in members))
+    if len(inputs) != len(region.inputs):
+        return None
+
+    def moved(spec: TensorSpec | None) -> TensorSpec | None:
+        return spec if spec is None or spec.is_scalar else dataclasses.replace(spec, device=device_type)
+
+    return fingerprint(region.nodes, inputs, region.outputs, [moved(s) for s in region.input_specs],
+                       [moved(s) for s in region.output_specs])
+
+
+def fingerprint_fits(m: Manifest, region: Region) -> bool:
+    """The manifest pins no fingerprint, or the region's, or the one its graph has on
+    another device the manifest lists (checked only when the plain comparison misses)."""
+    if m.fingerprint is None or m.fingerprint == region.fingerprint:
+        return True
+    return any(fingerprint_on(region, d) == m.fingerprint for d in m.devices if d != region.device_type)
+
+
 def _first_miss(m: Manifest, region: Region, torch_version: str) -> tuple[Rejection, str] | None:
     if region.device_type not in m.devices:
         return Rejection.DEVICE, f"region on {region.device_type}, artifact supports {list(m.devices)}"
     if (miss := torch_miss(m, torch_version)) is not None:
         return Rejection.TORCH_VERSION, miss
-    if m.fingerprint is not None and m.fingerprint != region.fingerprint:
+    if not fingerprint_fits(m, region):
         return Rejection.FINGERPRINT, f"manifest {m.fingerprint}, region {region.fingerprint}"
     if (miss := signature_miss(m, region)) is not None:
         return Rejection.SIGNATURE, miss

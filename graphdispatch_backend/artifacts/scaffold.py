@@ -7,7 +7,15 @@ arguments (`torch.ops.aten.addmm.default(...)`, casts included: the graph was lo
 under the observed autocast, and artifacts run with autocast off), and OUT/artifact.json
 with the region's pattern, fingerprint, signature and hashed files. So the bundle passes
 bitwise parity as written, and an author edits from a known-good start. Under dynamic
-shapes the kernel computes the region's sizes from its tensor inputs' dims.
+shapes the kernel computes the region's sizes from its tensor inputs' dims. Its comments
+give every value's dtype, shape and stride, the inputs' and outputs' included: parity
+compares the outputs' strides, so an author sees them before a failure says so.
+
+The manifest lists both devices: the kernel is torch ops, which run on either, parity is
+checked at run time on the device it runs on, and a region's fingerprint taken on one
+device fits the same graph on the other (artifacts/match.py), so a bundle scaffolded in
+CPU CI serves on a GPU. A graph that spells a device (`arange(..., device=cpu)`) is
+another graph on the other device: its bundle lists the device it spells alone.
 
 Pure: no torch is imported to write the bundle (the kernel imports it when it runs).
 """
@@ -22,13 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.artifacts.bundle import sha256_file, verify_bundle
-from graphdispatch_backend.artifacts.catalog import Kind, kinds, signature
+from graphdispatch_backend.artifacts.catalog import Kind, kinds, signature, spec_text
 from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, version_tuple
 from graphdispatch_backend.artifacts.patterns import matches, suggest
+from graphdispatch_backend.diagnostics.report import expand
 from graphdispatch_backend.errors import BundleRejected
 
 KERNEL_NAME = "kernel.py"
 _RESERVED = {"torch", "operator", "math", "forward"}
+DEVICES = ("cpu", "cuda")  # what a kernel of torch ops runs on (manifest.py's device types)
 
 
 class ScaffoldError(Exception):
@@ -140,14 +150,18 @@ class _Writer:
         return f"torch.ops.{target}({', '.join(args)})"
 
     def body(self) -> list[str]:
-        lines = [f"    {line}" for line in self.prologue]
+        lines = ["    # inputs (dtype[shape] stride), as the region receives them:"]
+        lines += [f"    #   {self.params[i['name']]}: {spec_text(i)}" for i in self.entry["inputs"]]
+        lines += [f"    {line}" for line in self.prologue]
         for node in self.graph["nodes"]:
             var = _identifier(node["name"], self.used)
             value = self.call(node)
             self.nodes.append(var)
-            comment = f"  # {node['dtype']}{node['shape']}" if "dtype" in node else ""
+            comment = f"  # {spec_text(node)}" if "dtype" in node else ""
             lines.append(f"    {var} = {value}{comment}")
         outs = [self.arg(o) for o in self.graph["outputs"]]
+        lines.append("    # outputs: parity compares their dtype, shape, stride and values with the region's:")
+        lines += [f"    #   {var}: {spec_text(o)}" for var, o in zip(outs, self.entry["outputs"])]
         lines.append(f"    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
         return lines
 
@@ -162,6 +176,15 @@ def kernel_source(kind: Kind, graph: dict[str, Any], artifact_id: str, source: s
            "Calls the region's ATen ops in the native order on the same arguments, casts included",
            "(artifacts run with autocast off), so it passes bitwise parity as written: edit from here,",
            "and keep the signature (the region's tensor inputs, in the report's order)."]
+    runs_on = devices(kind, graph)
+    if len(runs_on) == len(DEVICES):
+        doc += ["",
+                f"artifact.json lists devices {json.dumps(runs_on)}: these torch ops run on either, and parity is",
+                "checked on the device they run on; narrow it when an edit runs on one (Triton: [\"cuda\"])."]
+    else:
+        doc += ["",
+                f"artifact.json lists devices {json.dumps(runs_on)} alone: the region's graph spells its device,",
+                "so on another device it is another graph (another fingerprint), scaffolded there."]
     if kind.entry.get("mutates"):
         doc += ["",
                 f"It writes {', '.join(kind.entry['mutates'])} in place, as the region does (its `_` ops): keep",
@@ -171,22 +194,47 @@ def kernel_source(kind: Kind, graph: dict[str, Any], artifact_id: str, source: s
     return "\n".join(doc + [""] + imports + ["", "", f"def forward({params}):"] + body) + "\n"
 
 
-def _manifest(kind: Kind, pattern: str, artifact_id: str, report: dict[str, Any], files: list[dict[str, Any]]
-              ) -> dict[str, Any]:
-    env = report.get("environment") or {}
-    major, minor, _ = version_tuple(str(env.get("torch", "")))
+def _spelled_devices(value: Any) -> set[str]:
+    """The device types a region graph's arguments spell (`device=torch.device('cpu')`)."""
+    if isinstance(value, dict):
+        if "device" in value and isinstance(value["device"], str):
+            return {value["device"].split(":", 1)[0]}
+        return set().union(*(_spelled_devices(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_spelled_devices(v) for v in value))
+    return set()
+
+
+def devices(kind: Kind, graph: dict[str, Any]) -> list[str]:
+    """The manifest's `devices`: both, unless the graph spells a device (then its graph, and
+    the kernel, differ on the other device: the region's own device alone)."""
+    if not _spelled_devices(graph["nodes"]):
+        return list(DEVICES)
     device = next((i["device"].split(":")[0] for i in [*kind.entry["inputs"], *kind.entry["outputs"]]
                    if i.get("device")), "cpu")
+    return [device if device in DEVICES else "cpu"]
+
+
+def _manifest(kind: Kind, pattern: str, artifact_id: str, report: dict[str, Any], files: list[dict[str, Any]],
+              graph: dict[str, Any]) -> dict[str, Any]:
+    env = report.get("environment") or {}
+    major, minor, _ = version_tuple(str(env.get("torch", "")))
+    runs_on = devices(kind, graph)
+    description = f"scaffolded from region {kind.entry['name']} ({kind.cls}): the native ATen ops, bitwise"
+    if len(runs_on) < len(DEVICES):
+        description += f"; {runs_on[0]} only: its graph spells the device"
     manifest: dict[str, Any] = {
         "schema_version": 1,
         "id": artifact_id,
-        "description": f"scaffolded from region {kind.entry['name']} ({kind.cls}): the native ATen ops, bitwise",
+        "description": description,
         "region": {"module": pattern, "fingerprint": kind.fingerprint},
         "signature": signature(kind.entry),
         "entry_point": {"file": KERNEL_NAME, "symbol": "forward"},
         "files": files,
         "parity": {"mode": "bitwise"},
-        "devices": [device if device in ("cpu", "cuda") else "cpu"],
+        # torch ops run on either device, and parity is checked where they run: narrow this
+        # for a kernel that runs on one (a Triton kernel: ["cuda"])
+        "devices": runs_on,
         "capturable": True,
     }
     if major:  # ATen schemas change between releases: the op calls hold for this one
@@ -198,7 +246,7 @@ def scaffold(report: dict[str, Any], pattern: str, out: Path, *, fingerprint: st
              artifact_id: str | None = None, source: str = "dispatch.json") -> dict[str, Any]:
     """Write the bundle for the kind `pattern` names into `out`; return its manifest."""
     kind = select(report, pattern, fingerprint)
-    graphs = {g["name"]: g for g in report["graphs"]}
+    graphs = {g["name"]: g for g in expand(report)["graphs"]}  # region_graphs: stored compressed in the file
     graph = (graphs[kind.graph].get("region_graphs") or {}).get(kind.fingerprint)
     if graph is None:
         raise ScaffoldError(f"the report holds no graph for {kind.entry['name']} (a report written before region "
@@ -212,7 +260,7 @@ def scaffold(report: dict[str, Any], pattern: str, out: Path, *, fingerprint: st
     (out / KERNEL_NAME).write_text(text, "utf-8")
     kernel = out / KERNEL_NAME
     files = [{"path": KERNEL_NAME, "sha256": sha256_file(kernel), "bytes": kernel.stat().st_size}]
-    manifest = _manifest(kind, pattern, artifact_id, report, files)
+    manifest = _manifest(kind, pattern, artifact_id, report, files, graph)
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", "utf-8")
     verify_bundle(out)  # what the registry will check, now
     return manifest

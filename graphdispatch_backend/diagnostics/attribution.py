@@ -4,10 +4,13 @@ Built from the graph records at report time, so a regression (the origin runtime
 run with four artifacts) points at the artifact that caused it: its parity verdicts, its
 demotions with reasons, and its measured time against native (speed gate or shadow).
 
-`status` sums it up: serving (every region its pattern named is served by it), pending
+`status` sums it up: serving (every region its pattern named, of its fingerprint when the
+manifest pins one, is served by it), pending
 (matched, never called yet), partly_rejected (it serves some regions, a check refused
 others its pattern named: a signature that stopped fitting after Dynamo recompiled with
-dynamic shapes, say; see `rejections`), partly_demoted, demoted, rejected (its pattern
+dynamic shapes, say; see `rejections`; a `fingerprint` rejection counts only for a module
+it serves elsewhere, since a pinned fingerprint, like the pattern, says which regions the
+artifact is for), partly_demoted, demoted, rejected (its pattern
 named regions but a check refused them all), unmatched (its pattern named no region:
 `suggestion` says what would), not_enabled, unused (its graphs run as the Dynamo graph:
 torch's lowering was not bitwise equal to eager).
@@ -19,12 +22,18 @@ from collections import Counter
 from typing import Any
 
 from graphdispatch_backend.artifacts.patterns import suggest
+from graphdispatch_backend.errors import Rejection
 
 # Rejections that refuse a region the artifact's pattern named (not another artifact's win,
 # not a larger region's substitution): an artifact serving elsewhere is `partly_rejected`
 # (`autograd`: the region is in a graph that needs autograd, where artifacts never serve).
 REFUSALS = frozenset({"fingerprint", "signature", "device", "torch_version", "not_convex", "nondeterministic",
                       "load_failed", "autograd"})
+# A manifest that pins a fingerprint names the regions it is for: its pattern's regions of
+# other kinds (a wide `*.mlp` over two widths) were never its own. A `fingerprint` rejection
+# is a refusal only where the artifact serves the same module elsewhere (a recompile that
+# changed the module's graph: it stopped serving it there).
+PINNED = Rejection.FINGERPRINT.value
 
 
 def _blank(enabled: bool) -> dict[str, Any]:
@@ -46,11 +55,18 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
     loaded = set(registry.get("loaded", []))
     ids = loaded | set(registry.get("excluded_ids", []))
     out: dict[str, dict[str, Any]] = {i: _blank(i in loaded) for i in sorted(ids)}
+    pinned_out: dict[str, set[str]] = {}  # artifact -> modules of regions its fingerprint refused
+    served: dict[str, set[str]] = {}  # artifact -> modules of regions substituted by it
     for g in graphs:
+        modules = {r["name"]: r.get("module", r["name"]) for r in g["regions"]}
         for region in g["regions"]:
             for rej in region.get("rejections", []):
                 if rej["artifact"] in out:
                     out[rej["artifact"]]["rejections"][rej["reason"]] += 1
+                    if rej["reason"] == PINNED:
+                        pinned_out.setdefault(rej["artifact"], set()).add(modules[region["name"]])
+        for sub in g["substitutions"]:
+            served.setdefault(sub["artifact"], set()).add(modules.get(sub["region"], sub["region"]))
         for artifact, count in g.get("module_rejections", {}).items():
             if artifact in out:
                 out[artifact]["rejections"]["module"] += count
@@ -79,7 +95,10 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
         s["speedup"] = (s["native_s"] / s["artifact_s"]) if s["artifact_s"] else None
         s["artifact_ms_per_call"] = 1e3 * s["artifact_s"] / s["calls"] if s["calls"] else None
         s["native_ms_per_call"] = 1e3 * s["native_s"] / s["calls"] if s["calls"] else None
-        entry["status"] = _status(entry)
+        refusals = REFUSALS & set(entry["rejections"])
+        if not pinned_out.get(aid, set()) & served.get(aid, set()):
+            refusals -= {PINNED}  # it refused only regions it was never meant for
+        entry["status"] = _status(entry, refusals)
         if entry["status"] == "unmatched" and aid in patterns:
             hint = suggest(patterns[aid], names)
             entry["suggestion"] = {"pattern": hint.pattern, "regions": hint.count, "closest": list(hint.closest),
@@ -87,8 +106,9 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
     return out
 
 
-def _status(entry: dict[str, Any]) -> str:
-    """One word a reader can act on: is this artifact doing anything, and if not, why."""
+def _status(entry: dict[str, Any], refusals: set[str]) -> str:
+    """One word a reader can act on: is this artifact doing anything, and if not, why
+    (`refusals`: the reasons that refused regions it is for)."""
     if not entry["enabled"]:
         return "not_enabled"  # excluded by the `enable` allowlist
     matched = len(entry["regions_matched"])
@@ -100,5 +120,5 @@ def _status(entry: dict[str, Any]) -> str:
     if demoted:
         return "partly_demoted"
     if entry["calls"] or entry["replays"]:
-        return "partly_rejected" if REFUSALS & set(entry["rejections"]) else "serving"
+        return "partly_rejected" if refusals else "serving"
     return "unused" if set(entry["parity"]) == {"unused"} else "pending"

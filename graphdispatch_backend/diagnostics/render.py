@@ -9,22 +9,26 @@ listed in full under them.
 
 A missing directory, a missing `dispatch.json`, corrupt JSON or another schema is a
 message on stderr and exit status 2; an unreadable `timing.json` is said, not fatal.
+`load` hands every reader the report with each region entry whole (`expand`: the file
+keeps most of them brief, their kind's detail once per fingerprint).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from graphdispatch_backend.diagnostics.report import READABLE_SCHEMA_VERSIONS, expand
 from graphdispatch_backend.table import table
 
-SCHEMA_VERSION = 1  # the dispatch.json schema this renderer reads (diagnostics/report.py)
 TIMING_SCHEMA_VERSION = 1
 CELL = 48  # widest table cell; the full text is listed under the table
-_OPTION_KEYS = ("cuda_graphs", "fuse", "timing", "speed_gate", "strict", "warmup", "verify_inputs", "max_captures")
+_OPTION_KEYS = ("cuda_graphs", "fuse", "timing", "speed_gate", "strict", "warmup", "verify_inputs", "max_captures",
+                "recheck", "artifact_recheck")
 
 
 class ReportError(Exception):
@@ -45,11 +49,12 @@ def load(directory: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None, 
     report = _read_json(path)
     if not isinstance(report, dict) or "schema_version" not in report:
         raise ReportError(f"{path} is not a graphdispatch report (no schema_version)")
-    if report["schema_version"] != SCHEMA_VERSION:
+    if report["schema_version"] not in READABLE_SCHEMA_VERSIONS:
         raise ReportError(f"{path} has schema_version {report['schema_version']!r}; this graphdispatch reads "
-                          f"schema_version {SCHEMA_VERSION}")
+                          f"schema_version {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
     if not isinstance(report.get("graphs"), list):
         raise ReportError(f"{path} is not a graphdispatch report (graphs[] is missing)")
+    report = _expanded(report, path)
     timing_path = folder / "timing.json"
     if not timing_path.is_file():
         return report, None, "no timing.json"
@@ -60,6 +65,15 @@ def load(directory: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None, 
     if not isinstance(timing, dict) or timing.get("timing_schema_version") != TIMING_SCHEMA_VERSION:
         return report, None, f"{timing_path} is not timing_schema_version {TIMING_SCHEMA_VERSION}"
     return report, timing, None
+
+
+def _expanded(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Every region entry whole (the file keeps most of them brief: diagnostics/report.py)."""
+    try:
+        return expand(report)
+    except (KeyError, TypeError, AttributeError, ValueError, zlib.error) as exc:
+        raise ReportError(f"{path} holds region detail that does not decode ({type(exc).__name__}: {exc}); "
+                          "was it edited by hand?") from None
 
 
 def _read_json(path: Path) -> Any:
@@ -137,6 +151,11 @@ def _summary(report: dict[str, Any]) -> list[str]:
            f"  {_plural(len(subs), 'substitution')}, {demoted} demoted to native; "
            + (f"{_plural(fell_back, 'graph')} fell back on a compile error" if fell_back
               else "no graph fell back on a compile error")]
+    if subs:  # what the artifacts' check schedule left unjudged (see "Artifact checks")
+        unchecked = sum(s.get("served_since_check", 0) for s in subs)
+        gap = max(s.get("largest_gap", 0) for s in subs)
+        out.append(f"  artifacts: {_plural(unchecked, 'region call')} served since their last check, "
+                   f"at most {_plural(gap, 'call')} served unchecked in a row")
     if backwards:
         b_calls = sum(b["calls"] for b in backwards)
         b_replays = sum(b["cuda_graph"]["replays"] for b in backwards)
@@ -345,10 +364,49 @@ def _authoring(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _artifact_checks(report: dict[str, Any]) -> list[str]:
+    """Per graph and per artifact: the calls its artifacts served since their last check and
+    the largest gap (calls served unchecked in a row), from the substitution records; and
+    the call that caught a demoted one, with the calls it had served unchecked before."""
+    rows: list[list[Any]] = []
+    per_artifact: dict[str, list[int]] = {}  # graphs, regions, served, unchecked, largest gap
+    caught: list[str] = []
+    for g in report["graphs"]:
+        by_artifact: dict[str, list[dict[str, Any]]] = {}
+        for s in g["substitutions"]:
+            by_artifact.setdefault(s["artifact"], []).append(s)
+        for aid, subs in sorted(by_artifact.items()):
+            served = sum(s["calls"] + s.get("replays", 0) for s in subs)
+            unchecked = sum(s.get("served_since_check", 0) for s in subs)
+            gap = max(s.get("largest_gap", 0) for s in subs)
+            rows.append([g["name"], aid, len(subs), served, unchecked, gap])
+            total = per_artifact.setdefault(aid, [0, 0, 0, 0, 0])
+            total[0] += 1
+            total[1] += len(subs)
+            total[2] += served
+            total[3] += unchecked
+            total[4] = max(total[4], gap)
+            for s in subs:
+                if s.get("caught_at_call") is not None:
+                    caught.append(f"  {aid} on {g['name']} {s['region']}: caught at call {s['caught_at_call']} of its "
+                                  f"shape key; {_plural(s.get('unchecked_calls') or 0, 'call')} served unchecked "
+                                  "since the check before it")
+    if not rows:
+        return []
+    rows += [["all graphs", aid, t[1], t[2], t[3], t[4]] for aid, t in sorted(per_artifact.items()) if t[0] > 1]
+    opts = report.get("options", {})
+    schedule = f"artifact_recheck={opts['artifact_recheck']!r}" if "artifact_recheck" in opts else "recheck"
+    out = ["", f"Artifact checks ({schedule}; served: region calls the artifact answered, eagerly or replayed; "
+               "since last check: those served since each region's last check, unchecked; largest gap: the most one "
+               "region served unchecked in a row)",
+           table(["graph", "artifact", "regions", "served", "since last check", "largest gap"], rows)]
+    return out + ["", "Caught at a check (the calls before it were served as computed)"] + caught if caught else out
+
+
 def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, source: str = "dispatch.json",
            timing_missing: str | None = None) -> str:
     out = _header(report, source) + _summary(report) + _registry(report) + _authoring(report) + _graphs(report)
-    out += _pieces(report) + _fusion(report) + _artifacts(report) + _regions(report)
+    out += _pieces(report) + _fusion(report) + _artifacts(report) + _artifact_checks(report) + _regions(report)
     out += _timing(timing, timing_missing)
     return "\n".join(out)
 

@@ -4,7 +4,9 @@ Modes: "off" (the hot path pays one boolean check), "host" (host clock around ea
 phase), "sync" (also synchronize the device around each phase, so device time lands in
 the phase that caused it), "shadow" (sync, and the native forward also runs on every call
 and is timed: it doubles the cost and can change a stateful forward, so never use it for
-a parity run). Notes are always on: at most 128 distinct, overflow counted.
+a parity run). Notes are always on: at most 128 distinct, overflow counted. A note is kept
+whole up to NOTE_CHARS; a longer one keeps its head (what happened, to what: the runner, the
+reason, the input by name) and its tail (an exception's last words), the cut counted between.
 
 Phases recorded today: `validate` (the placeholder contract) and `execute` (the graph,
 eager or through its pieces) per graph call; `copy_in`, `replay` and `unflatten` (clone
@@ -23,7 +25,16 @@ from typing import Any
 import torch
 
 MAX_NOTES = 128
-NOTE_CHARS = 200
+NOTE_HEAD, NOTE_TAIL = 700, 300
+NOTE_CHARS = NOTE_HEAD + NOTE_TAIL  # a note up to this long is kept whole
+
+
+def bounded(message: str) -> str:
+    """`message` whole when it fits NOTE_CHARS; else its head and tail around the count of
+    characters cut (128 notes of at most about 1 KB: timing.json stays small)."""
+    if len(message) <= NOTE_CHARS:
+        return message
+    return f"{message[:NOTE_HEAD]} [... {len(message) - NOTE_CHARS} characters cut ...] {message[-NOTE_TAIL:]}"
 
 
 def _sync() -> None:
@@ -65,7 +76,7 @@ class Timing:
             self.add(phase, self.now() - start)
 
     def note(self, message: str) -> None:
-        key = message[:NOTE_CHARS]
+        key = bounded(message)
         with self._lock:
             if key in self._notes or len(self._notes) < MAX_NOTES:
                 self._notes[key] = self._notes.get(key, 0) + 1

@@ -5,18 +5,28 @@ inputs, each from the same state (runtime/beside.py: an artifact that writes int
 it does not declare is caught, and undone where a copy fit `max_snapshot_bytes`; the
 inputs it declares in `signature.mutates`, a KV cache's rows, it must write as native
 does, and nowhere else); the artifact serves only if its outputs pass the manifest's
-parity (shapes, dtypes, strides, then bits or allclose with NaN/inf in place). Raising at any
-call, a wrong output at any call, failing parity, mutating an input, or (with
-`speed_gate`) not being faster, demotes the artifact to the native region for the rest of
-the session; the run goes on with the native output. Under `strict` a demotion raises.
+parity (the values: bits, or allclose with NaN/inf in place). Raising at any call, a wrong
+output at any call (`bad_output`: count, type, shape, dtype, stride or device, at the gate as
+later), failing parity, mutating an input, or (with `speed_gate`) not being faster, demotes
+the artifact to the native region for the rest of the session; the run goes on with the
+native output. Under `strict` a demotion raises.
 
-An artifact can also go wrong after its gate (state, a cache, a race): parity is checked
-again at the 2nd, 4th, 8th, ... eager call per shape key (the cost stays logarithmic), and
-on every call under `timing="shadow"`, which runs native anyway. A re-check judges the
-outputs, the undeclared inputs and the declared ones where the region writes them (a KV
-cache's new rows): what the kernel writes beyond those rows is judged at the first call of
-each shape key, where the cache is read whole, not again on every re-check at the cache's size. A replay inside a CUDA
-graph calls no Python, so only eager calls are re-checked.
+An artifact can also go wrong after its gate (state, a cache, values only some inputs
+have): it is checked again on the calls of each shape key its own schedule picks (the
+`artifact_recheck` option, runtime/schedule.py: by default "dense", denser than the
+lowering's, since a hand-written kernel is far likelier to be wrong on some inputs than
+torch's lowering), and on every call under `timing="shadow"`, which runs native anyway. A
+re-check judges the outputs, the undeclared inputs and the declared ones where the region
+writes them (a KV cache's new rows): what the kernel writes beyond those rows is judged at
+the first call of each shape key, where the cache is read whole, not again on every
+re-check at the cache's size. A replay inside a CUDA graph calls no Python, so the gate
+re-checks eager calls only; a graph whose artifacts replay is checked whole against eager
+on their schedule too (runtime/eager_check.py, with `schedule.graph_schedule`), and a call a
+bitwise artifact served inside such a check counts as checked here.
+
+The record says, per region, the calls the artifact served since its last check and the
+most it served unchecked in a row (`served_since_check`, `largest_gap`), and for a demotion
+at a re-check the call that caught it and the calls served unchecked before it.
 
 Under dynamic shapes the region also takes size symbols (SymInts, concrete ints at run
 time): the native region gets every input, the artifact its tensor inputs only
@@ -45,9 +55,14 @@ from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
 from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.parity import Mismatch, compare
+from graphdispatch_backend.runtime.schedule import Due
 from graphdispatch_backend.runtime.world import Writes
 
 SPEED_REPEATS = 7
+MAX_KEYS = 4096  # shape keys whose schedules a gate keeps (past it they start over), as eager_check's
+# what a structural mismatch is (runtime/parity.py `Mismatch.what`): a wrong output, not a parity
+# failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
+_STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
 _reference = threading.local()
 
 
@@ -88,6 +103,10 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
+def _reason(mismatch: Mismatch) -> Demotion:
+    return Demotion.BAD_OUTPUT if mismatch.what in _STRUCTURE else Demotion.PARITY
+
+
 class ArtifactGate:
     def __init__(
         self,
@@ -105,6 +124,7 @@ class ArtifactGate:
         writes: Writes | None = None,
         snapshot_limit: int | None = None,
         input_names: Sequence[str] = (),
+        recheck: str | int = "dense",
     ) -> None:
         if kernel_inputs is None:
             self._artifact = artifact
@@ -124,7 +144,9 @@ class ArtifactGate:
         self._speed_gate = speed_gate
         self._strict = strict
         self._passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._seen: dict[tuple[Any, ...], int] = {}  # eager calls per shape key, the gate's included
+        self._recheck = recheck  # the artifact_recheck option: which eager calls are checked
+        self._schedules: dict[tuple[Any, ...], Due] = {}  # per shape key, over its eager calls (the gate's included)
+        self._closed = 0  # the unchecked run a check inside a whole-graph check closed (put back if it fails)
         self._lock = threading.Lock()
         self.demoted = False
         self._tolerant = parity.mode != "bitwise"
@@ -152,25 +174,51 @@ class ArtifactGate:
                     return self._gate(key, inputs)
                 expected = self._passed[key]
         replaying = in_recording()
-        if not replaying:  # unlocked: a lost increment under threads only shifts a re-check
-            seen = self._seen[key] = self._seen.get(key, 1) + 1
-            if seen & (seen - 1) == 0:  # a power of two: check parity again
-                with self._lock:
-                    return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
+        if not replaying and self._due(key):  # unlocked: a lost call under threads only shifts a re-check
+            with self._lock:
+                return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
             if self._beside.mutates:  # both would write: every call is judged side by side instead
                 with self._lock:
                     return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
             return self._shadow(inputs, expected)
-        outs = self._served(inputs, expected)
+        outs = self._outputs(inputs, expected)
         if outs is None:
             return self._run_native(inputs)
         if not replaying:  # a replay is counted once, by the runner (replayed())
-            with self._record.lock:
-                self._record.calls += 1
+            self._served(checked=self._in_graph_check())
         return outs
 
-    def _served(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _due(self, key: tuple[Any, ...]) -> bool:
+        """Whether this eager call of shape key `key` is checked (the `artifact_recheck` schedule)."""
+        due = self._schedules.get(key)
+        if due is None:
+            if len(self._schedules) >= MAX_KEYS:
+                self._schedules.clear()  # a bound on memory: the keys' schedules start over
+            due = self._schedules[key] = Due(self._recheck, f"{self._record.artifact}:{self._record.region}:{key}")
+        return due()
+
+    def _in_graph_check(self) -> bool:
+        """This call runs inside the whole graph's check against eager (runtime/eager_check.py),
+        which compares what a bitwise artifact served here, bit for bit, and isolates it if it
+        differs: the call is a checked one."""
+        return not self._tolerant and getattr(_reference, "on", False)
+
+    def _served(self, checked: bool, replayed: bool = False) -> None:
+        """Count one call the artifact served, and the run of calls it served unchecked."""
+        record = self._record
+        with record.lock:
+            if replayed:
+                record.replays += 1
+            else:
+                record.calls += 1
+            if checked:
+                self._closed, record.served_since_check = record.served_since_check, 0
+            else:
+                record.served_since_check += 1
+                record.largest_gap = max(record.largest_gap, record.served_since_check)
+
+    def _outputs(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The artifact's outputs, or None after demoting it for raising or a bad output."""
         result, exc = self._contain(lambda: self._artifact(*inputs))
         if exc is not None and in_recording() and refused_by_capture(exc):
@@ -201,6 +249,9 @@ class ArtifactGate:
             self._contain(o.keep_native)
             if verdict is not None:
                 reason, detail, mismatch = verdict
+                if not self._tolerant:  # its serving in this check counted as checked: it failed the check
+                    with self._record.lock:
+                        self._record.served_since_check = self._closed
                 self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch)
             return o.native
 
@@ -217,17 +268,18 @@ class ArtifactGate:
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded
         with the artifact's kernels, or (`native`) with the native region's."""
-        with self._record.lock:
-            if native:
+        if native:
+            with self._record.lock:
                 self._record.native_calls += 1
-            else:
-                self._record.replays += 1
+        else:  # inside a whole-graph check the replay's outputs are compared with eager's
+            self._served(checked=self._in_graph_check(), replayed=True)
 
     def _reference_call(self, inputs: Sequence[Any]) -> Sequence[Any]:
         """Inside native_regions(): gate as usual if this shape key is new, but answer natively."""
         key = layout_key(inputs)
         with self._lock:
             if key not in self._passed and not self.demoted:
+                self._due(key)  # the key's first call: its schedule starts here
                 return self._judge(key, inputs, native_answer=True)
         return self._run_native(inputs)
 
@@ -242,6 +294,8 @@ class ArtifactGate:
 
     def _gate(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
         start = self._timing.now() if self._timing.enabled else 0.0
+        if not in_recording():
+            self._due(key)  # the key's first call (checked, whatever the schedule): its schedule starts here
         try:
             return self._judge(key, inputs)
         finally:
@@ -267,6 +321,8 @@ class ArtifactGate:
             reason, detail, mismatch = verdict
             if o.outside and "beyond the rows" not in detail:
                 detail += f"; {self._beyond(o)}"
+            if recheck:
+                detail += self._caught(key)
             self._demote(reason, detail, mismatch)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
@@ -285,9 +341,22 @@ class ArtifactGate:
             return native
         if not in_recording():
             with self._record.lock:
-                self._record.calls += 1
                 self._record.native_calls -= 1  # the native run here was the reference, not a fallback
+            self._served(checked=True)
         return outs
+
+    def _caught(self, key: tuple[Any, ...]) -> str:
+        """A re-check failed: the call of its shape key that caught it, and the calls the
+        artifact served unchecked since the check before, said and recorded."""
+        due = self._schedules.get(key)
+        record = self._record
+        with record.lock:
+            unchecked = record.served_since_check
+            record.caught_at_call, record.unchecked_calls = (due.n if due else None), unchecked
+        if due is None:
+            return ""
+        return (f"; caught at call {due.n} of its shape key by the artifact_recheck schedule (the check before: "
+                f"call {due.previous}); {unchecked} call(s) served unchecked since its last check")
 
     def _verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:
         """Why the artifact is demoted after this side-by-side run, or None (it passed)."""
@@ -308,7 +377,7 @@ class ArtifactGate:
         assert o.native is not None
         mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
         if mismatch is not None:
-            return Demotion.PARITY, str(mismatch), mismatch
+            return _reason(mismatch), str(mismatch), mismatch
         if o.writes is not None:
             return Demotion.PARITY, o.writes.describe(f"the rows it writes in place ({self._written()})"), o.writes
         if o.outside:
@@ -352,7 +421,7 @@ class ArtifactGate:
 
     def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
         t0 = self._timing.now()
-        outs = self._served(inputs, expected)
+        outs = self._outputs(inputs, expected)
         t1 = self._timing.now()
         native = self._run_native(inputs)
         t2 = self._timing.now()
@@ -366,11 +435,11 @@ class ArtifactGate:
         p = self._parity
         mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
         if mismatch is not None:  # native ran anyway: every call is a parity check
-            self._demote(Demotion.PARITY, f"{mismatch} (shadow check)", mismatch)
+            self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch)
             return native
         with self._record.lock:
-            self._record.calls += 1
             self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
+        self._served(checked=True)
         return outs
 
     def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None) -> None:

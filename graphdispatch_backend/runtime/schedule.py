@@ -1,52 +1,121 @@
-"""Recheck: on which calls a graph is checked against eager, for as long as it lives.
+"""Recheck: on which calls a graph, or an artifact, is checked, for as long as it lives.
 
-A check runs the Dynamo graph eagerly beside the served call and compares, bit for bit
-(runtime/eager_check.py): it judges the capture, the lowering and every artifact inside at
-once. Checks never stop: an artifact or a lowering wrong for some values only is met when
-such values come, not only in the first calls. The `recheck` option picks the calls, per
-shape key:
+A check of a graph runs the Dynamo graph eagerly beside the served call and compares, bit
+for bit (runtime/eager_check.py): it judges the capture, the lowering and every artifact
+inside at once. A check of an artifact runs its native region beside it on the call's own
+inputs (runtime/gate.py). Checks never stop: an artifact or a lowering wrong for some
+values only is met when such values come, not only in the first calls. Two options pick
+the calls, per shape key: `recheck` for the graph (the lowering, the capture), and
+`artifact_recheck` for each artifact's region. Both take the same values:
 
-- "doubling" (the default): the 1st, 2nd, 4th, 8th, ... call; the interval doubles up to
-  CAP calls and stays there. From JITTER_FROM on, each position moves by up to a quarter of
-  its interval, drawn from a generator seeded by the graph and the key (the same on every
-  rank, so ranks check the same calls): inputs that repeat with a period cannot hide from
-  it. A check costs one eager run, so this costs 1/CAP of an eager run per call for good.
+- "doubling" (`recheck`'s default): the 1st, 2nd, 4th, 8th, ... call; the interval doubles
+  up to CAP calls and stays there. From JITTER_FROM on, each position moves by up to a
+  quarter of its interval, drawn from a generator seeded by the graph and the key (the
+  same on every rank, so ranks check the same calls): inputs that repeat with a period
+  cannot hide from it. A check costs one eager run, so this costs 1/CAP of an eager run
+  per call for good.
+- "dense" (`artifact_recheck`'s default): a hand-written kernel is far more likely to be
+  wrong on some inputs than torch's lowering, so its schedule starts as doubling's (1, 2,
+  4, 8) and then checks twice per doubling (12, 16, 24, 32, 48, 64, ..., 512, 768, 1024:
+  the interval is the largest power of two at most half the call's number, so from call 8
+  on about a third of the calls so far at most were served since the last check), the interval capped at
+  DENSE_CAP calls, jittered the same way around those positions. DENSE_CAP is the densest
+  power of two whose measured steady cost stays within 2% of a call on the bench stack
+  with every block an artifact (`bench/recheck.py`, "artifact steady": 256 costs 1.4%
+  where every call is eager, where each check judges every region beside its native
+  one; 128 cost 2.4% there).
 - an integer N: the first call and every Nth after it;
 - "every": every call (artifact authors' CI; what `timing="shadow"` implies).
+
+A graph whose artifacts are served from CUDA-graph replays (which run no Python, so no
+gate sees them) is checked on both schedules at once (`graph_schedule`): the union of the
+two, written "A|B" for `Due`.
 """
 
 from __future__ import annotations
 
 import random
 
-CAP = 1024  # the longest interval between two checks, in calls
+CAP = 1024  # the longest interval between two checks of "doubling", in calls
 JITTER_FROM = 16  # intervals from this long on are jittered
+DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then checks twice per doubling
+DENSE_CAP = 256  # the longest interval of "dense", in calls (bench/recheck.py: its cost <= 2%)
+MODES = ("doubling", "dense", "every")  # and an integer N >= 1
+
+
+def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_artifacts: bool) -> str | int:
+    """The schedule of a graph's eager check: the lowering's, and where the graph's
+    artifacts may be served from replays (no gate runs there), the artifacts' too."""
+    if not replayed_artifacts or recheck == "every" or recheck == artifact_recheck:
+        return recheck
+    return f"{recheck}|{artifact_recheck}"
+
+
+class _Track:
+    """One schedule's positions (see the module docstring)."""
+
+    __slots__ = ("_cap", "_dense", "_every", "_gap", "_next", "_nominal", "_rng", "_seed")
+
+    def __init__(self, mode: str | int, seed: str) -> None:
+        if isinstance(mode, str) and mode.isdigit():  # "A|B" carries integers as text
+            mode = int(mode)
+        if not (mode in MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1)):
+            raise ValueError(f"unknown recheck schedule {mode!r}")
+        self._next = self._nominal = 1
+        self._every = 1 if mode == "every" else mode if isinstance(mode, int) else 0
+        self._dense = mode == "dense"
+        self._cap = DENSE_CAP if self._dense else CAP
+        self._gap = 1
+        self._seed = seed
+        # made at the first jittered interval: a shape key called a few times (a growing
+        # cache's) never holds a generator's state (2.5 KB)
+        self._rng: random.Random | None = None
+
+    def __call__(self, n: int) -> bool:
+        if n < self._next:
+            return False
+        if self._every:
+            self._next = n + self._every
+            return True
+        if self._dense:
+            # positions are computed from the nominal ones (1, 2, 4, 8, 12, 16, 24, ...), and
+            # each is jittered around its own: what the docs list is where checks fall
+            nominal = self._nominal
+            gap = nominal if nominal < DENSE_FROM else min(1 << ((nominal // 2).bit_length() - 1), self._cap)
+            self._nominal = nominal + gap
+            self._next = max(n + 1, self._nominal + self._jitter(gap))
+            return True
+        gap = self._gap = min(max(self._gap, n), self._cap)  # 1, 2, 4, ... then CAP
+        self._next = n + gap + self._jitter(gap)
+        return True
+
+    def _jitter(self, gap: int) -> int:
+        if gap < JITTER_FROM:
+            return 0
+        if self._rng is None:
+            self._rng = random.Random(self._seed)
+        return self._rng.randint(-(gap // 4), gap // 4)
 
 
 class Due:
-    """One shape key's schedule: called once per call, true on a checked call."""
+    """One shape key's schedule: called once per call, true on a checked call. `mode` is a
+    schedule (above) or "A|B", checked on either's calls."""
 
-    __slots__ = ("_every", "_gap", "_next", "_rng", "last", "n", "previous")
+    __slots__ = ("_tracks", "last", "n", "previous")
 
     def __init__(self, mode: str | int, seed: str) -> None:
         self.n = 0
         self.last = self.previous = 0  # the last checked call, and the one before it
-        self._next = 1
-        self._every = 1 if mode == "every" else mode if isinstance(mode, int) else 0
-        self._gap = 1
-        self._rng: random.Random | None = random.Random(seed) if self._every == 0 else None
+        parts = mode.split("|") if isinstance(mode, str) else [mode]
+        # the first schedule keeps the plain seed: a graph's lowering checks fall on the same
+        # calls with or without artifacts, and on every rank
+        self._tracks = tuple(_Track(m, seed if i == 0 else f"{seed}|{m}") for i, m in enumerate(parts))
 
     def __call__(self) -> bool:
         n = self.n = self.n + 1
-        if n < self._next:
-            return False
-        self.previous, self.last = self.last, n
-        if self._every:
-            self._next = n + self._every
-            return True
-        gap = self._gap = min(max(self._gap, n), CAP)  # 1, 2, 4, ... then CAP
-        if gap >= JITTER_FROM:
-            assert self._rng is not None
-            gap += self._rng.randint(-(gap // 4), gap // 4)
-        self._next = n + gap
-        return True
+        due = False
+        for track in self._tracks:  # every schedule sees every call
+            due = track(n) or due
+        if due:
+            self.previous, self.last = self.last, n
+        return due

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 import graphdispatch_backend
-from graphdispatch_backend.__main__ import main
+from graphdispatch_backend.__main__ import _parser, main
 from graphdispatch_backend.artifacts.catalog import kinds
+from graphdispatch_backend.diagnostics.render import load
+from graphdispatch_backend.diagnostics.report import expand
 from graphdispatch_backend.testing import MLP_SOURCE, Stack, write_bundle
 
 
@@ -59,8 +62,8 @@ def test_every_region_is_listed_by_kind(report_dir, capsys):
     report = json.loads((report_dir / "dispatch.json").read_text())
     (graph,) = report["graphs"]
     header = next(line for line in out.splitlines() if line.startswith("pattern "))
-    rows = out.split(header, 1)[1].splitlines()[2:]
-    rows = [re.split(r"\s{2,}", r) for r in rows if r.strip() and not r.startswith("list one")]
+    rows = out.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]  # the table, not the commands below it
+    rows = [re.split(r"\s{2,}", r) for r in rows if r.strip()]
     # one row per kind, and every region counted once
     assert sum(int(r[2].lstrip("x")) for r in rows) == len(graph["regions"])
     by_pattern = {r[0]: r for r in rows}
@@ -77,7 +80,7 @@ def test_a_pattern_lists_the_manifest_fields_to_copy_and_they_serve(report_dir, 
     signature_line = next(line for line in out.splitlines() if line.lstrip().startswith('"signature"'))
     fields = json.loads("{" + region_line.strip() + signature_line.strip().rstrip(",") + "}")
     assert fields["region"]["module"] == "stack.blocks.*.mlp"
-    report = json.loads((report_dir / "dispatch.json").read_text())
+    report = expand(json.loads((report_dir / "dispatch.json").read_text()))  # every region whole
     region = next(r for r in report["graphs"][0]["regions"] if r["name"] == "stack.blocks.0.mlp")
     assert fields["region"]["fingerprint"] == region["fingerprint"]
     assert [i["name"] for i in fields["signature"]["inputs"]] == [i["name"] for i in region["inputs"]]
@@ -166,3 +169,89 @@ def test_every_listed_pattern_names_one_kind_and_scaffolds(report_dir, tmp_path,
     linear = next(k for k in every if k.cls == "Linear" and len(k.regions) > 1)
     pattern = linear.own_patterns(every)[0]
     scaffold(report, pattern, tmp_path / "one")  # names one kind: written
+
+
+# -- the commands the listing prints are ones to copy ---------------------------------------------
+
+
+def compile_twice(report_dir: Path) -> None:
+    """A Stack at batch 2, then 5: Dynamo recompiles with a symbolic batch, so every module
+    name has two kinds (two graphs), and only a fingerprint tells them apart."""
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(Stack(depth=2, dim=8).eval(), backend="graphdispatch",
+                             options={"report_dir": str(report_dir)})
+    with torch.no_grad():
+        for batch in (2, 5):
+            compiled(torch.randn(batch, 4, 8))
+    graphdispatch_backend.flush()
+
+
+def printed_commands(out: str) -> list[list[str]]:
+    """Every `python -m graphdispatch_backend ...` line of the output, as the argv a shell
+    would give `main` (after `python -m graphdispatch_backend`)."""
+    lines = [line.split("python -m graphdispatch_backend ", 1)[1] for line in out.splitlines()
+             if "python -m graphdispatch_backend " in line]
+    return [shlex.split(line) for line in lines]
+
+
+def test_the_printed_next_commands_parse_and_do_what_they_say(tmp_path, capsys, monkeypatch):
+    """The hint used to be `--regions 'blocks.* --fingerprint a910634b'`: a pattern that names
+    nothing, and `report` takes no --fingerprint. Now: commands with the real directory."""
+    compile_twice(tmp_path / "gd_out")
+    monkeypatch.chdir(tmp_path)  # the scaffold command writes under my_kernels/, relative
+    out = listing(capsys, str(tmp_path / "gd_out"), "--regions")
+    report_argv, scaffold_argv = printed_commands(out)
+    for argv in (report_argv, scaffold_argv):
+        _parser().parse_args(argv)  # an argparse error would SystemExit here
+    assert report_argv[:2] == ["report", str(tmp_path / "gd_out")] and report_argv[2] == "--regions"
+    assert scaffold_argv[:4] == ["artifacts", "scaffold", str(tmp_path / "gd_out"), "--region"]
+    assert scaffold_argv[4] == report_argv[3]  # the same pattern
+    assert "--fingerprint" in scaffold_argv  # the same names in two graphs: the fingerprint picks one kind
+
+    # the listing command lists the kind, with its fields; the scaffold command writes its bundle
+    listed = listing(capsys, *report_argv[1:])
+    assert main(scaffold_argv) == 0
+    written = capsys.readouterr().out
+    manifest = json.loads((tmp_path / scaffold_argv[-1] / "artifact.json").read_text())
+    fingerprint = scaffold_argv[scaffold_argv.index("--fingerprint") + 1]
+    assert manifest["region"]["fingerprint"].startswith(fingerprint) and "wrote" in written
+    assert f'"fingerprint": "{manifest["region"]["fingerprint"]}"' in listed
+
+
+def test_under_a_pattern_each_kind_prints_a_scaffold_command_that_writes_it(tmp_path, capsys, monkeypatch):
+    compile_twice(tmp_path / "gd_out")
+    monkeypatch.chdir(tmp_path)
+    out = listing(capsys, str(tmp_path / "gd_out"), "--regions", "blocks.*.mlp")
+    commands = printed_commands(out)
+    assert len(commands) == 2 and all(c[:2] == ["artifacts", "scaffold"] for c in commands)
+    below = out.split("\n\n", 1)[1]  # under the table, a `--fingerprint` is a command's argument, never prose
+    assert all("python -m graphdispatch_backend " in line for line in below.splitlines() if "--fingerprint" in line)
+    fingerprints = []
+    for argv in commands:
+        _parser().parse_args(argv)
+        assert main(argv) == 0
+        fingerprints.append(json.loads((tmp_path / argv[-1] / "artifact.json").read_text())["region"]["fingerprint"])
+    capsys.readouterr()
+    assert len(set(fingerprints)) == 2  # one bundle per kind, in folders of their own
+    assert main(["artifacts", "verify", "my_kernels"]) == 0
+
+
+def test_strides_of_inputs_and_outputs_are_listed(report_dir, capsys):
+    """Parity compares output strides: the listing shows them before a failure does."""
+    report, _, _ = load(report_dir)
+    region = next(r for r in report["graphs"][0]["regions"] if r["name"] == "stack.blocks.0.mlp")
+
+    def stride(entry: dict) -> str:
+        return "(" + ", ".join(map(str, entry["stride"])) + ("," if len(entry["stride"]) == 1 else "") + ")"
+
+    table = listing(capsys, str(report_dir), "--regions")
+    row = next(line for line in table.splitlines() if line.startswith("stack.blocks.*.mlp "))
+    output = region["outputs"][0]
+    assert f"{output['dtype']}[{', '.join(map(str, output['shape']))}] stride {stride(output)}" in row
+    out = listing(capsys, str(report_dir), "--regions", "stack.blocks.*.mlp")
+    (line,) = [line for line in out.splitlines() if line.lstrip().startswith("strides")]
+    want = (", ".join(f"{i['name']} {stride(i)}" for i in region["inputs"]) + "; "
+            + ", ".join(f"{o['name']} {stride(o)}" for o in region["outputs"]))
+    assert line.endswith(want), (line, want)

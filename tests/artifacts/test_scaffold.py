@@ -6,19 +6,31 @@ inputs); and every way it refuses, with a message that says what to do."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from expecttest import assert_expected_inline
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts.bundle import verify_bundle
+from graphdispatch_backend.artifacts.match import match_region
 from graphdispatch_backend.artifacts.scaffold import ScaffoldError, scaffold
-from graphdispatch_backend.testing import Stack
+from graphdispatch_backend.diagnostics.render import load
+from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.errors import Rejection
+from graphdispatch_backend.passes.context import PassContext
+from graphdispatch_backend.passes.substitute import substitute
+from graphdispatch_backend.passes.tag_regions import tag_regions
+from graphdispatch_backend.testing import Mlp, Stack, aten_graph
+
+TORCH = "2.13.0+cpu"
 
 
 def compile_stack(report_dir: Path, batches: tuple[int, ...] = (2, 2), artifacts: Path | None = None,
@@ -51,11 +63,11 @@ def test_scaffold_verify_compile_parity_bitwise(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert main(["artifacts", "verify", str(tmp_path / "kernels")]) == 0
     manifest = json.loads((bundle / "artifact.json").read_text())
-    mlp = next(r for r in first["graphs"][0]["regions"] if r["name"] == "blocks.0.mlp")
+    mlp = next(r for r in expand(first)["graphs"][0]["regions"] if r["name"] == "blocks.0.mlp")
     assert manifest["region"] == {"module": "blocks.*.mlp", "fingerprint": mlp["fingerprint"]}
     assert manifest["signature"]["inputs"] == [{"name": i["name"], "shape": i["shape"], "dtype": i["dtype"]}
                                                for i in mlp["inputs"]]
-    assert manifest["parity"] == {"mode": "bitwise"} and manifest["devices"] == ["cpu"]
+    assert manifest["parity"] == {"mode": "bitwise"} and manifest["devices"] == ["cpu", "cuda"]
     assert manifest["torch"] == {"min": "2.13", "max_exclusive": "2.14"}
     assert_expected_inline((bundle / "kernel.py").read_text().split('"""', 2)[2], """\
 
@@ -64,15 +76,23 @@ import torch
 
 
 def forward(input0, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
-    view = torch.ops.aten.view.default(input0, [8, 8])  # float32[8, 8]
-    t = torch.ops.aten.t.default(fc1_weight)  # float32[8, 16]
-    addmm = torch.ops.aten.addmm.default(fc1_bias, view, t)  # float32[8, 16]
-    view_1 = torch.ops.aten.view.default(addmm, [2, 4, 16])  # float32[2, 4, 16]
-    relu = torch.ops.aten.relu.default(view_1)  # float32[2, 4, 16]
-    view_2 = torch.ops.aten.view.default(relu, [8, 16])  # float32[8, 16]
-    t_1 = torch.ops.aten.t.default(fc2_weight)  # float32[16, 8]
-    addmm_1 = torch.ops.aten.addmm.default(fc2_bias, view_2, t_1)  # float32[8, 8]
-    view_3 = torch.ops.aten.view.default(addmm_1, [2, 4, 8])  # float32[2, 4, 8]
+    # inputs (dtype[shape] stride), as the region receives them:
+    #   input0: float32[2, 4, 8] stride (32, 8, 1)
+    #   fc1_weight: float32[16, 8] stride (8, 1)
+    #   fc1_bias: float32[16] stride (1,)
+    #   fc2_weight: float32[8, 16] stride (16, 1)
+    #   fc2_bias: float32[8] stride (1,)
+    view = torch.ops.aten.view.default(input0, [8, 8])  # float32[8, 8] stride (8, 1)
+    t = torch.ops.aten.t.default(fc1_weight)  # float32[8, 16] stride (1, 8)
+    addmm = torch.ops.aten.addmm.default(fc1_bias, view, t)  # float32[8, 16] stride (16, 1)
+    view_1 = torch.ops.aten.view.default(addmm, [2, 4, 16])  # float32[2, 4, 16] stride (64, 16, 1)
+    relu = torch.ops.aten.relu.default(view_1)  # float32[2, 4, 16] stride (64, 16, 1)
+    view_2 = torch.ops.aten.view.default(relu, [8, 16])  # float32[8, 16] stride (16, 1)
+    t_1 = torch.ops.aten.t.default(fc2_weight)  # float32[16, 8] stride (1, 16)
+    addmm_1 = torch.ops.aten.addmm.default(fc2_bias, view_2, t_1)  # float32[8, 8] stride (8, 1)
+    view_3 = torch.ops.aten.view.default(addmm_1, [2, 4, 8])  # float32[2, 4, 8] stride (32, 8, 1)
+    # outputs: parity compares their dtype, shape, stride and values with the region's:
+    #   view_3: float32[2, 4, 8] stride (32, 8, 1)
     return (view_3,)
 """)
 
@@ -103,7 +123,7 @@ def test_casts_are_explicit_under_autocast(tmp_path):
 
 def test_under_dynamic_shapes_the_kernel_computes_its_sizes(tmp_path):
     first = compile_stack(tmp_path / "first", batches=(2, 5), dynamic=True)
-    mlp = next(r for g in first["graphs"] for r in g["regions"] if r["name"] == "blocks.0.mlp")
+    mlp = next(r for g in expand(first)["graphs"] for r in g["regions"] if r["name"] == "blocks.0.mlp")
     assert mlp["sizes"] and mlp["inputs"][0]["shape"] == [None, None, 8]
     manifest = scaffold(first, "blocks.*.mlp", tmp_path / "kernels" / "dyn-mlp")
     assert all(i["dtype"] != "symint" for i in manifest["signature"]["inputs"])
@@ -146,7 +166,7 @@ def test_an_existing_bundle_is_never_overwritten(report, tmp_path, capsys):
 
 
 def _edited(report: dict[str, Any], edit) -> dict[str, Any]:
-    doc = copy.deepcopy(report)
+    doc = expand(copy.deepcopy(report))  # region_graphs as data, to edit
     graph = doc["graphs"][0]
     fp = next(r for r in graph["regions"] if r["name"] == "blocks.0.mlp")["fingerprint"]
     edit(graph["region_graphs"][fp], graph)
@@ -180,3 +200,97 @@ def test_the_written_bundle_verifies_and_its_id_comes_from_the_folder(report, tm
     manifest = scaffold(report, "blocks.*.mlp", tmp_path / "my kernels!")
     assert manifest["id"] == "my-kernels-"
     assert verify_bundle(tmp_path / "my kernels!").manifest.id == "my-kernels-"
+
+
+# -- devices: a bundle scaffolded on a CPU serves on a GPU ------------------------------------------
+
+
+class Chain(torch.nn.Module):
+    """Two MLPs, the second fed by the first: substituting `mlps.0` rewires `mlps.1`'s input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlps = torch.nn.ModuleList(Mlp(8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mlp in self.mlps:
+            x = mlp(x)
+        return x
+
+
+def on_cuda(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The same lowered graph with every value on cuda:0 (shapes, strides, dtypes kept): what
+    lowering these modules on a GPU gives, built here without one. Matching reads only this."""
+    mode = FakeTensorMode()
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            node.meta["val"] = FakeTensor(mode, meta, torch.device("cuda:0"))
+    return gm
+
+
+def test_a_bundle_scaffolded_on_cpu_lists_cuda_and_serves_the_region_on_cuda(tmp_path):
+    torch.manual_seed(0)
+    model = Chain().eval()
+    x = torch.randn(2, 8)
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="graphdispatch", options={"report_dir": str(tmp_path / "r")})(x)
+    graphdispatch_backend.flush()
+    report, _, _ = load(tmp_path / "r")
+    manifest = scaffold(report, "mlps.?", tmp_path / "kernels" / "mlp")
+    assert manifest["devices"] == ["cpu", "cuda"]
+    assert '"cuda"' in (tmp_path / "kernels" / "mlp" / "kernel.py").read_text()  # and it says how to narrow it
+    artifact = types.SimpleNamespace(id="mlp", manifest=verify_bundle(tmp_path / "kernels" / "mlp").manifest)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        lowered = aten_graph(model, x)
+    ctx = PassContext(input_origins=lowered.origins)
+    tag_regions(on_cuda(lowered.gm), ctx)
+    regions = {r.name: r for r in ctx.regions}
+    region = regions["mlps.0"]
+    # the boundary's device type is part of a fingerprint: the CPU one pinned in the manifest
+    # is not this region's, and the match still holds (the same graph, on a device it lists)
+    assert region.device_type == "cuda" and region.fingerprint != manifest["region"]["fingerprint"]
+    assert match_region(region, [artifact], [], TORCH).selected is artifact
+    only_cpu = types.SimpleNamespace(id="mlp", manifest=dataclasses.replace(artifact.manifest, devices=("cpu",)))
+    (rejection,) = match_region(region, [only_cpu], [], TORCH).rejections
+    assert rejection.reason is Rejection.DEVICE  # narrowed by hand: refused, and said why
+
+    # and substituted, both: `mlps.1` is matched after `mlps.0`'s call replaced its input
+    ctx.matcher = lambda r: match_region(r, [artifact], [], TORCH)
+    ctx.make_call = lambda _region, _outcome, native: lambda *args: native(*args)
+    substitute(lowered.gm, ctx)
+    assert [(s.region, s.artifact) for s in ctx.substitutions] == [("mlps.0", "mlp"), ("mlps.1", "mlp")]
+
+
+class Positions(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+
+
+class WithPositions(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = Positions()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pos(x) * 2
+
+
+def test_a_region_whose_graph_spells_its_device_is_scaffolded_for_that_device(tmp_path):
+    """`arange(..., device=cpu)` is another graph on a GPU (another fingerprint): the bundle
+    lists the device its graph spells, and says so."""
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(WithPositions(), backend="graphdispatch",
+                      options={"report_dir": str(tmp_path / "r")})(torch.randn(2, 8))
+    graphdispatch_backend.flush()
+    report, _, _ = load(tmp_path / "r")
+    manifest = scaffold(report, "pos", tmp_path / "kernels" / "pos")
+    assert manifest["devices"] == ["cpu"] and "cpu only: its graph spells the device" in manifest["description"]
+    assert "torch.device('cpu')" in (tmp_path / "kernels" / "pos" / "kernel.py").read_text()

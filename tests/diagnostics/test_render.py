@@ -281,7 +281,7 @@ def test_corrupt_json(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(("payload", "phrase"), [
-    ({"schema_version": 2, "graphs": []}, "has schema_version 2; this graphdispatch reads schema_version 1"),
+    ({"schema_version": 3, "graphs": []}, "has schema_version 3; this graphdispatch reads schema_version 1 or 2"),
     ([1, 2, 3], "is not a graphdispatch report (no schema_version)"),
     ({"graphs": []}, "is not a graphdispatch report (no schema_version)"),
     ({"schema_version": 1}, "graphs[] is missing"),
@@ -298,6 +298,52 @@ def test_corrupt_timing_json_is_said_not_fatal(capsys, report_dir, tmp_path):
     rc, out, _ = _render(capsys, tmp_path / "r")
     assert rc == 0 and "Graphs" in out
     assert any(line.startswith("Timing: ") and "not valid JSON" in line for line in out.splitlines())
+
+
+def test_artifact_checks_say_per_graph_and_per_artifact_what_was_served_unchecked(
+        capsys, tmp_path, write_mlp_bundle, net_factory):
+    """How many calls each artifact served since its last check, and the most it served
+    unchecked in a row, per graph and per artifact: dispatch.json always had the checks'
+    positions in no form a reader could see; the rendered report and the CLI say it."""
+    root = write_mlp_bundle(tmp_path / "bundles", "mlp-exact", "exact", module="*blocks.*.mlp")
+    out = tmp_path / "report"
+
+    class Outer(torch.nn.Module):  # a second graph holding the same artifact's regions
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = net_factory()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.stack(x) * 2
+
+    options = {"cuda_graphs": False, "artifact_recheck": 3, "artifacts": str(root), "report_dir": str(out)}
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    with torch.no_grad():
+        first = torch.compile(net_factory(), backend="graphdispatch", options=options)
+        # checked by the gate at 1, 4, 7, 10 and by the graph's own check (recheck="doubling",
+        # which compares what a bitwise artifact served) at 1, 2, 4, 8: 5-6 served unchecked
+        # in a row, and call 11 since the last check
+        for _ in range(11):
+            first(torch.randn(4, 8))
+        second = torch.compile(Outer().eval(), backend="graphdispatch", options=options)
+        for _ in range(5):  # checked at 1, 2, 4: calls 3 and 5 unchecked
+            second(torch.randn(4, 8))
+    graphdispatch_backend.flush()
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    rc, text, err = _render(capsys, out)
+    assert rc == 0, err
+    assert "artifact_recheck=3" in text.splitlines()[2]  # the header's options
+    assert "artifacts: 4 region calls served since their last check, at most 2 calls served unchecked in a row" in text
+    lines = _section(text, "Artifact checks (artifact_recheck=3")
+    assert _row(lines, "graph_0", "mlp-exact")[2:] == ["2", "22", "2", "2"]  # regions, served, unchecked, gap
+    assert _row(lines, "graph_1", "mlp-exact")[2:] == ["2", "10", "2", "1"]
+    assert _row(lines, "all graphs", "mlp-exact")[2:] == ["4", "32", "4", "2"]
+    report = json.loads((out / "dispatch.json").read_text())
+    assert (report["totals"]["artifact_unchecked_calls"], report["totals"]["artifact_largest_gap"]) == (4, 2)
+    assert [[(s["served_since_check"], s["largest_gap"]) for s in g["substitutions"]] for g in report["graphs"]] == [
+        [(1, 2), (1, 2)], [(1, 1), (1, 1)]]
 
 
 def test_command_line_in_a_subprocess(report_dir):

@@ -48,7 +48,7 @@ def test_dispatch_json_holds_every_contract_key(net, make_bundle, tmp_path, read
     _run(net, {**EMULATE, "artifacts": str(root), "report_dir": str(tmp_path)})
     graphdispatch_backend.flush()
     report = read_json(tmp_path / "dispatch.json")
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 2
     assert report["options"]["cuda_graphs"] == "emulate" and report["options"]["artifacts"] == [str(root)]
     registry = report["registry"]
     assert {"roots", "loaded", "enabled_filter", "excluded_ids", "errors"} <= set(registry)
@@ -173,7 +173,7 @@ def test_written_atomically_a_reader_never_sees_a_partial_file(net, tmp_path, mo
     monkeypatch.setattr(os, "replace", checked_replace)
     _run(net, {**EMULATE, "report_dir": str(tmp_path)}, calls=2)
     graphdispatch_backend.flush()
-    assert ("dispatch.json", 1) in seen and ("timing.json", 1) in seen
+    assert ("dispatch.json", 2) in seen and ("timing.json", 1) in seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dispatch.json", "timing.json"]  # no temp file left
 
 

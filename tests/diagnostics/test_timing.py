@@ -143,9 +143,15 @@ def test_notes_are_bounded_truncated_and_overflow_is_counted():
     assert "decline 200" not in data["notes"]
 
     long = Timing("host")
-    long.note("y" * (NOTE_CHARS + 50))
-    long.note("y" * (NOTE_CHARS + 10))  # the same note once truncated
-    assert long.to_dict()["notes"] == {"y" * NOTE_CHARS: 2}
+    whole = "a" * (NOTE_CHARS - 1) + "z"
+    long.note(whole)  # up to NOTE_CHARS, a note is kept whole
+    long.note("h" + "y" * (NOTE_CHARS + 50) + "t")
+    long.note("h" + "y" * (NOTE_CHARS + 50) + "t")  # the same note, bounded the same way
+    notes = long.to_dict()["notes"]
+    assert notes[whole] == 1
+    (cut,) = [n for n in notes if n != whole]
+    assert notes[cut] == 2 and cut.startswith("hy") and cut.endswith("yt") and "[... 52 characters cut ...]" in cut
+    assert len(cut) < NOTE_CHARS + 40
 
     timing.reset()
     assert timing.to_dict()["notes"] == {} and timing.to_dict()["notes_dropped"] == 0

@@ -160,10 +160,10 @@ def eager_reasons(report: dict[str, Any]) -> dict[str, int]:
 # fault name -> (statements, demotion reason at the parity gate (k=1), reason after it)
 ARTIFACT_FAULTS = {
     "raises": ("raise RuntimeError('injected fault')", "raised", "raised"),
-    "wrong_shape": ("return out[:2]", "parity", "bad_output"),
-    "wrong_dtype": ("return out.double()", "parity", "bad_output"),
-    "wrong_strides": ("return out.t().contiguous().t()", "parity", "bad_output"),
-    "two_outputs": ("return out, out", "parity", "bad_output"),
+    "wrong_shape": ("return out[:2]", "bad_output", "bad_output"),
+    "wrong_dtype": ("return out.double()", "bad_output", "bad_output"),
+    "wrong_strides": ("return out.t().contiguous().t()", "bad_output", "bad_output"),
+    "two_outputs": ("return out, out", "bad_output", "bad_output"),
     "returns_none": ("return None", "bad_output", "bad_output"),
     "returns_float": ("return 1.5", "bad_output", "bad_output"),
     "returns_string": ("return 'out'", "bad_output", "bad_output"),

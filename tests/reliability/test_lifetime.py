@@ -573,7 +573,8 @@ def test_a_graph_that_is_gone_keeps_its_report_compressed(tmp_path):
     collect()
     assert record.regions == [] and record.region_graphs == {}, "the detail of a graph that is gone stays as objects"
     assert graphdispatch_backend.latest_report()["graphs"] == before["graphs"]  # it still says all it said
-    detail = json.dumps({"regions": before["graphs"][0]["regions"], "region_graphs": before["graphs"][0]["region_graphs"]})
+    graph = before["graphs"][0]
+    detail = json.dumps({"regions": graph["regions"], "region_graphs": graph["region_graphs"]})
     assert len(record._frozen) < len(detail) / 3, (len(record._frozen), len(detail))
 
 

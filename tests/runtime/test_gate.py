@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 import graphdispatch_backend
+from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.errors import GraphDispatchError
 from graphdispatch_backend.runtime.parity import Mismatch, bitwise_equal, compare
-from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Block, write_bundle
+from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Block, Mlp, write_bundle
 
 # `{behaviour}` runs after the exact result is computed; CALLS[0] is this call's number (1-based).
 KERNEL = """
@@ -186,16 +187,25 @@ def test_bad_output_at_a_later_call_is_demoted(tmp_path, kind):
     assert (sub["calls"], sub["native_calls"]) == (2, 2)
 
 
-@pytest.mark.parametrize("kind, reason, what", [
-    ("shape", "parity", "shape"), ("dtype", "parity", "dtype"), ("stride", "parity", "stride"),
-    ("count", "parity", "count"), ("non_tensor", "bad_output", "tensors expected"),
-    ("none", "bad_output", "tensors expected"),
+@pytest.mark.parametrize("kind, what", [
+    ("shape", "shape"), ("dtype", "dtype"), ("stride", "stride"), ("count", "count"),
+    ("non_tensor", "tensors expected"), ("none", "tensors expected"),
 ])
-def test_bad_output_at_the_first_call_fails_the_gate(tmp_path, kind, reason, what):
+def test_bad_output_at_the_first_call_fails_the_gate(tmp_path, kind, what):
+    """A wrong count, type, shape, dtype or stride is `bad_output` (errors.py), at the gate
+    as at a later call: `parity` is for values."""
     mlp_bundle(tmp_path, BAD_OUTPUTS[kind][0])
     _, _, sub = run(tmp_path, calls=2)
-    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, reason, "failed")
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "bad_output", "failed")
     assert what in sub["detail"]
+
+
+def test_a_float64_output_for_a_float32_one_is_bad_output_not_parity(tmp_path):
+    mlp_bundle(tmp_path, "out = out.double()")
+    _, _, sub = run(tmp_path, calls=3)
+    assert (sub["demoted"], sub["reason"]) == (True, "bad_output"), sub
+    assert "dtype" in sub["detail"] and "torch.float64" in sub["detail"], sub["detail"]
+    assert (sub["calls"], sub["native_calls"]) == (0, 3)
 
 
 # -- mutation ----------------------------------------------------------------------------------------------
@@ -262,7 +272,7 @@ TWO_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}] * 2
     ("[torch.relu(h), torch.sigmoid(h)]", False, None),  # a list is as good as a tuple
     ("torch.sigmoid(h), torch.relu(h)", True, "output 0: values"),
     ("torch.relu(h), torch.sigmoid(h) * 1.0001", True, "output 1: values"),
-    ("torch.relu(h)", True, "output -1: count: 1 outputs, expected 2"),
+    ("torch.relu(h)", True, "output -1: count: 1 outputs, expected 2"),  # bad_output
     # -0.0 where relu gives +0.0: equal values (torch.equal agrees), different bits
     ("torch.where(h <= 0, -0.0, torch.relu(h)), torch.sigmoid(h)", True,
      "output 0: values: bits differ (max abs diff 0,"),
@@ -273,7 +283,8 @@ def test_multi_output_region(tmp_path, result, demoted, detail):
     _, _, sub = run(tmp_path, calls=3, model=TwoOut())
     assert sub["region"] == "two" and sub["demoted"] is demoted
     if demoted:
-        assert sub["reason"] == "parity" and sub["detail"].startswith(detail), sub["detail"]
+        reason = "bad_output" if ": count: " in detail else "parity"
+        assert sub["reason"] == reason and sub["detail"].startswith(detail), sub["detail"]
     else:
         assert (sub["parity"], sub["calls"]) == ("passed", 3)
 
@@ -501,3 +512,123 @@ def test_structure_mismatches(expected, actual, what):
 
 def test_empty_tensors_compare_equal():
     assert compare([torch.empty(0, 3)], [torch.empty(0, 3)]) is None
+
+
+# == artifact_recheck: the artifact's own schedule =============================================================
+
+# a kernel 1 ulp off on every element when the input's max exceeds 1.0 (tensor ops only, no host
+# read: a capture records it and a replay computes it for each call's values)
+ULP_KERNEL = """
+import torch
+
+
+def forward(w1, b1, x, w2, b2):
+    out = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    return torch.where(x.amax() > 1.0, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+"""
+WRONG_ON = (9, 10, 11, 12, 20)  # the calls of a 20-call run whose input's max exceeds 1.0
+
+
+class OnlyMlp(nn.Module):
+    """The region is the whole model: its output is the kernel's, every ulp of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def _scenario_inputs(calls: int = 20) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(2, 8, generator=g) * 0.5 for _ in range(calls)]  # max < 0.5: the kernel is exact
+    for n in WRONG_ON:
+        xs[n - 1][0, 0] = 2.0
+    return xs
+
+
+def _served_wrong(tmp_path: Path, **options: Any) -> tuple[list[int], dict, dict]:
+    """The 20-call run: the calls whose output differed from eager, the substitution record
+    and the report."""
+    write_bundle(tmp_path / "mlp", "mlp-ulp", "mlp", MLP_INPUTS, MLP_OUTPUTS, ULP_KERNEL)
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = OnlyMlp().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path), **options})
+    wrong = []
+    with torch.no_grad():
+        for n, x in enumerate(_scenario_inputs(), start=1):
+            if not bitwise_equal(compiled(x), model(x)):
+                wrong.append(n)
+    report = graphdispatch_backend.latest_report()
+    return wrong, report["graphs"][-1]["substitutions"][0], report
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, "emulate"])
+def test_a_kernel_wrong_on_calls_9_to_12_and_20_is_caught_by_the_default_schedule(tmp_path, cuda_graphs):
+    """The issue's kernel: 1 ulp off on every element when the input's max exceeds 1.0,
+    which holds on calls 9-12 and 20 of 20. The lowering's schedule (1, 2, 4, 8, 16) meets
+    none of them: 5 of 20 outputs were wrong, and nothing said so. The default
+    `artifact_recheck` ("dense": 1, 2, 4, 8, 12, 16, ...) checks call 12: the calls 9-11 are
+    served as computed (the gap, said in the report), call 12 is answered natively, the
+    artifact is demoted and every later call (20 included) is bitwise. On CPU the gate
+    re-checks its eager calls; with CUDA graphs (emulated) the graph's own check follows the
+    artifact's schedule, since a replay runs no gate."""
+    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    wrong, sub, report = _served_wrong(tmp_path, **options)
+    assert wrong == [9, 10, 11], wrong
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "parity", "failed"), sub
+    assert (sub["caught_at_call"], sub["unchecked_calls"]) == (12, 3), sub
+    assert (sub["served_since_check"], sub["largest_gap"]) == (3, 3), sub  # 9-11 (and 5-7) in a row
+    # served: 1-11; with CUDA graphs also call 12, replayed inside the check that caught it (eager's values answered)
+    served = 11 if cuda_graphs is None else 12
+    assert sub["calls"] + sub["replays"] == served, sub
+    assert report["totals"]["artifact_unchecked_calls"] == 3 and report["totals"]["artifact_largest_gap"] == 3
+    text = render(report)
+    assert "artifacts: 3 region calls served since their last check, at most 3 calls served unchecked in a row" in text
+    checks = text.split("Artifact checks (artifact_recheck='dense'", 1)[1]
+    row = next(line.split() for line in checks.splitlines() if line.startswith("graph_0"))
+    assert row == ["graph_0", "mlp-ulp", "1", str(served), "3", "3"], row
+    assert "mlp-ulp on graph_0 mlp: caught at call 12 of its shape key; 3 calls served unchecked" in checks
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, "emulate"])
+def test_on_the_lowerings_schedule_the_same_kernel_serves_five_wrong_outputs(tmp_path, cuda_graphs):
+    """The old behaviour, asked for by name: the artifact re-checked on the lowering's
+    schedule (1, 2, 4, 8, 16) meets none of calls 9-12 and 20."""
+    options = {"artifact_recheck": "doubling", **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs})}
+    wrong, sub, report = _served_wrong(tmp_path, **options)
+    assert wrong == list(WRONG_ON) and not sub["demoted"], (wrong, sub)
+    assert (sub["served_since_check"], sub["largest_gap"]) == (4, 7), sub  # 17-20 now; 9-15 the widest
+    assert "at most 7 calls served unchecked in a row" in render(report)
+
+
+@pytest.mark.parametrize("artifact_recheck, checked", [
+    ("dense", [1, 2, 4, 8, 12, 16, 24]),
+    ("every", list(range(1, 25))),
+    (5, [1, 6, 11, 16, 21]),
+    ("doubling", [1, 2, 4, 8, 16]),
+])
+def test_the_gate_checks_on_artifact_recheck_not_on_the_lowerings_schedule(tmp_path, artifact_recheck, checked):
+    """Which eager calls the gate judges beside native: the `artifact_recheck` schedule,
+    whatever `recheck` says (the lowering is never re-checked here)."""
+    mlp_bundle(tmp_path)
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={
+        "artifacts": str(tmp_path), "recheck": 10**9, "artifact_recheck": artifact_recheck, "cuda_graphs": False})
+    judged = []
+    with torch.no_grad():
+        for n in range(1, 25):
+            before = substitution()["gates"] if n > 1 else 0
+            x = torch.randn(2, 8)
+            assert torch.equal(compiled(x), model(x))
+            if substitution()["gates"] > before:
+                judged.append(n)
+    assert judged == checked
+    sub = substitution()
+    assert sub["served_since_check"] == 24 - checked[-1]
+    assert sub["largest_gap"] == max(b - a - 1 for a, b in zip(checked, [*checked[1:], 25]))
+

@@ -76,6 +76,7 @@ def scalar_read(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def test_item_splits_around_local_scalar_dense_and_pieces_replay():
+    torch.manual_seed(0)  # values whose derived set tells (else verification waits a call: order-dependent)
     s = torch.arange(3)
     inputs = [(torch.randn(4), s) for _ in range(6)]  # kept alive: x moves every call
     with torch._dynamo.config.patch(capture_scalar_outputs=True):  # else .item() is a graph break

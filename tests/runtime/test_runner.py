@@ -8,7 +8,9 @@ test compares each output with eager, bit for bit, and checks the report's accou
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -366,6 +368,54 @@ def test_pinned_input_moved_recaptures_it_as_moving():
     assert stats.declines == {}
     assert stats.replays == 1 + 2  # re-warmed (2), captured and verified (1), then replays as moving
     assert_stats_accounted(stats, 10)
+
+
+class _Conditioned(nn.Module):
+    """A denoiser step that adds a conditioning tensor the pipeline keeps between steps (read
+    in place while it stays), reached through the pipeline's nested state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, denoising_loop_state: dict[str, Any]) -> torch.Tensor:
+        text = denoising_loop_state["text_encoder_2_outputs"]
+        return self.lin(x) + text["negative_pooled_prompt_embeds_for_classifier_free_guidance"]
+
+
+def test_a_pinned_input_that_moves_is_named_and_its_note_is_whole_in_timing_json(tmp_path):
+    """The note says which input moved by the name the model gives it (not `input 3`), and
+    timing.json keeps the note whole, the name and all."""
+    name = "denoising_loop_state.text_encoder_2_outputs.negative_pooled_prompt_embeds_for_classifier_free_guidance"
+    model = _Conditioned().eval()
+    compiled = emulate(model, warmup=2, timing="host", report_dir=str(tmp_path))
+
+    def state(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        return x, {"text_encoder_2_outputs": {"negative_pooled_prompt_embeds_for_classifier_free_guidance": t}}
+
+    x, cond = torch.randn(2, 8), torch.randn(2, 8)
+    run_checked(compiled, model, [state(cond)] * 5 + [state(torch.randn(2, 8))] * 3)  # it moves after a replay
+    graphdispatch_backend.flush()
+    cg = only_graph()["cuda_graph"]
+    assert cg["eager_by_reason"]["pinned_input_moved"] == 1 and cg["recaptures"] == 1
+    notes = json.loads((tmp_path / "timing.json").read_text())["notes"]
+    (note,) = [n for n in notes if "pinned_input_moved" in n]
+    assert re.fullmatch(rf"recapture graph_0\.piece_0: pinned_input_moved: `{name}` \(input \d+\) is not the tensor "
+                        "the graph was captured with", note), note
+    assert len(note) > 200  # longer than timing.json used to keep
+
+
+def test_an_input_without_a_name_is_named_by_its_position():
+    """A piece's input that is an intermediate value has no name: its position says which."""
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1)
+    runner._names = ("", "w")
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    for _ in range(4):
+        runner(x, w)
+    entry = next(iter(runner._book.entries.values()))
+    said = "is not the tensor the graph was captured with"
+    assert runner._check(entry, (torch.randn(3, 4), w))[1] == f"input 0 {said}"
+    assert runner._check(entry, (x, torch.randn(4, 4)))[1] == f"`w` (input 1) {said}"
 
 
 def test_pinned_inputs_that_keep_moving_end_up_moving_and_replay():
@@ -1146,3 +1196,4 @@ def test_weights_reloaded_once_are_captured_again():
     cg = graphdispatch_backend.latest_report()["graphs"][0]["cuda_graph"]
     assert "parameter_moved" not in cg["declines"]
     assert cg["captures"] == 2 and cg["replays"] >= 4
+

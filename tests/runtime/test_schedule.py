@@ -1,11 +1,15 @@
-"""The recheck schedule (runtime/schedule.py): which calls are checked against eager, for as
-long as a graph lives: doubling up to an interval of CAP calls, jittered so that periodic
-inputs cannot hide, the same on every rank; every Nth; every."""
+"""The recheck schedules (runtime/schedule.py): which calls are checked, for as long as a
+graph or an artifact lives: doubling up to an interval of CAP calls, jittered so that
+periodic inputs cannot hide, the same on every rank; dense (the artifacts' default), twice
+per doubling up to DENSE_CAP; every Nth; every; and the union a graph with replayed
+artifacts is checked on."""
 
 from __future__ import annotations
 
+import pytest
+
 from graphdispatch_backend.runtime import schedule
-from graphdispatch_backend.runtime.schedule import CAP, Due
+from graphdispatch_backend.runtime.schedule import CAP, DENSE_CAP, Due, graph_schedule
 
 
 def _checked(mode: str | int, calls: int, seed: str = "graph_0") -> list[int]:
@@ -41,3 +45,49 @@ def test_without_jitter_a_periodic_bad_input_is_never_met(monkeypatch):
     monkeypatch.setattr(schedule, "JITTER_FROM", 10**9)
     late = [n for n in _checked("doubling", 50000) if n > 5000]
     assert len({n % 8 for n in late}) == 1
+
+
+def test_dense_starts_as_doubling_then_checks_twice_per_doubling_up_to_its_cap():
+    checked = _checked("dense", 40000)
+    assert checked[:8] == [1, 2, 4, 8, 12, 16, 24, 32]  # calls 9-11 are the widest gap before 16
+    nominal = [48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1280]  # then every DENSE_CAP
+    for got, want in zip(checked[8:], nominal):
+        assert abs(got - want) <= (want - checked[checked.index(got) - 1]) // 2, (got, want)
+    gaps = [b - a for a, b in zip(checked, checked[1:])]
+    assert max(gaps) <= DENSE_CAP + 2 * (DENSE_CAP // 4)  # capped (each end jittered by up to a quarter)
+    late = [n for n in checked if n > 10000]
+    assert abs(len(late) - 30000 / DENSE_CAP) <= 4  # one in DENSE_CAP on average: the cost bench/recheck.py measures
+    assert len({n % 16 for n in late}) > 8  # a bad input every 16th call meets a check
+    assert len(checked) > 3 * len(_checked("doubling", 40000))
+
+
+def test_dense_is_denser_than_doubling_everywhere():
+    dense, doubling = set(_checked("dense", 5000)), _checked("doubling", 5000)
+    assert set(doubling[:5]) <= dense  # 1, 2, 4, 8, 16: every call the lowering checks early
+    for upto in (16, 100, 1000, 5000):
+        assert len([n for n in dense if n <= upto]) > len([n for n in doubling if n <= upto])
+
+
+def test_a_union_checks_on_either_schedules_calls_and_keeps_the_lowerings_positions():
+    union = _checked("doubling|dense", 20000, "graph_3")
+    lowering = _checked("doubling", 20000, "graph_3")  # the same seed: the same calls, artifacts or not
+    artifacts = _checked("dense", 20000, "graph_3|dense")
+    assert union == sorted(set(lowering) | set(artifacts))
+    due = Due("doubling|7", "g")
+    seen = [(n, due.previous) for n in range(1, 30) if due()]
+    assert [n for n, _ in seen] == [1, 2, 4, 8, 15, 16, 22, 29]
+    assert [p for _, p in seen] == [0, 1, 2, 4, 8, 15, 16, 22]  # `previous`: the union's last checked call
+
+
+def test_graph_schedule_adds_the_artifacts_only_where_they_replay():
+    assert graph_schedule("doubling", "dense", replayed_artifacts=False) == "doubling"
+    assert graph_schedule("doubling", "dense", replayed_artifacts=True) == "doubling|dense"
+    assert graph_schedule(10**9, "dense", replayed_artifacts=True) == f"{10**9}|dense"
+    assert graph_schedule("every", "dense", replayed_artifacts=True) == "every"
+    assert graph_schedule("dense", "dense", replayed_artifacts=True) == "dense"
+
+
+def test_an_unknown_schedule_is_an_error():
+    with pytest.raises(ValueError, match="'sometimes'"):
+        Due("doubling|sometimes", "g")
+

@@ -1,4 +1,5 @@
-"""What the report says when a runner's shape keys do not come back, naming the inputs.
+"""What the report says when a runner's shape keys do not come back, or an input it reads
+in place moved, naming the inputs.
 
 Two patterns keep a piece from replaying without anything being wrong with it:
 
@@ -23,6 +24,15 @@ from graphdispatch_backend.runtime.keys import is_scalar_item, varying
 # loop brings one per token; a first pass over a server's size buckets, a dozen in a row.
 CHURN_CALLS = 16
 NAMED = 4  # inputs named in a detail, at most
+
+
+def input_label(position: int, names: Sequence[str]) -> str:
+    """One input as a note names it: the graph input name the runner was given (its access
+    path, `past_key_values.layers.0.keys`, what the model calls it) in backticks, then its
+    position, as "`x` (input 3)"; "input 3" alone where no name is known (a piece's input
+    that is an intermediate value of the graph)."""
+    name = names[position] if 0 <= position < len(names) else ""
+    return f"`{name}` (input {position})" if name else f"input {position}"
 
 
 def _names(positions: Sequence[int], names: Sequence[str]) -> str:

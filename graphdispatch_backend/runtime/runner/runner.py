@@ -44,7 +44,7 @@ from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner import transitions
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
-from graphdispatch_backend.runtime.runner.hints import CHURN_CALLS, churn_detail
+from graphdispatch_backend.runtime.runner.hints import CHURN_CALLS, churn_detail, input_label
 from graphdispatch_backend.runtime.runner.hot import Hot, HotPath, hot_of, in_place
 from graphdispatch_backend.runtime.runner.publish import NOT_DISTINCT_LIMIT, Publish
 from graphdispatch_backend.runtime.runner.record import record
@@ -288,7 +288,7 @@ class GraphRunner(HotPath, Publish, Transitions):
     def _capture(self, entry: Entry, args: Sequence[Any], like: Like | None = None) -> None:
         buffers = record(entry, args, self._fn, self._scope, self._device, self._state, self._gates,
                          self._writes, self._wide, self._guarded, lockstep=self._agreement is not None, like=like)
-        entry.replays_at_capture = self._stats.replays
+        entry.replays_at_capture = self._stats.replays  # hot replays included (runner/hot.py counts both)
         with self._stats.lock:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
@@ -412,7 +412,8 @@ class GraphRunner(HotPath, Publish, Transitions):
             return None
         if pos in self._state:
             return Decline.PARAMETER_MOVED, f"{self._state[pos]} moved under the captured graph", pos
-        return Decline.PINNED_INPUT_MOVED, f"input {pos} is not the tensor the graph was captured with", pos
+        return (Decline.PINNED_INPUT_MOVED,
+                f"{input_label(pos, self._names)} is not the tensor the graph was captured with", pos)
 
     def _agree(self, code: int) -> int:
         """The worst of this rank's `code` and every other rank's (the code itself when the
