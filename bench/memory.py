@@ -50,7 +50,7 @@ from common import Target, block_stack, emit, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
 from graphdispatch_backend import session as gd_session
-from graphdispatch_backend.runtime.program import CompiledGraph
+from graphdispatch_backend.runtime.program.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
 
 DEPTH, DIM, SHAPE = 48, 16, (1, 8, 16)

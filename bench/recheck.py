@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Target, block_stack, emit, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
-from graphdispatch_backend.runtime.schedule import DENSE_CAP
+from graphdispatch_backend.runtime.checks.schedule import DENSE_CAP
 from graphdispatch_backend.testing import write_bundle
 
 SIZES = list(range(2, 22))  # Dynamo specializes a size of 1

@@ -1,7 +1,7 @@
 """Scale: cost against the size of the buffers a graph touches, not against toy sizes.
 
 Every other benchmark runs small tensors, where a cost that grows with a buffer's size is
-invisible. Four measurements, each side by side in one run (CPU, one torch thread, under
+invisible. Five measurements, each side by side in one run (CPU, one torch thread, under
 `torch.no_grad()`):
 
 1. `decode`: a decode step on a static cache, against the cache's size.

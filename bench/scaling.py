@@ -76,9 +76,9 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.contract import PlaceholderContract
+from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.cudagraph.streams import ImmediateStreams
-from graphdispatch_backend.runtime.program import CompiledGraph
+from graphdispatch_backend.runtime.program.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 
 NODES = (10, 100, 1000)

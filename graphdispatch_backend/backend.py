@@ -37,16 +37,16 @@ from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pip
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
 from graphdispatch_backend.passes.ops import collective_groups, draws_random, effect_tokens, nondeterministic_suspects
-from graphdispatch_backend.runtime.agree import Agreement, agreement_for
-from graphdispatch_backend.runtime.autograd import backward_fallback, without_history
-from graphdispatch_backend.runtime.autograd_check import GradientCheck
-from graphdispatch_backend.runtime.contract import PlaceholderContract
-from graphdispatch_backend.runtime.eager_check import EagerCheck
-from graphdispatch_backend.runtime.fused import Fusion
-from graphdispatch_backend.runtime.program import CompiledGraph
+from graphdispatch_backend.runtime.call.contract import PlaceholderContract
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreement_for
+from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
+from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks.schedule import graph_schedule
+from graphdispatch_backend.runtime.checks.world import Region, Writes
+from graphdispatch_backend.runtime.program.autograd import backward_fallback, without_history
+from graphdispatch_backend.runtime.program.fused import Fusion
+from graphdispatch_backend.runtime.program.program import CompiledGraph
 from graphdispatch_backend.runtime.runner import GraphRunner
-from graphdispatch_backend.runtime.schedule import graph_schedule
-from graphdispatch_backend.runtime.world import Region, Writes
 from graphdispatch_backend.session import Session, session_for
 
 # Dynamo steers its own tracing with these; they must pass through any backend untouched.
@@ -219,7 +219,7 @@ class _Builder:
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
         self.guarded = torch._guards.CompileContext.try_get() is not None
-        self.fusion: Fusion | None = None  # the inference graph's, with `fuse` (runtime/fused.py)
+        self.fusion: Fusion | None = None  # the inference graph's, with `fuse` (runtime/program/fused.py)
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         self.mutated = mutated_inputs()

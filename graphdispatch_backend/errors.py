@@ -59,7 +59,7 @@ class CaptureRefused(RuntimeError):
 
 
 class SnapshotRefused(GraphDispatchError):
-    """What one call writes cannot be snapshotted within `max_snapshot_bytes` (runtime/world.py):
+    """What one call writes cannot be snapshotted within `max_snapshot_bytes` (runtime/checks/world.py):
     a check or capture that needs the snapshot does not run."""
 
     def __init__(self, detail: str) -> None:

@@ -18,14 +18,14 @@ import torch.fx as fx
 
 from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
 from graphdispatch_backend.artifacts.match import MatchOutcome, match_for_autograd, match_region
-from graphdispatch_backend.artifacts.patterns import generalize
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.diagnostics.report import GraphRecord, SubstitutionRecord
 from graphdispatch_backend.errors import AuthoringFailure, Rejection, StrictModeError
 from graphdispatch_backend.passes.locate_writes import plan_writes
+from graphdispatch_backend.patterns import generalize
 from graphdispatch_backend.region import Region
-from graphdispatch_backend.runtime.gate import ArtifactGate
-from graphdispatch_backend.runtime.world import Writes
+from graphdispatch_backend.runtime.checks.world import Writes
+from graphdispatch_backend.runtime.gates.gate import ArtifactGate
 from graphdispatch_backend.session import Session
 
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from graphdispatch_backend.errors import OptionsError
-from graphdispatch_backend.runtime.schedule import MODES as RECHECK_MODES
 
 ENV_PREFIX = "GRAPHDISPATCH_"
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
+RECHECK_MODES = ("doubling", "dense", "every")  # and an integer N >= 1 (runtime/checks/schedule.py)
 TIMING_MODES = ("off", "host", "sync", "shadow")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -39,20 +39,20 @@ class Options:
     report_dir: where dispatch.json, timing.json and region exports go.
     export_regions: export every region for kernel authors at flush.
     strict: raise GraphDispatchError instead of falling back.
-    recheck: the calls checked against eager for the graph's whole life (runtime/schedule.py):
+    recheck: the calls checked against eager for the graph's whole life (runtime/checks/schedule.py):
         "doubling" (1st, 2nd, 4th, ... call of each shape key, then every ~1024, jittered),
         "dense", an integer N (every Nth call) or "every".
     artifact_recheck: the calls on which each artifact is checked beside its native region,
-        its own schedule (runtime/schedule.py), denser than the lowering's by default: "dense"
+        its own schedule (runtime/checks/schedule.py), denser than the lowering's by default: "dense"
         (1st, 2nd, 4th, 8th, then twice per doubling: 12, 16, 24, 32, ..., 1024, then every
         ~256, jittered), or any value `recheck` takes. Where the graph replays, its eager check also
         follows it (a replay runs no gate).
     max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
-        writes it at places graphdispatch cannot locate (runtime/world.py); located writes
+        writes it at places graphdispatch cannot locate (runtime/checks/world.py); located writes
         (a KV cache's rows) are snapshotted row by row, whatever this says.
     fuse: lower each inference graph (each captured piece) through Inductor with the
         device's eager-numerics recipe, checked against eager like any lowering, op by op
-        (runtime/fused.py).
+        (runtime/program/fused.py).
     cache_dir: where fused graphs keep what they learned (fusion/verdicts.py); None: the
         user's cache directory; False: nothing is kept on disk.
     """
@@ -190,7 +190,7 @@ def _validate(key: str, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         raise OptionsError(f"option 'cuda_graphs' must be one of {CUDA_GRAPH_MODES}, got {value!r}")
-    if kind == "recheck":  # recheck, artifact_recheck: runtime/schedule.py
+    if kind == "recheck":  # recheck, artifact_recheck: runtime/checks/schedule.py
         if value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise OptionsError(f"option {key!r} must be one of {RECHECK_MODES} or an integer >= 1, got {value!r}")

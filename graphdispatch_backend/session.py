@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.artifacts.registry import Registry
-from graphdispatch_backend.capture.export import RegionExporter
 from graphdispatch_backend.diagnostics.events import Events, log
 from graphdispatch_backend.diagnostics.report import SessionReport, write_json_atomic
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, StrictModeError
+from graphdispatch_backend.export import RegionExporter
 from graphdispatch_backend.fusion.verdicts import Verdicts, default_dir
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from graphdispatch_backend.artifacts.patterns import Suggestion, generalize, matches, suggest
+from graphdispatch_backend.patterns import Suggestion, generalize, matches, suggest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.artifacts.patterns import generalize, matches, suggest
 from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.patterns import generalize, matches, suggest
 from graphdispatch_backend.table import table
 
 CELL = 64  # widest cell of the kinds table; the full signature is listed below it

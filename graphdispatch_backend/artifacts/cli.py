@@ -12,10 +12,10 @@ from typing import Any
 
 from graphdispatch_backend.artifacts.bundle import hash_bundle, read_manifest, verify_bundle
 from graphdispatch_backend.artifacts.manifest import Manifest
-from graphdispatch_backend.artifacts.patterns import matches, suggest
 from graphdispatch_backend.artifacts.registry import discover
 from graphdispatch_backend.artifacts.signature import manifest_miss
 from graphdispatch_backend.errors import BundleRejected, ManifestError
+from graphdispatch_backend.patterns import matches, suggest
 from graphdispatch_backend.table import table
 
 

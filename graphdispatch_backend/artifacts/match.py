@@ -19,9 +19,9 @@ from typing import Any
 
 from graphdispatch_backend.artifacts.fingerprint import fingerprint
 from graphdispatch_backend.artifacts.manifest import Manifest, version_tuple
-from graphdispatch_backend.artifacts.patterns import matches
 from graphdispatch_backend.artifacts.signature import manifest_miss
 from graphdispatch_backend.errors import Rejection
+from graphdispatch_backend.patterns import matches
 from graphdispatch_backend.region import Region, TensorSpec
 
 

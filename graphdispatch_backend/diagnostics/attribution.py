@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from graphdispatch_backend.artifacts.patterns import suggest
 from graphdispatch_backend.errors import Rejection
+from graphdispatch_backend.patterns import suggest
 
 # Rejections that refuse a region the artifact's pattern named (not another artifact's win,
 # not a larger region's substitution): an artifact serving elsewhere is `partly_rejected`

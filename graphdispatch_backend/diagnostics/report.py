@@ -283,8 +283,8 @@ class SubstitutionRecord:
     speed: dict[str, float] | None = None  # speed_gate: median ms of both
     shadow: dict[str, float] = dataclasses.field(default_factory=dict)  # timing="shadow"
     mutates: list[str] = dataclasses.field(default_factory=list)  # inputs the kernel writes in place
-    # demoted by a check (of the whole graph, runtime/isolate.py, or a re-check at its gate,
-    # runtime/gate.py): the call of its shape key that caught it, and the calls since the
+    # demoted by a check (of the whole graph, runtime/checks/isolate.py, or a re-check at its gate,
+    # runtime/gates/gate.py): the call of its shape key that caught it, and the calls since the
     # check before it, served unchecked
     caught_at_call: int | None = None
     unchecked_calls: int | None = None
@@ -342,11 +342,11 @@ class GraphRecord:
     backward: GraphRecord | None = None
     role: str = ""  # "backward" for an autograd graph's backward record
     checks: int = 0  # a backward's runs made by the lowering check (counted in `calls` too)
-    # the stats of the runner serving the whole graph on its hot path (runtime/program.py):
+    # the stats of the runner serving the whole graph on its hot path (runtime/program/program.py):
     # its hot replays, counted there under the device lock, are calls and replays of the graph
     hot_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list, repr=False)
     # with `fuse`: status (fused | fusion_mismatch | failed | off), kernels, ops fused and kept
-    # (and why), rounds, compile time (runtime/fused.py); None without `fuse`
+    # (and why), rounds, compile time (runtime/program/fused.py); None without `fuse`
     fusion: dict[str, Any] | None = None
     _frozen: bytes | None = dataclasses.field(default=None, repr=False)  # see retire()
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -483,7 +483,7 @@ class GraphRecord:
         }
 
     def _lowering_check(self) -> dict[str, Any]:
-        """How the lowered graph compared with real eager (runtime/eager_check.py)."""
+        """How the lowered graph compared with real eager (runtime/checks/eager_check.py)."""
         skipped = {"skipped": self.unchecked, "skipped_detail": self.unchecked_detail} if self.unchecked else {}
         if self.lowering is not None:
             return {"checked": self.eager_checks, **self.lowering, **skipped}

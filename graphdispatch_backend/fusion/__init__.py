@@ -5,5 +5,5 @@ each graph learned kept on disk (verdicts.py).
 
 Below the runtime in the pipeline: it imports capture/ and passes/, never runtime/. The
 runtime decides when a graph is fused, checks it against eager like any lowering, and asks
-for a recompile when a check found an op whose fused result differs (runtime/fused.py).
+for a recompile when a check found an op whose fused result differs (runtime/program/fused.py).
 """

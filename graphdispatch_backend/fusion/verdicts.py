@@ -1,7 +1,7 @@
 """The verdict cache: what each fused graph learned to keep as ATen calls, kept on disk.
 
 A check that finds an op whose fused result differs from eager keeps that op as an ATen
-call for that graph (runtime/fused.py). The verdict is written here, one file per graph,
+call for that graph (runtime/program/fused.py). The verdict is written here, one file per graph,
 keyed by the graph's code and input layouts, torch's version, the device (and its CPU
 capability or GPU name: kernels differ by ISA) and the recipe, so a restarted process
 starts with those ops unfused and does not serve the mismatch again.

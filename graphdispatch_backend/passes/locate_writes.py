@@ -5,7 +5,7 @@ capture's own run) must leave the inputs the graph writes as it found them: it s
 what will be written and puts it back. A whole snapshot of a 40 GB KV cache to undo one
 row is not a snapshot anyone can afford, so this analysis finds, for each write into an
 input, the *region* it writes, as a small program over the graph's inputs (`locate`) that
-the runtime (runtime/world.py) runs before the extra runs:
+the runtime (runtime/checks/world.py) runs before the extra runs:
 
 - `index_copy_`/`index_fill_`/`index_add_` (dim, index): the rows `index` names;
 - `index_put_` (indices): the elements the index list names;

@@ -155,8 +155,8 @@ def test_every_listed_pattern_names_one_kind_and_scaffolds(report_dir, tmp_path,
     """`stack.blocks.*.fc*`-like patterns of several kinds are what the scaffold refuses: the
     listing prints patterns that name their own kind alone (or the --fingerprint to add)."""
     from graphdispatch_backend.artifacts.catalog import kinds as all_kinds
-    from graphdispatch_backend.artifacts.patterns import matches
     from graphdispatch_backend.artifacts.scaffold import scaffold
+    from graphdispatch_backend.patterns import matches
 
     report = json.loads((report_dir / "dispatch.json").read_text())
     every = all_kinds(report)

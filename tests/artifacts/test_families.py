@@ -17,8 +17,8 @@ import torch
 
 import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
-from graphdispatch_backend.artifacts.patterns import matches
 from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.patterns import matches
 
 transformers = pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")

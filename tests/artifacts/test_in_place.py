@@ -15,7 +15,7 @@ from torch import nn
 
 import graphdispatch_backend
 from graphdispatch_backend.artifacts.scaffold import scaffold
-from graphdispatch_backend.runtime.world import World
+from graphdispatch_backend.runtime.checks.world import World
 from graphdispatch_backend.testing import accounted_graphs, manifest_from_region, region_entry, write_bundle
 
 ROWS = 256
@@ -139,7 +139,7 @@ def test_only_the_first_gate_reads_the_cache_whole_its_rechecks_cost_the_rows(tm
     """The first call judges the kernel's writes beyond its rows (the cache copied and
     fingerprinted whole); the re-checks at the 2nd, 4th and 8th call judge the row, so a
     re-check costs what the call writes, not the size of the cache it writes into."""
-    from graphdispatch_backend.runtime import beside
+    from graphdispatch_backend.runtime.gates import beside
 
     _bundle(tmp_path)
     cache = ROWS * 8 * 4

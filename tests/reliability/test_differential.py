@@ -462,7 +462,7 @@ def test_differential(diff_seed, mlp_artifacts, counts):
 def test_aot_lowering_of_linear_after_conv_is_bitwise():
     """Minimized from differential seed 31 (blocks conv2d -> attention, outer bf16 autocast).
     backend="aot_eager" differs from eager here: torch's lowering picks another matmul path.
-    graphdispatch's eager check (runtime/eager_check.py) catches it on the first call and
+    graphdispatch's eager check (runtime/checks/eager_check.py) catches it on the first call and
     runs the Dynamo graph instead: bitwise equal, counted and named."""
     torch.manual_seed(0)
     conv, lin = nn.Conv2d(8, 8, 3, padding=1).eval(), nn.Linear(8, 24).eval()

@@ -48,12 +48,12 @@ import graphdispatch_backend
 from graphdispatch_backend import session as session_mod
 from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.options import Options
-from graphdispatch_backend.runtime.autograd_check import GradientCheck
+from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
+from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
 from graphdispatch_backend.runtime.cudagraph.cuda import _CudaGraph, _Pool
 from graphdispatch_backend.runtime.cudagraph.host import HostPool, HostReplayEngine, _HostGraph
-from graphdispatch_backend.runtime.eager_check import EagerCheck
-from graphdispatch_backend.runtime.gate import ArtifactGate
-from graphdispatch_backend.runtime.program import CompiledGraph, _FirstCall
+from graphdispatch_backend.runtime.gates.gate import ArtifactGate
+from graphdispatch_backend.runtime.program.program import CompiledGraph, _FirstCall
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.inputs import StaticBuffers

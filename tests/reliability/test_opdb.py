@@ -613,7 +613,7 @@ def test_linalg_error_check_graphs_replay(name):
     """Issue 14, defect 3: aot gives these graphs an effect token input (their error checks
     are effectful ops); the placeholder contract must accept it, so the graph captures,
     verifies and replays like any other instead of running `contract_mismatch` on every call.
-    Fails until that fix lands in runtime/contract.py."""
+    Fails until that fix lands in runtime/call/contract.py."""
     (op,) = (op for op in op_db if op_id(op) == name)
     (case,) = cases(op, "float32", every_sample=False, draws=len(CI_SCHEDULE))
     run_case(case, CI_SCHEDULE)

@@ -20,7 +20,7 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend import backend as backend_mod
 from graphdispatch_backend.errors import StrictModeError
-from graphdispatch_backend.runtime import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 from graphdispatch_backend.testing import (
     MLP_SOURCE,

@@ -1,4 +1,4 @@
-"""The gradient check (runtime/autograd_check.py): an autograd graph's lowering against
+"""The gradient check (runtime/checks/autograd_check.py): an autograd graph's lowering against
 eager in its outputs and in the gradients of one backward, on the 1st, 2nd, 4th, ... call;
 every verdict makes the graph run as the Dynamo graph with eager autograd, and what the
 check adds never changes what the user computes (`.grad`, the RNG, mutated buffers)."""
@@ -19,8 +19,8 @@ from graphdispatch_backend import backend as backend_mod
 from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Decline, StrictModeError
-from graphdispatch_backend.runtime import autograd_check as autograd_check_mod
-from graphdispatch_backend.runtime.autograd_check import GradientCheck, cotangents
+from graphdispatch_backend.runtime.checks import autograd_check as autograd_check_mod
+from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck, cotangents
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdispatch_backend.runtime.contract import LayoutIdentity, PlaceholderContract, layout_identity
+from graphdispatch_backend.runtime.call.contract import LayoutIdentity, PlaceholderContract, layout_identity
 from graphdispatch_backend.testing import aten_graph
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdispatch_backend.runtime import digest as digest_mod
-from graphdispatch_backend.runtime.digest import digest, same_values
+from graphdispatch_backend.runtime.checks import digest as digest_mod
+from graphdispatch_backend.runtime.checks.digest import digest, same_values
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.uint8, torch.bool, torch.complex64]

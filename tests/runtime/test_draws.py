@@ -1,4 +1,4 @@
-"""An extra run's random draws (runtime/draws.py, world.py): from private copies of the
+"""An extra run's random draws (runtime/checks/draws.py, world.py): from private copies of the
 generators as the call began, so that the user's generator advances once per call and no
 other thread's draws are ever rewound."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphdispatch_backend import backend as backend_mod
-from graphdispatch_backend.runtime.draws import Start
+from graphdispatch_backend.runtime.checks.draws import Start
 from graphdispatch_backend.testing import accounted_graphs
 
 

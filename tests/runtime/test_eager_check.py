@@ -1,4 +1,4 @@
-"""The eager check (runtime/eager_check.py): the lowering against real eager, on the 1st,
+"""The eager check (runtime/checks/eager_check.py): the lowering against real eager, on the 1st,
 2nd, 4th, 8th, ... call per shape key; a mismatch blamed on eager's own nondeterminism when
 eager disagrees with itself; nothing the check adds raising into the user's call."""
 
@@ -16,8 +16,8 @@ from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.runtime import eager_check as eager_check_mod
-from graphdispatch_backend.runtime.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

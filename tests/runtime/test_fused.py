@@ -1,4 +1,4 @@
-"""Fused graphs at run time (runtime/fused.py, the fusion party of runtime/isolate.py): a
+"""Fused graphs at run time (runtime/program/fused.py, the fusion party of runtime/checks/isolate.py): a
 fused op whose result differs from eager is caught by the check, named by running, kept
 as an ATen call for that graph alone, and remembered on disk; no wrong value is served
 meanwhile. Each rule has a test that removes it and sees the scenario fail."""
@@ -22,7 +22,7 @@ from torch import nn
 
 import graphdispatch_backend
 from graphdispatch_backend.fusion import segments as segments_mod
-from graphdispatch_backend.runtime import fused as fused_mod
+from graphdispatch_backend.runtime.program import fused as fused_mod
 from graphdispatch_backend.runtime.runner import GraphRunner
 from graphdispatch_backend.testing import (
     MLP_OUTPUTS,

@@ -20,7 +20,7 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.errors import GraphDispatchError
-from graphdispatch_backend.runtime.parity import Mismatch, bitwise_equal, compare
+from graphdispatch_backend.runtime.checks.parity import Mismatch, bitwise_equal, compare
 from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Block, Mlp, write_bundle
 
 # `{behaviour}` runs after the exact result is computed; CALLS[0] is this call's number (1-based).
@@ -117,7 +117,7 @@ def test_allclose_pass_within_tolerance_serves(tmp_path):
     ours, eager, sub = run(tmp_path, bitwise=False)
     # the first call is gated, but answered natively: on it (and on the 2nd and 4th, its
     # re-checks) the whole graph is also checked against eager bit for bit
-    # (runtime/eager_check.py), which an allclose artifact is not; the 3rd call is the artifact's
+    # (runtime/checks/eager_check.py), which an allclose artifact is not; the 3rd call is the artifact's
     assert (sub["parity"], sub["parity_mode"], sub["demoted"]) == ("passed", "allclose", False)
     assert (sub["calls"], sub["native_calls"]) == (1, 3)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ours, eager))

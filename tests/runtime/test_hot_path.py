@@ -1,4 +1,4 @@
-"""The replay hot path (runtime/program.py, GraphRunner.replay_hot, runner/serve.py), on CPU.
+"""The replay hot path (runtime/program/program.py, GraphRunner.replay_hot, runner/serve.py), on CPU.
 
 A graph Dynamo compiled and one runner serves whole is asked for a replay before anything
 else: one address check, no contract, no thread-local, counted by the runner. These tests
@@ -27,7 +27,7 @@ from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.runtime.contract import PlaceholderContract
+from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.cudagraph.streams import ImmediateStreams
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope

@@ -1,4 +1,4 @@
-"""Checks for the whole run that blame the right party (runtime/eager_check.py, isolate.py):
+"""Checks for the whole run that blame the right party (runtime/checks/eager_check.py, isolate.py):
 a served call that differs from eager is answered with eager's values, and then the
 artifact, the lowering or the capture at fault is found by running, never guessed."""
 
@@ -15,9 +15,9 @@ from torch import nn
 
 import graphdispatch_backend
 from graphdispatch_backend import backend as backend_mod
-from graphdispatch_backend.runtime import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks.schedule import Due
 from graphdispatch_backend.runtime.runner import serve as serve_mod
-from graphdispatch_backend.runtime.schedule import Due
 from graphdispatch_backend.testing import (
     accounted_graphs,
     manifest_from_region,

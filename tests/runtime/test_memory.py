@@ -383,7 +383,7 @@ def test_out_of_memory_allocating_outputs_answers_that_call_eagerly(monkeypatch)
 
 
 def test_out_of_memory_in_the_compiled_graph_is_no_lowering_verdict(monkeypatch):
-    from graphdispatch_backend.runtime import program as program_mod
+    from graphdispatch_backend.runtime.program import program as program_mod
 
     model = nn.Linear(8, 8).eval()
     compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": False})

@@ -31,8 +31,8 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime import eager_check as eager_check_mod
-from graphdispatch_backend.runtime.contract import LayoutIdentity
+from graphdispatch_backend.runtime.call.contract import LayoutIdentity
+from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner import record as record_mod
@@ -223,7 +223,7 @@ class Mutation:
 def _tensors_only(values: Any) -> tuple[Any, ...]:
     """The runner's shape key without its scalars (the mutation of the constants check)."""
     return tuple((v.shape, v.stride()) for v in values if isinstance(v, torch.Tensor))
-# Through compile, the eager check (runtime/eager_check.py) compares the first call of each
+# Through compile, the eager check (runtime/checks/eager_check.py) compares the first call of each
 # new shape key with real eager, and would catch a runner that replays a stale constant on
 # it: a second line of defence (test_eager_check_catches_a_stale_constant). These mutations
 # test the runner's own check, so that line is switched off for them.
@@ -277,7 +277,7 @@ def test_verification_catches_a_missing_copy_in(monkeypatch):
 def test_eager_check_catches_a_stale_constant(monkeypatch):
     """With the runner's scalar key gone, the new shape key's first call is still compared
     with real eager: the stale replay is caught there and answered eagerly, and since the
-    graph run eagerly matches eager, the capture takes the blame (runtime/isolate.py): the
+    graph run eagerly matches eager, the capture takes the blame (runtime/checks/isolate.py): the
     replayed entry declines verify_mismatch, the lowering stays, no output is wrong."""
     monkeypatch.setattr(runner_mod, "layout_key", _tensors_only)
     assert dynamic_int_through_compile() == 0

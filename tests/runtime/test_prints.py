@@ -14,9 +14,9 @@ from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.runtime.eager_check import EagerCheck
-from graphdispatch_backend.runtime.parity import compare, compare_aliasing
-from graphdispatch_backend.runtime.prints import differs, take_print
+from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks.parity import compare, compare_aliasing
+from graphdispatch_backend.runtime.checks.prints import differs, take_print
 from graphdispatch_backend.runtime.runner.verify import Verifier
 
 X = torch.randn(4, 6)

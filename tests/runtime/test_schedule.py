@@ -1,4 +1,4 @@
-"""The recheck schedules (runtime/schedule.py): which calls are checked, for as long as a
+"""The recheck schedules (runtime/checks/schedule.py): which calls are checked, for as long as a
 graph or an artifact lives: doubling up to an interval of CAP calls, jittered so that
 periodic inputs cannot hide, the same on every rank; dense (the artifacts' default), twice
 per doubling up to DENSE_CAP; every Nth; every; and the union a graph with replayed
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphdispatch_backend.runtime import schedule
-from graphdispatch_backend.runtime.schedule import CAP, DENSE_CAP, Due, graph_schedule
+from graphdispatch_backend.runtime.checks import schedule
+from graphdispatch_backend.runtime.checks.schedule import CAP, DENSE_CAP, Due, graph_schedule
 
 
 def _checked(mode: str | int, calls: int, seed: str = "graph_0") -> list[int]:

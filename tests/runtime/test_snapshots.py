@@ -13,7 +13,7 @@ import torch
 
 from graphdispatch_backend.passes import locate_writes as _locate_writes_pass
 from graphdispatch_backend.passes import split_pieces as _split_pieces_pass
-from graphdispatch_backend.runtime.world import Region, World
+from graphdispatch_backend.runtime.checks.world import Region, World
 from graphdispatch_backend.testing import only_graph
 
 ROWS, DIM = 4096, 64

@@ -74,7 +74,7 @@ def test_a_replay_runs_what_was_captured_with_python_values_frozen():
 
 
 def test_an_opaque_call_is_one_step_replayed_on_the_replays_tensors():
-    """Compiled code no dispatch mode sees into (Inductor's kernels, runtime/fused.py): the
+    """Compiled code no dispatch mode sees into (Inductor's kernels, runtime/program/fused.py): the
     call is one step of the tape, made again by each replay on the tensors it then holds;
     the ATen ops it runs inside are not recorded apart."""
     calls = []

@@ -8,7 +8,7 @@ import torch
 
 from graphdispatch_backend.errors import SnapshotRefused
 from graphdispatch_backend.passes.locate_writes import INDEX, INDICES, SCATTER
-from graphdispatch_backend.runtime.world import Region, World, Writes
+from graphdispatch_backend.runtime.checks.world import Region, World, Writes
 
 
 def _regions(cache: torch.Tensor) -> dict[str, Region]:
@@ -46,7 +46,7 @@ def test_a_region_snapshot_restores_exactly_what_was_written(kind):
 
 def test_the_world_leaves_the_rng_alone():
     """Putting the global RNG back would rewind another thread's draws: extra runs that
-    draw draw from private copies instead (runtime/draws.py)."""
+    draw draw from private copies instead (runtime/checks/draws.py)."""
     world = World.take([])
     drawn = torch.rand(3)
     world.restore()

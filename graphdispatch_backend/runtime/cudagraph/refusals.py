@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import graphdispatch_backend
 from graphdispatch_backend.errors import CaptureRefused
 from graphdispatch_backend.passes.ops import indexes_by_mask, sized_by_arguments
 
@@ -96,7 +96,7 @@ def _kind(func: Any) -> Any:
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_OWN = os.path.dirname(graphdispatch_backend.__file__) + os.sep
+_OWN = str(Path(__file__).resolve().parents[2]) + os.sep  # the package (not imported: it imports the runtime)
 _EXAMPLES = os.path.join(_OWN, "examples") + os.sep
 
 

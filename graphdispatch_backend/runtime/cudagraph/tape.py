@@ -47,7 +47,7 @@ _recording = threading.local()  # the Recorder capturing on this thread, if any
 def opaque(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """`fn(*args)`; while a host capture records on this thread, one step of its tape. For
     compiled code whose kernels no dispatch mode sees (Inductor's fused kernels,
-    runtime/fused.py): a CUDA capture records their launches, so the host model records the
+    runtime/program/fused.py): a CUDA capture records their launches, so the host model records the
     call and its replay makes it again, on the replay's tensors. The ATen ops it runs inside
     are not recorded apart, and what a capture refuses is refused there too."""
     recorder = getattr(_recording, "recorder", None)

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from graphdispatch_backend.runtime.contract import writable_layout
-from graphdispatch_backend.runtime.parity import bitwise_equal
+from graphdispatch_backend.runtime.call.contract import writable_layout
+from graphdispatch_backend.runtime.checks.parity import bitwise_equal
 from graphdispatch_backend.runtime.runner.inputs import ALIGN, aligned_empty
 
 _SEED = 0x5EED

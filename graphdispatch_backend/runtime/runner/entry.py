@@ -20,7 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.contract import LayoutIdentity
+from graphdispatch_backend.runtime.call.contract import LayoutIdentity
 from graphdispatch_backend.runtime.cudagraph.engine import CapturedGraph
 from graphdispatch_backend.runtime.runner.inputs import InputPlan
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan

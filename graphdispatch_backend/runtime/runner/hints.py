@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from graphdispatch_backend.runtime.keys import is_scalar_item, varying
+from graphdispatch_backend.runtime.call.keys import is_scalar_item, varying
 
 # Calls in a row, each with a new shape key, before the keys count as churning: a decode
 # loop brings one per token; a first pass over a server's size buckets, a dozen in a row.

@@ -1,6 +1,6 @@
 """The hot path: a replay of the entry the last replay served, for one address check.
 
-    caller (runtime/program.py)  ->  replay_hot(args)
+    caller (runtime/program/program.py)  ->  replay_hot(args)
         pinned inputs where the entry read them?    (one check: in C on CUDA builds)
           no  -> None, nothing done: the caller takes the full path
           yes -> under the device lock: still verified, not re-captured, no artifact
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.calls import Answered
+from graphdispatch_backend.runtime.call.calls import Answered
+from graphdispatch_backend.runtime.checks.isolate import Isolation
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
-from graphdispatch_backend.runtime.isolate import Isolation
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.runtime.contract import writable_layout
+from graphdispatch_backend.runtime.call.contract import writable_layout
 
 ALIGN = 16  # bytes: the alignment cudagraph trees keep (GPU_ALIGN_BYTES)
 

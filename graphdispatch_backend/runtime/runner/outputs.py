@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.runtime.contract import writable_layout
+from graphdispatch_backend.runtime.call.contract import writable_layout
 from graphdispatch_backend.runtime.cudagraph.engine import storage_group, view_bits, with_view_bits
 
 _CONSTANT, _GROUP, _VIEW, _SAME = 0, 1, 2, 3

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.digest import digest
+from graphdispatch_backend.runtime.checks.digest import digest
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
 from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict
@@ -124,7 +124,7 @@ class Publish:
     def _keep_live(self, entry: Entry, args: Sequence[Any]) -> None:
         """Wait for distinct live values: keep a fingerprint of each moving input, not a
         copy (one hidden state kept per compiled block until its next call would be the
-        whole model's activations; runtime/digest.py)."""
+        whole model's activations; runtime/checks/digest.py)."""
         last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
         if exc is not None:
             self._decline(entry, Decline.CHECK_FAILED,

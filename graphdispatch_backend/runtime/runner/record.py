@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
-from graphdispatch_backend.runtime.contract import LayoutIdentity
+from graphdispatch_backend.runtime.call.contract import LayoutIdentity
+from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
 from graphdispatch_backend.runtime.runner.entry import Entry, State
@@ -44,7 +45,6 @@ from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 from graphdispatch_backend.runtime.runner.scope import DeviceRuntime, RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import follow
-from graphdispatch_backend.runtime.world import World, Writes
 
 CONSTANT_OUTPUTS = (type(None), bool, int, float)
 _data_ptr = torch.Tensor.data_ptr

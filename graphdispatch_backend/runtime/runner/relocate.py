@@ -18,7 +18,7 @@ verified capture recorded, reading other memory. So:
   times as a capture runs it (the host model: its warmup run and its recording; CUDA: its
   side-stream warmup), plus the replay. No warmup calls, no verification again: it was
   verified at the first addresses, the same kernels on the same layouts and alignment class
-  were recorded. The `recheck` schedule of the shape key goes on (runtime/eager_check.py
+  were recorded. The `recheck` schedule of the shape key goes on (runtime/checks/eager_check.py
   checks the served call, replayed or not).
 
 ALIGNMENT: kernels choose by address, so relocation requires the same address modulo it.
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphdispatch_backend.runtime.contract import layout_identity
+from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.runner.entry import Entry
 
 ALIGNMENT = {"cuda": 256, "cpu": 64}

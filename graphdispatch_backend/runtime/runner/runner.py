@@ -16,7 +16,7 @@ and each gets its own capture). Per entry:
 4. verified: one check per call (the pinned inputs' addresses, in C on CUDA builds), then
    copy-in, replay and copy-out on the caller's stream (runner/serve.py). A runner that
    serves a whole graph compiled through Dynamo is called at `replay_hot` first
-   (runtime/program.py, runner/hot.py): the replay, or None having done nothing.
+   (runtime/program/program.py, runner/hot.py): the replay, or None having done nothing.
 
 A refusal is a typed Decline: the entry goes eager for good (its artifacts stay active),
 counted and logged once. A pinned input that moves is re-captured as moving; an
@@ -35,12 +35,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline
-from graphdispatch_backend.runtime.agree import Agreement
-from graphdispatch_backend.runtime.calls import mark_eager
-from graphdispatch_backend.runtime.contract import layout_identity
+from graphdispatch_backend.runtime.call.calls import mark_eager
+from graphdispatch_backend.runtime.call.contract import layout_identity
+from graphdispatch_backend.runtime.call.keys import layout_key
+from graphdispatch_backend.runtime.checks.agree import Agreement
+from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
-from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
-from graphdispatch_backend.runtime.keys import layout_key
 from graphdispatch_backend.runtime.runner import transitions
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
@@ -62,7 +63,6 @@ from graphdispatch_backend.runtime.runner.scope import RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
 from graphdispatch_backend.runtime.runner.transitions import Transitions
 from graphdispatch_backend.runtime.runner.verify import Verifier
-from graphdispatch_backend.runtime.world import Writes
 
 __all__ = ["MAX_PARAMETER_SETS", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
@@ -126,7 +126,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         # the piece holds collectives (NCCL, captured inside): every rank keeps one schedule
         self._agreement = agreement
         self._pending: tuple[Decline, str] | None = None  # a verdict waiting for the next agreement
-        self.last_replayed: Entry | None = None  # what a checked call blames (runtime/isolate.py)
+        self.last_replayed: Entry | None = None  # what a checked call blames (runtime/checks/isolate.py)
         self._calls = 0
         self._fresh = 0  # calls in a row that brought a new shape key
         if agreement is not None:
@@ -147,7 +147,7 @@ class GraphRunner(HotPath, Publish, Transitions):
 
     # -- the call -------------------------------------------------------------------
     def __call__(self, *args: Any) -> Sequence[Any]:
-        if Isolation.active and isolating_here():  # runtime/isolate.py: the piece, eagerly, uncounted
+        if Isolation.active and isolating_here():  # runtime/checks/isolate.py: the piece, eagerly, uncounted
             return self._fn(*args)
         hot = self._hot
         if hot is not None and in_place(hot, args):
@@ -155,7 +155,7 @@ class GraphRunner(HotPath, Publish, Transitions):
         return self._dispatch(args)
 
     def distrust(self, reason: Decline, detail: str) -> None:
-        """A checked call's replay of this piece differed from eager (runtime/isolate.py):
+        """A checked call's replay of this piece differed from eager (runtime/checks/isolate.py):
         the entry that served it declines."""
         entry = self.last_replayed
         if entry is None or entry.state is not State.VERIFIED:
@@ -165,7 +165,7 @@ class GraphRunner(HotPath, Publish, Transitions):
             self._decline(entry, reason, detail)
 
     def recompiled(self, detail: str) -> None:
-        """The piece's code changed (a fused piece recompiled after a check, runtime/fused.py):
+        """The piece's code changed (a fused piece recompiled after a check, runtime/program/fused.py):
         every captured entry records it again; none replays the old code meanwhile."""
         with self._lock:
             self._hot = None

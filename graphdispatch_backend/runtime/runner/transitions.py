@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.contract import layout_identity
+from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.hints import thrash_detail
@@ -56,7 +56,7 @@ class Transitions:
     _device: Any
     _state: dict[int, str]
     _names: Sequence[str]
-    _writes: Any  # runtime/world.py Writes: the inputs the piece writes
+    _writes: Any  # runtime/checks/world.py Writes: the inputs the piece writes
     _key_positions: tuple[int, ...] | None
     name: str
 

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
+from graphdispatch_backend.runtime.checks.digest import same_values
+from graphdispatch_backend.runtime.checks.parity import Mismatch, bitwise_equal, compare, compare_aliasing
+from graphdispatch_backend.runtime.checks.prints import Printed, differs, take_print
+from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
-from graphdispatch_backend.runtime.digest import same_values
-from graphdispatch_backend.runtime.parity import Mismatch, bitwise_equal, compare, compare_aliasing
-from graphdispatch_backend.runtime.prints import Printed, differs, take_print
 from graphdispatch_backend.runtime.runner.derive import derive
-from graphdispatch_backend.runtime.world import World, Writes
 
 Verdict = tuple[Decline, str] | None
 NO_SET = (Decline.VERIFY_NOT_DISTINCT, "")  # no derived set could be made or run
@@ -92,7 +92,7 @@ class Verifier:
     def judge(self, args: Sequence[Any], expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
               replay_state: World, before: World, eager_after: World,
               serve: Callable[[Sequence[Any]], Sequence[Any]] | None = None) -> Verdict:
-        """Eager's outputs against the replay's (either side may be a print, runtime/prints.py),
+        """Eager's outputs against the replay's (either side may be a print, runtime/checks/prints.py),
         and eager's world (`eager_after`) against the replay's (`replay_state`); on a mismatch,
         eager again from `before`. The world is left as eager left it."""
         mismatch, exc = self._contain(lambda: _outputs_differ(expected, replayed, args)

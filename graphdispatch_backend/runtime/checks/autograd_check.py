@@ -1,6 +1,6 @@
 """GradientCheck: the gradients of an autograd graph's lowering, against eager's, bit for bit.
 
-EagerCheck (runtime/eager_check.py) runs the Dynamo graph eagerly next to the compiled
+EagerCheck (runtime/checks/eager_check.py) runs the Dynamo graph eagerly next to the compiled
 graph on the 1st, 2nd, 4th, 8th, ... call per shape key and compares the outputs. When
 the call records autograd history (grad mode on, an input that requires grad), the
 outputs are not all the user gets: aot's backward will run on them. So, once the outputs
@@ -41,8 +41,8 @@ import torch
 
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
-from graphdispatch_backend.runtime.parity import Mismatch, compare
 
 COTANGENT_SEED = 0x6D15  # the private generator's seed: the same cotangents on every check
 NAMED = 3  # gradients described in full in a verdict's detail; the rest are counted

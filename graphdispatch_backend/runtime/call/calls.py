@@ -5,7 +5,7 @@ A compiled graph call starts with `begin_call()`; any runner that answers eagerl
 piece replayed. `mark_entry` / `take_entry` carry the time the backend's callable was
 entered to the timing of aot's flattening.
 
-The hot path of a graph served whole by one runner (runtime/program.py) takes none of
+The hot path of a graph served whole by one runner (runtime/program/program.py) takes none of
 these: its replays are counted by the runner, under the device lock the replay holds, in
 its stats (`CudaGraphStats.hot_replays`, owned by the graph's record); a hot replay that
 fails is answered eagerly by the runner, which raises `Answered` with the eager outputs

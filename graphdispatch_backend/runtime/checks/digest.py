@@ -2,7 +2,7 @@
 
 Verification needs to know whether a call repeats the values it was verified on (then it
 derives a distinct set, runtime/runner/derive.py), and compares a replay's outputs with
-eager's without holding both (runtime/prints.py). Keeping a copy of every moving input
+eager's without holding both (runtime/checks/prints.py). Keeping a copy of every moving input
 until the next call holds one hidden state per compiled block: 40 blocks of a 14B video
 DiT at 75k tokens are ~31 GB of copies. A fingerprint is enough: equal values give equal
 digests, always; different values give equal digests with a chance of about 2**-64 per

@@ -7,7 +7,7 @@ after, so the user's state advances exactly once per call, as in eager. The RNG 
 part of it: a captured piece draws nothing (random ops stay outside pieces,
 passes/split_pieces.py), a region that draws is never substituted (artifacts/match.py),
 and the eager check's extra runs of a graph that draws draw from private copies of the
-generators (runtime/draws.py); putting the global state back would rewind another
+generators (runtime/checks/draws.py); putting the global state back would rewind another
 thread's draws.
 
 What a call writes is located before it runs (passes/locate_writes.py): a snapshot copies
@@ -33,7 +33,7 @@ import torch
 
 from graphdispatch_backend.errors import SnapshotRefused
 from graphdispatch_backend.passes.locate_writes import INDEX, INDICES, SCATTER, WritePlan
-from graphdispatch_backend.runtime.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ the same world. The compiled call on such a call is the one the user gets (a rep
 the graph replays), so the check covers the served path end to end.
 
 An autograd graph's check also compares the gradients of one backward when the call
-records autograd history (runtime/autograd_check.py); its verdicts are the same.
+records autograd history (runtime/checks/autograd_check.py); its verdicts are the same.
 
 Verdicts, each for the rest of the session (the graph then runs as the Dynamo graph,
 eagerly, counted and said):
@@ -38,18 +38,18 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused, StrictModeError
-from graphdispatch_backend.runtime.agree import Agreement
-from graphdispatch_backend.runtime.autograd_check import GradientCheck
-from graphdispatch_backend.runtime.calls import mark_entry
+from graphdispatch_backend.runtime.call.calls import mark_entry
+from graphdispatch_backend.runtime.call.keys import layout_key
+from graphdispatch_backend.runtime.checks.agree import Agreement
+from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
+from graphdispatch_backend.runtime.checks.draws import Start, privately
+from graphdispatch_backend.runtime.checks.isolate import ARTIFACT, CAPTURE, FUSION, culprit
+from graphdispatch_backend.runtime.checks.modes import native_regions
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing
+from graphdispatch_backend.runtime.checks.prints import Printed, differs, take_print
+from graphdispatch_backend.runtime.checks.schedule import Due
+from graphdispatch_backend.runtime.checks.world import Region, World
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
-from graphdispatch_backend.runtime.draws import Start, privately
-from graphdispatch_backend.runtime.gate import native_regions
-from graphdispatch_backend.runtime.isolate import ARTIFACT, CAPTURE, FUSION, culprit
-from graphdispatch_backend.runtime.keys import layout_key
-from graphdispatch_backend.runtime.parity import Mismatch, compare, compare_aliasing
-from graphdispatch_backend.runtime.prints import Printed, differs, take_print
-from graphdispatch_backend.runtime.schedule import Due
-from graphdispatch_backend.runtime.world import Region, World
 
 MAX_KEYS = 4096  # shape keys whose schedules are kept (past it they start over); 0 turns the check off
 
@@ -73,7 +73,7 @@ class _Reference:
 
     def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain, start: Start | None) -> None:
         self._args = args
-        self._start = start  # the graph draws: every extra run draws from private copies (runtime/draws.py)
+        self._start = start  # the graph draws: every extra run draws from private copies (runtime/checks/draws.py)
         self._raw: Any = raw
         self._printed: Printed | None = None
         self._second: list[Any] | None = None  # eager's second run (lean): answers and details
@@ -159,11 +159,11 @@ class EagerCheck:
         self._contain = contain
         self._strict = strict
         self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
-        self._locate = locate  # where in its inputs this call will write (runtime/world.py)
+        self._locate = locate  # where in its inputs this call will write (runtime/checks/world.py)
         self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         self._dynamic = dynamic
-        self._recheck = recheck  # which calls are checked (runtime/schedule.py)
+        self._recheck = recheck  # which calls are checked (runtime/checks/schedule.py)
         self._schedules: dict[tuple[Any, ...], Due] = {}  # dynamic graphs: per shape key
         self._schedule = Due(recheck, record.name)  # static graphs: one shape key (Dynamo guards it)
         self._on = MAX_KEYS > 0
@@ -171,11 +171,11 @@ class EagerCheck:
         self._timing = timing if timing.enabled else None
         self._gradients = gradients  # an autograd graph's: its backward is checked too
         # an inference graph's pieces' runners (by the record's piece_stats): a mismatch is
-        # isolated (runtime/isolate.py) where ranks need not agree on every eager run
+        # isolated (runtime/checks/isolate.py) where ranks need not agree on every eager run
         self._runners = tuple(runners)
         self._isolates = gradients is None and agreement is None
         self._draws = draws  # the graph draws random numbers: the extra runs draw privately
-        self._fusion = fusion  # the graph's runtime/fused.py Fusion: a party isolation may blame
+        self._fusion = fusion  # the graph's runtime/program/fused.py Fusion: a party isolation may blame
         self._n = self._previous = 0  # the checked call's number in its shape key, and the last check's
 
     def __call__(self, *args: Any) -> Any:
@@ -222,7 +222,7 @@ class EagerCheck:
             self._own(before.restore)
             return self._compiled(*args)
         # Eager's outputs are printed and freed before the compiled run: the check holds one
-        # call's outputs at a time (runtime/prints.py). Not where the gradient check needs
+        # call's outputs at a time (runtime/checks/prints.py). Not where the gradient check needs
         # their history, nor where ranks must run every eager run in step (collectives).
         # Printed now, before the world goes back: an output may be a view of a written input.
         lean = self._gradients is None and self._agreement is None
@@ -278,7 +278,7 @@ class EagerCheck:
     def _isolate(self, args: Sequence[Any], before: World, after: World, ref: _Reference,
                  verdict: tuple[Decline, str], replays: list[int]) -> Verdict:
         """The served call differed from eager, which agrees with itself: find the party at
-        fault (runtime/isolate.py). An artifact is demoted there, a capture declined here;
+        fault (runtime/checks/isolate.py). An artifact is demoted there, a capture declined here;
         either way the graph keeps its lowering (None). The lowering's fault stays the
         verdict. The world is left as eager left it."""
         call = f"call {self._n} of {self._record.name}"
@@ -296,7 +296,7 @@ class EagerCheck:
             self._events.warn_once(f"culprit:{self._record.name}:{detail}", "graphdispatch: %s (%s); eager's values "
                                    "answered it", message, detail)
             return None
-        if party == FUSION:  # learned (kept as ATen calls, recompiled) or given up: runtime/fused.py
+        if party == FUSION:  # learned (kept as ATen calls, recompiled) or given up: runtime/program/fused.py
             self._fusion.learn(found.ops, self._n, f"{verdict[1]}; {detail}")
             return None
         if party == CAPTURE:

@@ -1,13 +1,13 @@
 """Beside: a region's native run and its artifact's, on the same live inputs, from the same state.
 
-An artifact is judged against its native region on the inputs of a live call (runtime/gate.py).
+An artifact is judged against its native region on the inputs of a live call (runtime/gates/gate.py).
 Both may write into those inputs: the ones the manifest declares (`signature.mutates`, a KV
 cache's rows) they must write alike; any other write is the artifact's fault. So:
 
-1. what the region writes is snapshotted where it writes it (runtime/world.py: the rows);
+1. what the region writes is snapshotted where it writes it (runtime/checks/world.py: the rows);
    every tensor input is also guarded: copied while the copies fit `max_snapshot_bytes`
    (a write the artifact should not have made is then undone, wherever it wrote), past
-   that fingerprinted only (runtime/digest.py: the write is caught, not undone, and the
+   that fingerprinted only (runtime/checks/digest.py: the write is caught, not undone, and the
    report says so);
 2. native runs; its writes are kept aside (and, for a bitwise artifact, the fingerprint of
    each declared input: a kernel writing beyond the rows the region writes is caught);
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Contain
-from graphdispatch_backend.runtime.digest import digest
-from graphdispatch_backend.runtime.parity import Mismatch, compare
-from graphdispatch_backend.runtime.world import World, Writes
+from graphdispatch_backend.runtime.checks.digest import digest
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.world import World, Writes
 
 
 @dataclasses.dataclass

@@ -1,11 +1,11 @@
 """Printed: what a run returned, kept as metadata, digests and aliasing instead of values.
 
-A check compares two runs of one call: eager and compiled (runtime/eager_check.py), a
+A check compares two runs of one call: eager and compiled (runtime/checks/eager_check.py), a
 replay and eager (runtime/runner/verify.py). Holding the first run's outputs while the
 second runs is a second set of outputs on top of the call's own: one more hidden state
 per block of a video DiT while it verifies. The first run's outputs are printed instead
 (per output its type, shape, dtype, device, strides, lazy view bits, a 128-bit digest of
-its values, runtime/digest.py, and what it shares memory with) and freed; the second
+its values, runtime/checks/digest.py, and what it shares memory with) and freed; the second
 run's outputs are compared with the print. Equal prints mean the same bits (a digest
 collision aside, about 2**-64); a mismatch says which output differs and how, and the
 caller, on that rare path, runs again for the values (the max abs diff, the first index).
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from graphdispatch_backend.runtime.digest import digest
-from graphdispatch_backend.runtime.parity import Mismatch, aliasing, say_alias
+from graphdispatch_backend.runtime.checks.digest import digest
+from graphdispatch_backend.runtime.checks.parity import Mismatch, aliasing, say_alias
 
 
 @dataclasses.dataclass(frozen=True)

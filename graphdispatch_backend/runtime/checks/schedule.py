@@ -1,9 +1,9 @@
 """Recheck: on which calls a graph, or an artifact, is checked, for as long as it lives.
 
 A check of a graph runs the Dynamo graph eagerly beside the served call and compares, bit
-for bit (runtime/eager_check.py): it judges the capture, the lowering and every artifact
+for bit (runtime/checks/eager_check.py): it judges the capture, the lowering and every artifact
 inside at once. A check of an artifact runs its native region beside it on the call's own
-inputs (runtime/gate.py). Checks never stop: an artifact or a lowering wrong for some
+inputs (runtime/gates/gate.py). Checks never stop: an artifact or a lowering wrong for some
 values only is met when such values come, not only in the first calls. Two options pick
 the calls, per shape key: `recheck` for the graph (the lowering, the capture), and
 `artifact_recheck` for each artifact's region. Both take the same values:
@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import random
 
+from graphdispatch_backend.options import RECHECK_MODES
+
 CAP = 1024  # the longest interval between two checks of "doubling", in calls
 JITTER_FROM = 16  # intervals from this long on are jittered
 DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then checks twice per doubling
 DENSE_CAP = 256  # the longest interval of "dense", in calls (bench/recheck.py: its cost <= 2%)
-MODES = ("doubling", "dense", "every")  # and an integer N >= 1
+MODES = RECHECK_MODES  # and an integer N >= 1: options.py validates the option
 
 
 def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_artifacts: bool) -> str | int:

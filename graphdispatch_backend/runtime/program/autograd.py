@@ -21,7 +21,7 @@ import torch.fx as fx
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.calls import mark_eager
+from graphdispatch_backend.runtime.call.calls import mark_eager
 
 AUTOGRAD_DETAIL = ("grad mode was on inside the lowered graph, where a replay would record no autograd history: "
                    "the lowered forward and backward run, not captured")

@@ -1,16 +1,16 @@
 """Isolate: which party made a checked call differ from eager, found by running, never guessed.
 
-A checked call (runtime/eager_check.py) compares what was served (a replay, eager pieces,
+A checked call (runtime/checks/eager_check.py) compares what was served (a replay, eager pieces,
 artifacts serving) with the Dynamo graph run eagerly, the reference. When they differ and
 eager agrees with itself, three parties can be at fault, and this module tells them apart
 on the call's own inputs, from the world before the call:
 
 1. the graph runs again through the same compiled path, but eagerly (no piece replays:
    `isolating()`), and every artifact gate judges its kernel beside its native region on
-   the inputs that region gets in this call, answering natively (runtime/gate.py
+   the inputs that region gets in this call, answering natively (runtime/gates/gate.py
    `judging`): an artifact that differs is demoted there, naming the call and its inputs.
    Then the artifact was the culprit: the captures holding it re-capture without it.
-2. else, for a fused graph (runtime/fused.py), the graph runs again the same way with its
+2. else, for a fused graph (runtime/program/fused.py), the graph runs again the same way with its
    ATen kernels, unfused: if that matches the reference, the fusion is at fault, and the
    ops whose fused result differs are found by running (bisection over the fused ops, a
    compile and a run per step) and kept as ATen calls for the graph;
@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from graphdispatch_backend.errors import Contain
-from graphdispatch_backend.runtime.gate import judging
-from graphdispatch_backend.runtime.parity import Mismatch
-from graphdispatch_backend.runtime.world import World
+from graphdispatch_backend.runtime.checks.modes import judging
+from graphdispatch_backend.runtime.checks.parity import Mismatch
+from graphdispatch_backend.runtime.checks.world import World
 
 
 class Isolation:
@@ -74,7 +74,7 @@ class Culprit:
 def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, after: World,
             differs: Callable[[list[Any]], Mismatch | None], substitutions: Sequence[Any], call: str,
             contain: Contain, fusion: Any = None) -> Culprit:
-    """The party at fault (see module docstring); `fusion` is the graph's runtime/fused.py
+    """The party at fault (see module docstring); `fusion` is the graph's runtime/program/fused.py
     Fusion, if it serves fused code. The world is left as eager left it (`after`)."""
     demoted = [s.demoted for s in substitutions]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from graphdispatch_backend.artifacts.authoring import unmatched
-from graphdispatch_backend.artifacts.patterns import generalize, matches, suggest
+from graphdispatch_backend.patterns import generalize, matches, suggest
 
 LLAMA = [f"model.layers.{i}.{part}" for i in range(28) for part in ("mlp", "mlp.act_fn", "self_attn")] + ["model.norm"]
 

@@ -5,14 +5,14 @@ its segments (fusion/segments.py) compiled by Inductor under the device's recipe
 (fusion/recipe.py, fusion/inductor.py), with the ops the graph keeps as ATen calls left to
 their ATen kernels. A fused graph is a lowering like any other: the eager check judges it
 against the Dynamo graph, bit for bit, on the `recheck` schedule. When a check finds a
-difference that the same graph run unfused does not show (runtime/isolate.py), `isolate`
+difference that the same graph run unfused does not show (runtime/checks/isolate.py), `isolate`
 finds the ops whose fused result differs by running (bisection over the fused ops, each
 step a compile and a run on the call's inputs), `learn` keeps them as ATen calls for this
 graph and recompiles, the verdict goes to the cache on disk (fusion/verdicts.py), and the
 runners capture the graph again. After MAX_ROUNDS rounds, or when no set of ops explains
 the difference, the graph gives up fusion (`fusion_mismatch`) and runs its ATen kernels.
 
-While a thread isolates (runtime/isolate.py), that thread's units run the ops it tries
+While a thread isolates (runtime/checks/isolate.py), that thread's units run the ops it tries
 (`trial`) or their ATen graph (`unfused`); other threads are served as usual.
 """
 
@@ -35,8 +35,8 @@ from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segme
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
 from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
+from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.cudagraph.tape import opaque
-from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
 
 MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
 _SERVING = object()  # Fusion.tried: the thread tries nothing, its units run what they serve
@@ -76,7 +76,7 @@ class FusedUnit:
         self.compiled: list[CompiledSegment] = []
 
     def __call__(self, *args: Any) -> Any:
-        if Isolation.active and isolating_here():  # runtime/isolate.py: what this thread tries
+        if Isolation.active and isolating_here():  # runtime/checks/isolate.py: what this thread tries
             return self._isolated()(*args)
         return self._forward(*args)
 
@@ -176,7 +176,7 @@ class Fusion:
         self._report(time.perf_counter() - start)
         return True
 
-    # -- isolation (runtime/isolate.py) -------------------------------------------------
+    # -- isolation (runtime/checks/isolate.py) -------------------------------------------------
     def tried(self) -> Keep | None | object:
         """What this thread's units run while it isolates: a keep set, None (unfused), or
         _SERVING (what they serve)."""

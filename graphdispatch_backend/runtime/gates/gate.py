@@ -1,7 +1,7 @@
 """ArtifactGate: the call a substituted region makes, with its parity gate and demotion.
 
 On the first call per shape key the native region and the artifact run on the same live
-inputs, each from the same state (runtime/beside.py: an artifact that writes into an input
+inputs, each from the same state (runtime/gates/beside.py: an artifact that writes into an input
 it does not declare is caught, and undone where a copy fit `max_snapshot_bytes`; the
 inputs it declares in `signature.mutates`, a KV cache's rows, it must write as native
 does, and nowhere else); the artifact serves only if its outputs pass the manifest's
@@ -13,7 +13,7 @@ native output. Under `strict` a demotion raises.
 
 An artifact can also go wrong after its gate (state, a cache, values only some inputs
 have): it is checked again on the calls of each shape key its own schedule picks (the
-`artifact_recheck` option, runtime/schedule.py: by default "dense", denser than the
+`artifact_recheck` option, runtime/checks/schedule.py: by default "dense", denser than the
 lowering's, since a hand-written kernel is far likelier to be wrong on some inputs than
 torch's lowering), and on every call under `timing="shadow"`, which runs native anyway. A
 re-check judges the outputs, the undeclared inputs and the declared ones where the region
@@ -21,7 +21,7 @@ writes them (a KV cache's new rows): what the kernel writes beyond those rows is
 the first call of each shape key, where the cache is read whole, not again on every
 re-check at the cache's size. A replay inside a CUDA graph calls no Python, so the gate
 re-checks eager calls only; a graph whose artifacts replay is checked whole against eager
-on their schedule too (runtime/eager_check.py, with `schedule.graph_schedule`), and a call a
+on their schedule too (runtime/checks/eager_check.py, with `schedule.graph_schedule`), and a call a
 bitwise artifact served inside such a check counts as checked here.
 
 The record says, per region, the calls the artifact served since its last check and the
@@ -36,12 +36,11 @@ sizes, so parity is checked per concrete shape.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,45 +49,20 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion, StrictModeError
-from graphdispatch_backend.runtime.beside import Beside, Outcome
+from graphdispatch_backend.runtime.call.keys import layout_key
+from graphdispatch_backend.runtime.checks.modes import judging_call, natively
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.schedule import Due
+from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
-from graphdispatch_backend.runtime.keys import layout_key
-from graphdispatch_backend.runtime.parity import Mismatch, compare
-from graphdispatch_backend.runtime.schedule import Due
-from graphdispatch_backend.runtime.world import Writes
+from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 
 SPEED_REPEATS = 7
 MAX_KEYS = 4096  # shape keys whose schedules a gate keeps (past it they start over), as eager_check's
-# what a structural mismatch is (runtime/parity.py `Mismatch.what`): a wrong output, not a parity
+# what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
 # failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
 _STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
-_reference = threading.local()
-
-
-@contextlib.contextmanager
-def judging(call: str) -> Iterator[None]:
-    """Inside this block every gate that runs judges its artifact beside the native region
-    on these inputs (a demotion names `call`, and the inputs), and answers natively: the
-    eager check's culprit isolation (runtime/eager_check.py) runs the lowered graph so."""
-    _reference.judging = call
-    try:
-        yield
-    finally:
-        _reference.judging = None
-
-
-@contextlib.contextmanager
-def native_regions() -> Iterator[None]:
-    """Inside this block, gates of artifacts with a tolerance (allclose parity) answer with
-    their native region: the eager check (runtime/eager_check.py) compares the whole graph
-    with eager bit for bit, which such an artifact is not meant to be. A bitwise artifact
-    that passed its gate has the native bits, so it serves as usual."""
-    _reference.on = True
-    try:
-        yield
-    finally:
-        _reference.on = False
 
 
 class ArtifactDemoted(StrictModeError):
@@ -151,7 +125,7 @@ class ArtifactGate:
         self.demoted = False
         self._tolerant = parity.mode != "bitwise"
         record.parity_mode = parity.mode
-        # native and artifact side by side, each from the same state (runtime/beside.py); the
+        # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
         self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain)
         self._names = tuple(input_names)  # the region's input names (for what a demotion says)
@@ -159,10 +133,10 @@ class ArtifactGate:
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:
             return self._run_native(inputs)
-        call = getattr(_reference, "judging", None)
+        call = judging_call()
         if call is not None:
             return self._judge_call(inputs, call)
-        if self._tolerant and getattr(_reference, "on", False):
+        if self._tolerant and natively():
             return self._reference_call(inputs)
         key = layout_key(inputs)
         expected = self._passed.get(key)
@@ -199,10 +173,10 @@ class ArtifactGate:
         return due()
 
     def _in_graph_check(self) -> bool:
-        """This call runs inside the whole graph's check against eager (runtime/eager_check.py),
+        """This call runs inside the whole graph's check against eager (runtime/checks/eager_check.py),
         which compares what a bitwise artifact served here, bit for bit, and isolates it if it
         differs: the call is a checked one."""
-        return not self._tolerant and getattr(_reference, "on", False)
+        return not self._tolerant and natively()
 
     def _served(self, checked: bool, replayed: bool = False) -> None:
         """Count one call the artifact served, and the run of calls it served unchecked."""
@@ -307,7 +281,7 @@ class ArtifactGate:
         with self._record.lock:
             self._record.gates += 1
         # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
-        # size) only at the first call of a shape key (runtime/beside.py)
+        # size) only at the first call of a shape key (runtime/gates/beside.py)
         o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity,
                              whole=not recheck)
         if o.unjudged is not None:  # graphdispatch's own step failed (memory): no verdict this call

@@ -10,12 +10,12 @@ runs while a transformed frame is on the stack keeps that frame's code, and with
 compiled graph, its runners and their captures, for the process (aot_eager's graphs too,
 without captures to speak of). Two compiles do: the frame Dynamo compiles after a graph
 break, called from the transformed frame before it, and the backward aot compiles lazily,
-on its first run, which for the gradient check (runtime/autograd_check.py) is inside the
+on its first run, which for the gradient check (runtime/checks/autograd_check.py) is inside the
 compiled forward's call.
 
 `forget_compile_stacks()` drops the recorded stacks of the current thread once no compile
 is in progress on it (they serve only an error inside one). It runs on each graph's first
-call (runtime/program.py), which follows the compile that made it and any compile run
+call (runtime/program/program.py), which follows the compile that made it and any compile run
 before it from a transformed frame: a lazily compiled backward's first run comes right
 after its compile, inside the gradient check.
 """

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphdispatch_backend
-from graphdispatch_backend.capture import export as export_module
+from graphdispatch_backend import export as export_module
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.testing import Mlp
 

@@ -26,10 +26,10 @@ from typing import Any
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.calls import Answered, begin_call, end_call, take_entry
-from graphdispatch_backend.runtime.compile_stacks import forget_compile_stacks
-from graphdispatch_backend.runtime.contract import PlaceholderContract
-from graphdispatch_backend.runtime.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.call.calls import Answered, begin_call, end_call, take_entry
+from graphdispatch_backend.runtime.call.contract import PlaceholderContract
+from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.program.compile_stacks import forget_compile_stacks
 
 
 class CompiledGraph:
@@ -77,7 +77,7 @@ class CompiledGraph:
                 return answered.outputs
             if out is not None:
                 return out
-        if Isolation.active and isolating_here():  # an isolation run (runtime/isolate.py): not a call
+        if Isolation.active and isolating_here():  # an isolation run (runtime/checks/isolate.py): not a call
             return self._run(*args)
         if self._timed:  # the one check the slow path pays when timing is off
             return self._timed_call(args)
@@ -130,7 +130,7 @@ class _FirstCall(CompiledGraph):
     """A CompiledGraph before its first call, which comes after the compile that made it
     (and after any compile run meanwhile from a transformed frame, after a graph break):
     the call stacks those compiles recorded are dropped, so they cannot keep the graph
-    alive (runtime/compile_stacks.py). Then it is a plain CompiledGraph."""
+    alive (runtime/program/compile_stacks.py). Then it is a plain CompiledGraph."""
 
     def __call__(self, args: list[Any]) -> Sequence[Any]:
         self.__class__ = CompiledGraph

@@ -1,0 +1,6 @@
+"""Comparing with eager and blaming a party: parity and prints of outputs (parity.py,
+prints.py, digest.py), the world a check snapshots and puts back (world.py), private random
+draws (draws.py), when to check (schedule.py), ranks agreeing on a verdict (agree.py), the
+eager and gradient checks of a served call (eager_check.py, autograd_check.py), culprit
+isolation (isolate.py) and the modes it sets for the gates (modes.py). May import
+runtime/cudagraph and runtime/call; never the gates, the runner or the program."""
