@@ -295,16 +295,14 @@ def test_a_custom_op_that_syncs_fails_its_piece_named_and_the_run_stays_bitwise(
     assert "at grouped_mm (test_tape.py:" in detail
 
 
-def test_tiny_mixtral_with_its_default_experts_declines_what_a_gpu_would():
-    """transformers' grouped GEMM fallback (used where torch's grouped GEMM is not: this
-    CPU, GPUs before Hopper) reads its offsets on the host: the capture fails, naming it,
-    and the graph answers eagerly, every output eager's. Its integer indexing of expert
-    weights (`weights[expert_ids]`, sized by its arguments) splits nothing: a GPU captures it."""
+def _tiny_mixtral(**config: Any) -> dict[str, Any]:
+    """5 calls of a tiny transformers Mixtral compiled with emulate, each bitwise with eager:
+    its one graph's report."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32)
+                                     num_experts_per_tok=2, max_position_embeddings=32, **config)
     model = transformers.MixtralModel(cfg).eval()
     compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
     with torch.no_grad():
@@ -312,6 +310,15 @@ def test_tiny_mixtral_with_its_default_experts_declines_what_a_gpu_would():
             ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
             assert torch.equal(compiled(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
     (graph,) = accounted_graphs()
+    return graph
+
+
+def test_tiny_mixtral_with_its_default_experts_declines_what_a_gpu_would():
+    """transformers' grouped GEMM fallback (used where torch's grouped GEMM is not: this
+    CPU, GPUs before Hopper) reads its offsets on the host: the capture fails, naming it,
+    and the graph answers eagerly, every output eager's. Its integer indexing of expert
+    weights (`weights[expert_ids]`, sized by its arguments) splits nothing: a GPU captures it."""
+    graph = _tiny_mixtral()
     assert graph["split_reasons"] == {}
     assert graph["cuda_graph"]["declines"] == {"capture_failed": 1}
     assert "transformers::grouped_mm_fallback" in graph["cuda_graph"]["decline_details"]["capture_failed"]
@@ -319,18 +326,6 @@ def test_tiny_mixtral_with_its_default_experts_declines_what_a_gpu_would():
 
 def test_tiny_mixtral_with_batched_mm_experts_replays_whole():
     """`experts_implementation="batched_mm"` (no host read): one graph, captured whole, replays."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32,
-                                     experts_implementation="batched_mm")
-    model = transformers.MixtralModel(cfg).eval()
-    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
-    with torch.no_grad():
-        for i in range(5):
-            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
-            assert torch.equal(compiled(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
-    (graph,) = accounted_graphs()
+    graph = _tiny_mixtral(experts_implementation="batched_mm")
     assert graph["split_reasons"] == {} and not graph["cuda_graph"]["declines"]
     assert graph["cuda_graph"]["replays"] == 3, graph["cuda_graph"]
