@@ -24,7 +24,8 @@ import torch
 
 from graphdispatch_backend.artifacts.registry import Registry
 from graphdispatch_backend.diagnostics.events import Events, log
-from graphdispatch_backend.diagnostics.report import SessionReport, write_json_atomic
+from graphdispatch_backend.diagnostics.report import SessionReport
+from graphdispatch_backend.diagnostics.report_file import write_json_atomic
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.export import RegionExporter

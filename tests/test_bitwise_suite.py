@@ -19,7 +19,7 @@ from torch import nn
 
 import graphdispatch_backend
 from graphdispatch_backend.backend import graphdispatch_backend as backend_fn
-from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.examples.dit import make_model
 from graphdispatch_backend.testing import aten_graph
 

@@ -21,7 +21,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.patterns import generalize, matches, suggest
 from graphdispatch_backend.table import table
 

@@ -32,7 +32,7 @@ from typing import Any
 from graphdispatch_backend.artifacts.bundle import sha256_file, verify_bundle
 from graphdispatch_backend.artifacts.catalog import Kind, kinds, signature, spec_text
 from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, version_tuple
-from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.errors import BundleRejected
 from graphdispatch_backend.patterns import matches, suggest
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch._logging import trace_structured
 
-from graphdispatch_backend.diagnostics.report import json_default
+from graphdispatch_backend.diagnostics.report_file import json_default
 
 log = logging.getLogger("graphdispatch_backend")
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.diagnostics.report import READABLE_SCHEMA_VERSIONS, expand
+from graphdispatch_backend.diagnostics.report_file import READABLE_SCHEMA_VERSIONS, expand
 from graphdispatch_backend.table import table
 
 TIMING_SCHEMA_VERSION = 1

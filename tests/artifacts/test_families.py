@@ -17,7 +17,7 @@ import torch
 
 import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
-from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.patterns import matches
 
 transformers = pytest.importorskip("transformers")

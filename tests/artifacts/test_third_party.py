@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphdispatch_backend
 from graphdispatch_backend import testing
-from graphdispatch_backend.diagnostics.report import expand
+from graphdispatch_backend.diagnostics.report_file import expand
 
 transformers = pytest.importorskip("transformers")
 
