@@ -5,9 +5,11 @@ Everything downstream (artifact gates, CUDA-graph verification) compares against
 torch 2.13: a Linear after a permuted conv under CPU bf16 autocast is lowered to another
 matmul path, eval BatchNorm on a transposed input gets fake strides that make a later view
 invalid at run time, and some lowerings (nuclear `norm`, bf16 bilinear upsampling) differ
-only for some values. So on the 1st, 2nd, 4th, 8th, ... inference call per shape key (the
-schedule artifact parity re-checks follow; the first MAX_KEYS shape keys of a dynamic
-graph) the Dynamo graph itself also runs, eagerly, on the same inputs: the inputs the
+only for some values. So on the calls the `recheck` schedule picks per shape key (by
+default the 1st, 2nd, 4th, 8th, ...; runtime/checks/schedule.py; the first MAX_KEYS shape
+keys of a dynamic graph), and where artifacts are served from replays (no gate sees a
+replay) on the calls their `artifact_recheck` schedule picks too (`graph_schedule`), the
+Dynamo graph itself also runs, eagerly, on the same inputs: the inputs the
 graph mutates are snapshotted and restored and the RNG state is replayed, so both runs see
 the same world. The compiled call on such a call is the one the user gets (a replay, once
 the graph replays), so the check covers the served path end to end.
