@@ -17,6 +17,11 @@ from graphdispatch_backend.errors import OptionsError
 ENV_PREFIX = "GRAPHDISPATCH_"
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
 RECHECK_MODES = ("doubling", "dense", "every")  # and an integer N >= 1 (runtime/checks/schedule.py)
+
+
+def is_recheck_mode(value: object) -> bool:
+    """A value `recheck` and `artifact_recheck` take: a named schedule, or every Nth call."""
+    return value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 TIMING_MODES = ("off", "host", "sync", "shadow")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -191,7 +196,7 @@ def _validate(key: str, value: Any) -> Any:
             return value
         raise OptionsError(f"option 'cuda_graphs' must be one of {CUDA_GRAPH_MODES}, got {value!r}")
     if kind == "recheck":  # recheck, artifact_recheck: runtime/checks/schedule.py
-        if value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if is_recheck_mode(value):
             return value
         raise OptionsError(f"option {key!r} must be one of {RECHECK_MODES} or an integer >= 1, got {value!r}")
     if key == "timing":

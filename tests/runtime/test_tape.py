@@ -329,3 +329,18 @@ def test_tiny_mixtral_with_batched_mm_experts_replays_whole():
     graph = _tiny_mixtral(experts_implementation="batched_mm")
     assert graph["split_reasons"] == {} and not graph["cuda_graph"]["declines"]
     assert graph["cuda_graph"]["replays"] == 3, graph["cuda_graph"]
+
+
+def test_rebind_reads_the_same_view_of_the_moved_tensor():
+    """A relocation rebinds what the tape held (runtime/cudagraph/tape.py `rebind`): the same
+    offset, sizes, strides and lazy negative bit, over the new storage; other values unchanged."""
+    from graphdispatch_backend.runtime.cudagraph.tape import rebind
+
+    old, new = torch.arange(12.0), torch.arange(12.0) + 100
+    held = old[2:10].view(2, 4).t()._neg_view()
+    moves = {old.untyped_storage().data_ptr(): new}
+    got = rebind([held, 3, None], moves)
+    assert got[1:] == [3, None] and got[0].is_neg() and got[0].stride() == held.stride()
+    assert torch.equal(got[0].resolve_neg(), -new[2:10].view(2, 4).t())
+    other = torch.ones(3)
+    assert rebind(other, moves) is other

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import random
 
-from graphdispatch_backend.options import RECHECK_MODES
+from graphdispatch_backend.options import is_recheck_mode
 
 CAP = 1024  # the longest interval between two checks of "doubling", in calls
 JITTER_FROM = 16  # intervals from this long on are jittered
 DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then checks twice per doubling
 DENSE_CAP = 256  # the longest interval of "dense", in calls (bench/recheck.py: its cost <= 2%)
-MODES = RECHECK_MODES  # and an integer N >= 1: options.py validates the option
 
 
 def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_artifacts: bool) -> str | int:
@@ -61,7 +60,7 @@ class _Track:
     def __init__(self, mode: str | int, seed: str) -> None:
         if isinstance(mode, str) and mode.isdigit():  # "A|B" carries integers as text
             mode = int(mode)
-        if not (mode in MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 1)):
+        if not is_recheck_mode(mode):
             raise ValueError(f"unknown recheck schedule {mode!r}")
         self._next = self._nominal = 1
         self._every = 1 if mode == "every" else mode if isinstance(mode, int) else 0

@@ -39,8 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.runtime.cudagraph.engine import Fn, Like, recording, storage_group, view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.streams import HostStreams
-from graphdispatch_backend.runtime.cudagraph.tape import Recorder, Tape
-from graphdispatch_backend.runtime.cudagraph.tape_code import view_over
+from graphdispatch_backend.runtime.cudagraph.tape import Recorder, Tape, rebind
 
 _ALIGN = 64  # bytes between carved blocks, so every dtype's element offset is whole
 
@@ -216,7 +215,7 @@ class HostReplayEngine:
                  if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() != b.data_ptr()}
         assert old._tape is not None
         tape = old._tape.rebound(moves)
-        outputs = [_moved(out, moves) for out in old.outputs]  # the carved ones are carved anew below
+        outputs = [rebind(out, moves) for out in old.outputs]  # the carved ones are carved anew below
         return self._carve(tape, outputs, old.layout, old.working, key)
 
     def _carve(self, tape: Tape, fresh: list[Any], layout: list[tuple[list[int], int, int]], working: int,
@@ -243,12 +242,3 @@ class HostReplayEngine:
         return _HostGraph(tape, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool,
                           layout, working)
 
-
-def _moved(out: Any, moves: dict[int, torch.Tensor]) -> Any:
-    """An output that views an argument, over where that argument is now."""
-    if not isinstance(out, torch.Tensor):
-        return out
-    new = moves.get(out.untyped_storage().data_ptr())
-    if new is None:
-        return out
-    return with_view_bits(view_over(new, out.storage_offset(), out.shape, out.stride(), out.dtype), view_bits(out))

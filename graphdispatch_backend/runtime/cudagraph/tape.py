@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphdispatch_backend.errors import CaptureRefused
+from graphdispatch_backend.runtime.cudagraph.engine import view_bits, with_view_bits
 from graphdispatch_backend.runtime.cudagraph.refusals import HOST_READS, refusal
 from graphdispatch_backend.runtime.cudagraph.tape_code import FLAT, NESTED, SLOT, TENSOR, VIEW, straight_line, view_over
 
@@ -77,22 +78,27 @@ class Tape:
         """This tape reading, wherever it held a tensor over the storage at address `p`,
         the same view over `moves[p]`'s storage instead (HostReplayEngine.capture's `like`:
         what a CUDA capture at the new addresses records). Nothing else changes."""
-        def move(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                new = moves.get(value.untyped_storage().data_ptr())
-                if new is not None:
-                    return view_over(new, value.storage_offset(), value.shape, value.stride(), value.dtype)
-                return value
-            if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-                return type(value)(move(v) for v in value)
-            return value
-
         tape = Tape()
         tape.slots = self.slots
-        tape.steps = [(op, tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}, *rest)
-                      for op, args, kwargs, *rest in self.steps]
-        tape.outputs = [(kind, move(what) if kind is None else what) for kind, what in self.outputs]
+        tape.steps = [(op, tuple(rebind(a, moves) for a in args), {k: rebind(v, moves) for k, v in kwargs.items()},
+                       *rest) for op, args, kwargs, *rest in self.steps]
+        tape.outputs = [(kind, rebind(what, moves) if kind is None else what) for kind, what in self.outputs]
         return tape
+
+
+def rebind(value: Any, moves: dict[int, torch.Tensor]) -> Any:
+    """`value`, or, for a tensor over a storage at an address in `moves` (or a list of
+    such), the same view (offset, sizes, strides, dtype, lazy negative and conjugate bits)
+    over the moved tensor's storage."""
+    if isinstance(value, torch.Tensor):
+        new = moves.get(value.untyped_storage().data_ptr())
+        if new is None:
+            return value
+        return with_view_bits(view_over(new, value.storage_offset(), value.shape, value.stride(), value.dtype),
+                              view_bits(value))
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(rebind(v, moves) for v in value)
+    return value
 
 
 class _HostReads(TorchFunctionMode):
