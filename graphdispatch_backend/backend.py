@@ -6,6 +6,11 @@ runs the pass pipeline on the ATen graph and wraps the result in a CompiledGraph
 anything in that goes wrong, the graph runs eagerly instead, counted and reported with
 its reason (`backend_error`); under `strict` the error is raised as GraphDispatchError.
 Registered through the `torch_dynamo_backends` entry point as "graphdispatch".
+
+The graph builder (`_Builder`: passes, gates and runners wired together for aot's
+compilers) lives here too, though the module is then a little over 400 lines: aot compiles
+the backward lazily, inside the user's first `backward()`, and the builder's catch around
+that compile is a broad one, which only this module may hold.
 """
 
 from __future__ import annotations

@@ -300,9 +300,9 @@ def run_ranks(script: Path, folder: Path, mode: str, world: int = 2, timeout_s: 
 def serve_patches(fn: Callable[..., Any]) -> tuple[tuple[Any, str, Any], ...]:
     """`(module, "serve", fn)` for every runner module that calls `serve` (the replay path,
     the hot path and verification): a test that replaces the serve replaces it everywhere."""
-    from graphdispatch_backend.runtime.runner import hot, publish, runner
+    from graphdispatch_backend.runtime.runner import hot, publish
 
-    return tuple((module, "serve", fn) for module in (runner, hot, publish))
+    return tuple((module, "serve", fn) for module in (hot, publish))
 
 
 def perturbed(op: str, above: float | None = None) -> Any:

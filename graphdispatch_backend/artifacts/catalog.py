@@ -204,7 +204,7 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
 
 def catalog_command(directory: str, pattern: str = "*") -> int:
     # the renderer's loader and messages for a missing, foreign or mistyped report
-    from graphdispatch_backend.diagnostics.render import run_command
+    from graphdispatch_backend.diagnostics.report_dir import run_command
 
     return run_command(directory, lambda report, _timing, _missing, source: render(report, pattern, source, directory),
                        "the region listing")

@@ -24,7 +24,7 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
     `report_dir`, fits no region of that report)."""
     regions = None
     if report_dir is not None:
-        from graphdispatch_backend.diagnostics.render import ReportError, load
+        from graphdispatch_backend.diagnostics.report_dir import ReportError, load
 
         try:
             report, _, _ = load(report_dir)

@@ -268,7 +268,7 @@ def scaffold(report: dict[str, Any], pattern: str, out: Path, *, fingerprint: st
 
 def scaffold_command(directory: str, pattern: str, out: str, fingerprint: str | None = None,
                      artifact_id: str | None = None) -> int:
-    from graphdispatch_backend.diagnostics.render import ReportError, load
+    from graphdispatch_backend.diagnostics.report_dir import ReportError, load
 
     try:
         report, _, _ = load(directory)

@@ -16,7 +16,7 @@ import torch
 import graphdispatch_backend
 from graphdispatch_backend.__main__ import _parser, main
 from graphdispatch_backend.artifacts.catalog import kinds
-from graphdispatch_backend.diagnostics.render import load
+from graphdispatch_backend.diagnostics.report_dir import load
 from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.testing import MLP_SOURCE, Stack, write_bundle
 

@@ -22,7 +22,7 @@ from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts.bundle import verify_bundle
 from graphdispatch_backend.artifacts.match import match_region
 from graphdispatch_backend.artifacts.scaffold import ScaffoldError, scaffold
-from graphdispatch_backend.diagnostics.render import load
+from graphdispatch_backend.diagnostics.report_dir import load
 from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.errors import Rejection
 from graphdispatch_backend.passes.context import PassContext

@@ -139,7 +139,7 @@ def test_without_the_lift_every_value_is_a_capture_of_its_own(monkeypatch: pytes
 def test_the_piece_after_the_lift_computes_no_shape_key(monkeypatch: pytest.MonkeyPatch):
     """The graph has a symbol (t), but its piece's tensors have fixed shapes that Dynamo's
     guards ensure: the piece's runner is keyless, as a static graph's is."""
-    runner_mod = sys.modules["graphdispatch_backend.runtime.runner.runner"]
+    runner_mod = sys.modules["graphdispatch_backend.runtime.runner.lookup"]
     keys = []
     real = runner_mod.layout_key
     monkeypatch.setattr(runner_mod, "layout_key", lambda values: keys.append(1) or real(values))

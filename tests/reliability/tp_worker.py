@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 import graphdispatch_backend as gd  # noqa: E402
-from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod  # noqa: E402
+from graphdispatch_backend.runtime.checks import reference as eager_check_mod  # noqa: E402
 from graphdispatch_backend.runtime.checks.parity import Mismatch  # noqa: E402
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine  # noqa: E402
 from graphdispatch_backend.runtime.runner.verify import Verifier  # noqa: E402

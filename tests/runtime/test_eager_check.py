@@ -17,6 +17,7 @@ from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks import reference as reference_mod
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
 
 
@@ -84,8 +85,8 @@ def test_a_comparison_that_raises_is_a_counted_fallback(monkeypatch):
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("comparison exploded")
 
-    monkeypatch.setattr(eager_check_mod, "compare", broken)
-    monkeypatch.setattr(eager_check_mod, "differs", broken)  # the lean check compares prints
+    monkeypatch.setattr(reference_mod, "compare", broken)
+    monkeypatch.setattr(reference_mod, "differs", broken)  # the lean check compares prints
     check, record = checked(lambda x: (x * 3,), lambda x: (x * 3,))
     for _ in range(3):
         assert torch.equal(check(torch.ones(2))[0], torch.full((2,), 3.0))

@@ -35,8 +35,8 @@ from graphdispatch_backend.runtime.call.contract import LayoutIdentity
 from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
+from graphdispatch_backend.runtime.runner import lookup as runner_mod
 from graphdispatch_backend.runtime.runner import record as record_mod
-from graphdispatch_backend.runtime.runner import runner as runner_mod
 from graphdispatch_backend.runtime.runner.inputs import InputPlan
 from graphdispatch_backend.runtime.runner.verify import Verifier
 from graphdispatch_backend.testing import serve_patches

@@ -546,7 +546,7 @@ def test_without_relocation_short_requests_run_eager():
     """Mutation: the old path, a re-capture with warmup and verification per new cache,
     backing off: most calls of short requests run eager."""
     runner, stats = make_runner(_cache_step, warmup=2, verify_inputs=1, mutated=(0,))
-    runner._relocate = lambda entry, args: None  # type: ignore[method-assign]
+    runner._relocator.relocate = lambda entry, args: False  # type: ignore[method-assign]
     _requests(runner, 40, 3)
     assert stats.replays < 40 * 3 // 2 and stats.relocations == 0
 
@@ -1116,10 +1116,12 @@ def test_entry_declined_in_one_thread_is_not_released_under_a_replay():
     at_mismatch, go_mismatch = threading.Event(), threading.Event()
     in_replay, go_replay = threading.Event(), threading.Event()
 
+    real_transition = runner._transitions.transition
+
     def paused_mismatch(*args: Any) -> Any:
         at_mismatch.set()
         go_mismatch.wait(5)
-        return GraphRunner._mismatch(runner, *args)
+        return real_transition(*args)
 
     plan = entry.inputs
     real_copy_in = plan.copy_in
@@ -1129,7 +1131,7 @@ def test_entry_declined_in_one_thread_is_not_released_under_a_replay():
         go_replay.wait(5)
         real_copy_in(args)
 
-    runner._mismatch = paused_mismatch
+    runner._transitions.transition = paused_mismatch  # type: ignore[method-assign]
     plan.copy_in = paused_copy_in
     results: dict[str, Any] = {}
 

@@ -15,7 +15,7 @@ and the reason.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _calls = threading.local()
@@ -37,6 +37,14 @@ def begin_call() -> None:
 def mark_eager(reason: str) -> None:
     if getattr(_calls, "reason", None) is None:
         _calls.reason = reason
+
+
+def answer_eagerly(fn: Callable[..., Sequence[Any]], stats: Any, args: Sequence[Any], reason: Any) -> Sequence[Any]:
+    """The call answered by the piece run eagerly: counted in the piece's `stats` with
+    `reason` (a Decline), and marked for the graph's call."""
+    mark_eager(reason.value)
+    stats.eager(reason.value)
+    return fn(*args)
 
 
 def end_call() -> str | None:

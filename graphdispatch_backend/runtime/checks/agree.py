@@ -38,6 +38,12 @@ class Agreement:
         return code
 
 
+def agreed(agreement: Agreement | None, code: int) -> int:
+    """The worst of this rank's `code` and every other rank's; the code itself without an
+    agreement (no collectives: no other rank's schedule depends on this one's)."""
+    return code if agreement is None else agreement.agree(code)
+
+
 def agreement_for(group_names: Sequence[str]) -> Agreement | None:
     """The Agreement over the named process groups, or None when there are none (or
     torch.distributed is not initialized: no other rank to agree with)."""

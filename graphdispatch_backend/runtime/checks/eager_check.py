@@ -47,8 +47,7 @@ from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
 from graphdispatch_backend.runtime.checks.isolate import ARTIFACT, CAPTURE, FUSION, culprit
 from graphdispatch_backend.runtime.checks.modes import native_regions
-from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing
-from graphdispatch_backend.runtime.checks.prints import Printed, differs, take_print
+from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import Due
 from graphdispatch_backend.runtime.checks.world import Region, World
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
@@ -63,74 +62,6 @@ _CODES: tuple[Decline | None, ...] = (None, Decline.OUT_OF_MEMORY, Decline.LOWER
 
 def _code(verdict: Verdict) -> int:
     return _CODES.index(verdict[0]) if verdict is not None else 0
-
-
-def _flat(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-class _Reference:
-    """Eager's side of one check: its outputs, or (`lean`) their print and, once a mismatch
-    made eager run again, that second run's outputs (see `_check`)."""
-
-    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain, start: Start | None) -> None:
-        self._args = args
-        self._start = start  # the graph draws: every extra run draws from private copies (runtime/checks/draws.py)
-        self._raw: Any = raw
-        self._printed: Printed | None = None
-        self._second: list[Any] | None = None  # eager's second run (lean): answers and details
-        self._got: list[Any] | None = None
-        if lean:  # printed at once: an output may view an input the world puts back
-            printed, exc = contain(lambda: take_print(_flat(raw), args))
-            if exc is None:  # else the outputs stay: a print is a saving, never a requirement
-                self._printed = printed
-
-    def drop(self) -> None:
-        """Free the outputs once printed (the compiled run holds no second set)."""
-        if self._printed is not None:
-            self._raw = None
-
-    def extra(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return privately(self._start, fn)
-
-    @property
-    def outputs(self) -> list[Any]:
-        return _flat(self._raw)
-
-    def compare(self, got: list[Any]) -> Mismatch | None:
-        self._got = got
-        if self._raw is None and self._printed is not None:
-            return differs(self._printed, got, self._args)
-        expected = _flat(self._raw)
-        return compare(expected, got) or compare_aliasing(expected, got, self._args)
-
-    def again(self, second: list[Any]) -> Mismatch | None:
-        """Eager's second run against its first."""
-        if self._raw is None and self._printed is not None:
-            self._second = second
-            return differs(self._printed, second, self._args)
-        return compare(_flat(self._raw), second)
-
-    def detail(self, detail: str) -> str:
-        """A lean mismatch's detail, with values (max abs diff, first index) from eager's
-        second run, which agreed with its first."""
-        if self._second is None or self._got is None:
-            return detail
-        full = compare(self._second, self._got) or compare_aliasing(self._second, self._got, self._args)
-        return f"differs from eager: {full}" if full is not None else detail
-
-    def answer(self, eager: Callable[..., Any], before: World, after: World,
-               own: Callable[[Callable[[], Any]], None]) -> Any:
-        """Eager's outputs, with the world as eager left it: kept, or run again (`own` runs
-        graphdispatch's own steps, contained)."""
-        if self._raw is not None:
-            if after is not None:
-                own(after.restore)
-            return self._raw
-        if self._second is not None:  # the world is the second run's already
-            return tuple(self._second)
-        own(before.restore)
-        return eager(*self._args)
 
 
 class EagerCheck:
@@ -228,7 +159,7 @@ class EagerCheck:
         # their history, nor where ranks must run every eager run in step (collectives).
         # Printed now, before the world goes back: an output may be a view of a written input.
         lean = self._gradients is None and self._agreement is None
-        ref = _Reference(raw, args, lean, self._contain, start)
+        ref = Reference(raw, args, lean, self._contain, start)
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
         if exc is not None:
@@ -245,7 +176,7 @@ class EagerCheck:
             reason = Decline.OUT_OF_MEMORY if is_out_of_memory(exc) else Decline.LOWERING_FAILED
             local: Verdict = (reason, f"raised {type(exc).__name__}: {exc}")
         else:
-            got = _flat(out)
+            got = flat(out)
             mismatch, exc = self._contain(lambda: ref.compare(got) or after.compare())
             if exc is not None:
                 local = (Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}")
@@ -277,7 +208,7 @@ class EagerCheck:
             return answer
         return self._verdict(*verdict, answer, None, gradients)
 
-    def _isolate(self, args: Sequence[Any], before: World, after: World, ref: _Reference,
+    def _isolate(self, args: Sequence[Any], before: World, after: World, ref: Reference,
                  verdict: tuple[Decline, str], replays: list[int]) -> Verdict:
         """The served call differed from eager, which agrees with itself: find the party at
         fault (runtime/checks/isolate.py). An artifact is demoted there, a capture declined here;
@@ -313,7 +244,7 @@ class EagerCheck:
         return verdict[0], f"{verdict[1]} (at {call}; {detail})" if detail else verdict[1]
 
     def _settle(self, local: Verdict, args: Sequence[Any], before: World, after: World,
-                ref: _Reference, forward: bool) -> Verdict:
+                ref: Reference, forward: bool) -> Verdict:
         """This rank's verdict, blamed on eager's nondeterminism where eager disagrees with
         itself (`forward`: it compared the forward's results; a gradient verdict is blamed by
         the gradient check), and agreed with every other rank of the graph's groups: the
@@ -338,13 +269,13 @@ class EagerCheck:
             return Decline.RANK_DISAGREEMENT, f"another rank of the graph's process groups found {worst.value}"
         return local
 
-    def _blame(self, args: Sequence[Any], before: World, after: World, ref: _Reference,
+    def _blame(self, args: Sequence[Any], before: World, after: World, ref: Reference,
                detail: str) -> tuple[Decline, str]:
         """Run eager once more from the world before: if eager disagrees with itself, the
         mismatch is eager's nondeterminism, not the lowering's fault."""
         def again() -> Any:
             before.restore()
-            return ref.again(_flat(ref.extra(self._eager)(*args))) or after.compare()
+            return ref.again(flat(ref.extra(self._eager)(*args))) or after.compare()
 
         differs, exc = self._contain(again)
         if exc is None and differs is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.runtime.checks.digest import digest
-from graphdispatch_backend.runtime.checks.parity import Mismatch, aliasing, say_alias
+from graphdispatch_backend.runtime.checks.parity import Mismatch, aliasing, compare, compare_aliasing, say_alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,3 +67,18 @@ def differs(printed: Printed, outputs: Sequence[Any], inputs: Sequence[Any]) -> 
         if w is not None and g is not None and w != g:
             return Mismatch(i, "aliasing", f"{say_alias(g)}, expected {say_alias(w)}")
     return None
+
+
+PRINTED = Mismatch(-1, "values", "the replay's outputs differ from eager's")  # values: run again for them
+
+
+def outputs_differ(expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
+                   inputs: Sequence[Any]) -> Mismatch | None:
+    """Eager's outputs against the replay's (runtime/runner/verify.py); either may be a
+    print. A printed replay that differs is PRINTED, a mismatch without values: the caller
+    runs again for those."""
+    if isinstance(replayed, Printed) or isinstance(expected, Printed):
+        printed, other = (replayed, expected) if isinstance(replayed, Printed) else (expected, replayed)
+        found = differs(printed, list(other), inputs)  # type: ignore[arg-type]
+        return found if printed is expected or found is None else PRINTED
+    return compare(list(expected), list(replayed)) or compare_aliasing(expected, replayed, inputs)

@@ -37,9 +37,7 @@ sizes, so parity is checked per concrete shape.
 from __future__ import annotations
 
 import re
-import statistics
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,14 +50,13 @@ from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion, Stri
 from graphdispatch_backend.runtime.call.keys import layout_key
 from graphdispatch_backend.runtime.checks.modes import judging_call, natively
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
-from graphdispatch_backend.runtime.checks.schedule import Due
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
+from graphdispatch_backend.runtime.gates.checked import CheckBook
+from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
-SPEED_REPEATS = 7
-MAX_KEYS = 4096  # shape keys whose schedules a gate keeps (past it they start over), as eager_check's
 # what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
 # failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
 _STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
@@ -118,9 +115,7 @@ class ArtifactGate:
         self._speed_gate = speed_gate
         self._strict = strict
         self._passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._recheck = recheck  # the artifact_recheck option: which eager calls are checked
-        self._schedules: dict[tuple[Any, ...], Due] = {}  # per shape key, over its eager calls (the gate's included)
-        self._closed = 0  # the unchecked run a check inside a whole-graph check closed (put back if it fails)
+        self._checks = CheckBook(recheck, record)  # which eager calls are checked; what it served unchecked
         self._lock = threading.Lock()
         self.demoted = False
         self._tolerant = parity.mode != "bitwise"
@@ -128,6 +123,7 @@ class ArtifactGate:
         # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
         self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain)
+        self._speed = SpeedTrial(self._artifact, native, self._beside, contain)  # with speed_gate only
         self._names = tuple(input_names)  # the region's input names (for what a demotion says)
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
@@ -148,7 +144,7 @@ class ArtifactGate:
                     return self._gate(key, inputs)
                 expected = self._passed[key]
         replaying = in_recording()
-        if not replaying and self._due(key):  # unlocked: a lost call under threads only shifts a re-check
+        if not replaying and self._checks.due(key):  # unlocked: a lost call under threads only shifts a re-check
             with self._lock:
                 return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
@@ -160,37 +156,14 @@ class ArtifactGate:
         if outs is None:
             return self._run_native(inputs)
         if not replaying:  # a replay is counted once, by the runner (replayed())
-            self._served(checked=self._in_graph_check())
+            self._checks.served(checked=self._in_graph_check())
         return outs
-
-    def _due(self, key: tuple[Any, ...]) -> bool:
-        """Whether this eager call of shape key `key` is checked (the `artifact_recheck` schedule)."""
-        due = self._schedules.get(key)
-        if due is None:
-            if len(self._schedules) >= MAX_KEYS:
-                self._schedules.clear()  # a bound on memory: the keys' schedules start over
-            due = self._schedules[key] = Due(self._recheck, f"{self._record.artifact}:{self._record.region}:{key}")
-        return due()
 
     def _in_graph_check(self) -> bool:
         """This call runs inside the whole graph's check against eager (runtime/checks/eager_check.py),
         which compares what a bitwise artifact served here, bit for bit, and isolates it if it
         differs: the call is a checked one."""
         return not self._tolerant and natively()
-
-    def _served(self, checked: bool, replayed: bool = False) -> None:
-        """Count one call the artifact served, and the run of calls it served unchecked."""
-        record = self._record
-        with record.lock:
-            if replayed:
-                record.replays += 1
-            else:
-                record.calls += 1
-            if checked:
-                self._closed, record.served_since_check = record.served_since_check, 0
-            else:
-                record.served_since_check += 1
-                record.largest_gap = max(record.largest_gap, record.served_since_check)
 
     def _outputs(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The artifact's outputs, or None after demoting it for raising or a bad output."""
@@ -224,8 +197,7 @@ class ArtifactGate:
             if verdict is not None:
                 reason, detail, mismatch = verdict
                 if not self._tolerant:  # its serving in this check counted as checked: it failed the check
-                    with self._record.lock:
-                        self._record.served_since_check = self._closed
+                    self._checks.reopen()
                 self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch)
             return o.native
 
@@ -246,14 +218,14 @@ class ArtifactGate:
             with self._record.lock:
                 self._record.native_calls += 1
         else:  # inside a whole-graph check the replay's outputs are compared with eager's
-            self._served(checked=self._in_graph_check(), replayed=True)
+            self._checks.served(checked=self._in_graph_check(), replayed=True)
 
     def _reference_call(self, inputs: Sequence[Any]) -> Sequence[Any]:
         """Inside native_regions(): gate as usual if this shape key is new, but answer natively."""
         key = layout_key(inputs)
         with self._lock:
             if key not in self._passed and not self.demoted:
-                self._due(key)  # the key's first call: its schedule starts here
+                self._checks.due(key)  # the key's first call: its schedule starts here
                 return self._judge(key, inputs, native_answer=True)
         return self._run_native(inputs)
 
@@ -269,7 +241,7 @@ class ArtifactGate:
     def _gate(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
         start = self._timing.now() if self._timing.enabled else 0.0
         if not in_recording():
-            self._due(key)  # the key's first call (checked, whatever the schedule): its schedule starts here
+            self._checks.due(key)  # the key's first call (checked, whatever the schedule): its schedule starts here
         try:
             return self._judge(key, inputs)
         finally:
@@ -296,7 +268,7 @@ class ArtifactGate:
             if o.outside and "beyond the rows" not in detail:
                 detail += f"; {self._beyond(o)}"
             if recheck:
-                detail += self._caught(key)
+                detail += self._checks.caught(key)
             self._demote(reason, detail, mismatch)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
@@ -316,21 +288,8 @@ class ArtifactGate:
         if not in_recording():
             with self._record.lock:
                 self._record.native_calls -= 1  # the native run here was the reference, not a fallback
-            self._served(checked=True)
+            self._checks.served(checked=True)
         return outs
-
-    def _caught(self, key: tuple[Any, ...]) -> str:
-        """A re-check failed: the call of its shape key that caught it, and the calls the
-        artifact served unchecked since the check before, said and recorded."""
-        due = self._schedules.get(key)
-        record = self._record
-        with record.lock:
-            unchecked = record.served_since_check
-            record.caught_at_call, record.unchecked_calls = (due.n if due else None), unchecked
-        if due is None:
-            return ""
-        return (f"; caught at call {due.n} of its shape key by the artifact_recheck schedule (the check before: "
-                f"call {due.previous}); {unchecked} call(s) served unchecked since its last check")
 
     def _verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:
         """Why the artifact is demoted after this side-by-side run, or None (it passed)."""
@@ -367,31 +326,12 @@ class ArtifactGate:
         return ", ".join(self._record.mutates) or "its declared inputs"
 
     def _faster(self, inputs: Sequence[Any]) -> bool:
-        if self._beside.mutates:  # timed runs write too: put the written rows back after them
-            world, exc = self._contain(lambda: self._beside.snapshot(inputs))
-            if exc is not None:
-                return True  # not timed this call (memory): no verdict on speed
-            try:
-                return self._timed(inputs)
-            finally:
-                self._contain(world.restore)
-        return self._timed(inputs)
-
-    def _timed(self, inputs: Sequence[Any]) -> bool:
-        native_ms = _median_ms(lambda: self._native(*inputs), inputs)
-        # The artifact runs SPEED_REPEATS + 1 more times here: raising in any of them demotes
-        # like raising at any other call, instead of escaping into the user's forward.
-        artifact_ms, exc = self._contain(lambda: _median_ms(lambda: self._artifact(*inputs), inputs))
-        if exc is not None:
-            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc} (while timing it for speed_gate)")
-            return False
-        self._record.speed = {"artifact_ms": artifact_ms, "native_ms": native_ms,
-                              "speedup": native_ms / artifact_ms if artifact_ms else None}
-        if artifact_ms < native_ms:
-            return True
-        self._demote(Demotion.SLOWER,
-                     f"artifact {artifact_ms:.3f} ms, native {native_ms:.3f} ms (median of {SPEED_REPEATS})")
-        return False
+        speed, demotion = self._speed.judge(inputs)
+        if speed is not None:
+            self._record.speed = speed
+        if demotion is not None:
+            self._demote(*demotion)
+        return demotion is None
 
     def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
         t0 = self._timing.now()
@@ -413,7 +353,7 @@ class ArtifactGate:
             return native
         with self._record.lock:
             self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
-        self._served(checked=True)
+        self._checks.served(checked=True)
         return outs
 
     def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None) -> None:
@@ -453,17 +393,3 @@ def _describe_meta(meta: tuple[Any, ...]) -> str:
         f"Tensor{list(m[0])} {m[2]} stride {m[1]}" if isinstance(m, tuple) else getattr(m, "__name__", str(m))
         for m in meta
     )
-
-
-def _median_ms(fn: Callable[[], Any], inputs: Sequence[Any]) -> float:
-    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in inputs)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    fn()
-    samples = []
-    for _ in range(SPEED_REPEATS):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(samples)

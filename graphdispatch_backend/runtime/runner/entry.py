@@ -96,6 +96,14 @@ class Entry:
             return 0
         return self.inputs.bytes_in + self.inputs.bytes_back + self.outputs.bytes_out
 
+    def gates_changed(self, gates: Sequence[Any]) -> bool:
+        """An artifact of the piece was demoted or promoted since this entry was captured."""
+        return bool(gates) and tuple(g.demoted for g in gates) != self.gate_state
+
+    def gates_replayed(self, gates: Sequence[Any]) -> None:
+        for gate, demoted in zip(gates, self.gate_state):
+            gate.replayed(native=demoted)  # captured with the artifact's kernels in it, or the native region's
+
     def release(self) -> None:
         for parked in self.parked.values():
             parked.release()

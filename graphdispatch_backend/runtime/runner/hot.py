@@ -12,7 +12,7 @@ pointer check, the input copies, the replay). A runner keeps a hot entry only wh
 shape key serves every call (Dynamo guards the shapes, no scalar input), so no key is
 computed here; metadata Dynamo's guards ensure is not checked again.
 
-A mixin of GraphRunner: it reads the runner's hot entry, device lock, streams and stats.
+`Replayer` owns the hot entry and serves every replay of its runner, hot or not.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.call.calls import Answered
+from graphdispatch_backend.runtime.call.calls import Answered, answer_eagerly
 from graphdispatch_backend.runtime.checks.isolate import Isolation
-from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.runner.entry import Entry, State
-from graphdispatch_backend.runtime.runner.serve import serve
+from graphdispatch_backend.runtime.runner.lookup import Lookup
+from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
+from graphdispatch_backend.runtime.runner.transitions import Transitions
 
 _data_ptr = torch.Tensor.data_ptr
 # CUDA builds: the pinned addresses compared in one C++ loop, as cudagraph trees' hot path
@@ -61,26 +63,65 @@ def in_place(hot: Hot, args: Sequence[Any]) -> bool:
     return PTRS_EQUAL(args if type(args) is list else list(args), at, positions)  # type: ignore[misc,arg-type]
 
 
-class HotPath:
-    # provided by GraphRunner (annotations only: nothing here shadows the runner's own)
-    _hot: Hot | None
-    _acquire: Callable[[], Any]  # the device lock's, bound once: cheaper than `with`
-    _release: Callable[[], None]
-    _streams: Any
-    _stats: Any
-    _gates: tuple[Any, ...]
-    _gates_changed: Callable[[Entry], bool]
-    _gates_replayed: Callable[[Entry], None]
-    _replay_failed: Callable[[Entry, Sequence[Any], BaseException], Sequence[Any]]
-    last_replayed: Entry | None
+class Replayer:
+    """Serves a runner's verified entries: `replay` for an entry the caller found and
+    checked, `replay_hot` for the one the last replay served (keyless runners keep it in
+    `hot`). It owns the hot entry; it counts replays in the stats under the device lock."""
+
+    def __init__(self, fn: Callable[..., Sequence[Any]], device: Any, stats: Any, gates: Sequence[Any],
+                 lookup: Lookup, transitions: Transitions, timing: Timing | None, lockstep: bool) -> None:
+        self._fn = fn
+        self._device = device  # its lock read at each replay (a test may swap it)
+        self._acquire, self._release = device.lock.acquire, device.lock.release  # cheaper than `with`
+        self._streams = device.streams
+        self._stats = stats
+        self._gates = tuple(gates)
+        self._transitions = transitions
+        self._timing = timing
+        self._lockstep = lockstep
+        self._lookup = lookup  # an entry is kept hot only where one shape key serves every call (`keyless`)
+        self.hot: Hot | None = None
+        self.last_replayed: Entry | None = None  # what a checked call blames (runtime/checks/isolate.py)
+
+    def replay(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any] | Decline | None:
+        """The replay of a verified entry whose inputs the caller checked: its outputs; the
+        Decline to answer the call eagerly with, when the replay raised; or None, having
+        done nothing, when the entry changed state meanwhile (the caller looks again)."""
+        failed: BaseException | None = None
+        with self._device.lock:
+            if entry.state is _VERIFIED and not (self._gates and entry.gates_changed(self._gates)):
+                try:  # free unless it raises; what a replay raises (CUDA errors included) is a RuntimeError
+                    if self._timing is None:
+                        out = serve(entry, args, self._streams)
+                    else:
+                        out = serve_timed(entry, args, self._streams, self._timing)
+                except (RuntimeError, MemoryError) as exc:
+                    failed = exc
+                else:
+                    stats = self._stats
+                    stats.replays += 1  # under the device lock: no other replay counts meanwhile
+                    self.last_replayed = entry
+                    stats.copy_bytes += entry.copy_bytes
+                    if self._gates:
+                        entry.gates_replayed(self._gates)
+                    if self._lookup.keyless:
+                        hot = self.hot
+                        if hot is None or hot[0] is not entry or hot[1] is not entry.ptrs:
+                            self.hot = hot_of(entry)
+                    return out
+        self.hot = None
+        if failed is not None:
+            return self._transitions.replay_failed(entry, failed, self._lockstep)
+        return None
 
     def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
         """The replay of the entry the last replay served, when the pinned inputs are where
         it read them: the call's outputs, counted in the stats' `hot_replays` (the graph's
         record adds them to its calls and replays); or None, having done nothing (the caller
-        takes the slow path, `__call__`). A replay that raises is answered eagerly here, and
-        said by raising Answered (counted eager in the stats, not in `hot_replays`)."""
-        hot = self._hot
+        takes the slow path, the runner's `__call__`). A replay that raises is answered
+        eagerly here, and said by raising Answered (counted eager in the stats, not in
+        `hot_replays`)."""
+        hot = self.hot
         if hot is None or Isolation.active:  # an isolation runs somewhere: the slow path decides
             return None
         entry, ptrs, pick, at, positions, nbytes = hot
@@ -93,7 +134,8 @@ class HotPath:
         self._acquire()
         try:
             # `ptrs is`: the entry was not captured anew since the addresses were read
-            if entry.state is _VERIFIED and entry.ptrs is ptrs and not (self._gates and self._gates_changed(entry)):
+            gates = self._gates
+            if entry.state is _VERIFIED and entry.ptrs is ptrs and not (gates and entry.gates_changed(gates)):
                 try:
                     out = serve(entry, args, self._streams)
                 except (RuntimeError, MemoryError) as exc:
@@ -105,12 +147,12 @@ class HotPath:
                     stats.hot_replays += 1
                     self.last_replayed = entry
                     if self._gates:
-                        self._gates_replayed(entry)
+                        entry.gates_replayed(self._gates)
                     return out
         finally:
             self._release()
-        self._hot = None
+        self.hot = None
         if failed is None:
             return None  # raced with a state change: the slow path decides
-        reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
-        raise Answered(self._replay_failed(entry, args, failed), reason.value)
+        reason = self._transitions.replay_failed(entry, failed, self._lockstep)
+        raise Answered(answer_eagerly(self._fn, self._stats, args, reason), reason.value)

@@ -67,6 +67,11 @@ def aligned_empty(shape: Sequence[int], stride: Sequence[int], like: torch.Tenso
     return torch.empty(0, dtype=like.dtype, device=like.device).set_(raw.untyped_storage(), shift, shape, stride)
 
 
+def fixed_address(t: Any) -> bool:
+    """Marked by its owner as living at one address (`torch._dynamo.mark_static_address`)."""
+    return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
 class StaticBuffers:
     def __init__(self) -> None:
         # weak values: the captured entries hold their buffers (see module docstring)

@@ -8,129 +8,130 @@
 
 Each verifying call is answered by the user's own eager run (Verifier.live and
 Verifier.judge_derived compare, runner/verify.py); a verdict that would change the
-schedule of a piece holding collectives is agreed over its ranks first (`_agree`).
-
-A mixin of GraphRunner: it uses the runner's verifier, book, scope, device and stats.
+schedule of a piece holding collectives is agreed over its ranks first (`agreed`).
+The verdicts' state changes are the runner's Transitions' (runner/transitions.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.runtime.call.calls import answer_eagerly
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreed
 from graphdispatch_backend.runtime.checks.digest import digest
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
-from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict
+from graphdispatch_backend.runtime.runner.transitions import Transitions
+from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict, Verifier
 
 NOT_DISTINCT_LIMIT = 8
 
 
-class Publish:
-    # provided by GraphRunner and Transitions (annotations only: a stub here would shadow
-    # Transitions' methods, which come later in GraphRunner's bases)
-    _verifier: Any
-    _verify_inputs: int
-    _scope: Any
-    _device: Any
-    _streams: Any
-    _check: Callable[[Entry, Sequence[Any]], tuple[Decline, str, int] | None]
-    _mismatch: Callable[..., Sequence[Any]]
-    _agree: Callable[[int], int]
-    _refuse: Callable[..., Sequence[Any]]
-    _eager: Callable[[Sequence[Any], Decline], Sequence[Any]]
-    _decline: Callable[..., None]
-    _transition: Callable[..., None]
-    _backoff: Callable[[Entry, str], None]
-    _gates_changed: Callable[[Entry], bool]
-    _set_state: Callable[[], None]
+class Publisher:
+    """Verifies a runner's captured entries and publishes them (state VERIFIED). Each call
+    it takes is answered by the user's own eager run (or, after a verdict, by the Decline
+    the runner answers eagerly with); the inputs were checked where the capture read them
+    by the caller."""
 
-    def _verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any]:
+    def __init__(self, fn: Callable[..., Sequence[Any]], verifier: Verifier, verify_inputs: int, scope: Any,
+                 device: Any, stats: Any, gates: Sequence[Any], transitions: Transitions,
+                 agreement: Agreement | None) -> None:
+        self._fn, self._verifier, self._verify_inputs = fn, verifier, verify_inputs
+        self._scope, self._device, self._stats = scope, device, stats
+        self._gates = tuple(gates)  # the artifacts in the piece: one demoted while verifying re-captures
+        self._transitions = transitions
+        self._agreement = agreement  # the piece holds collectives: every verdict is agreed over the ranks
+
+    def verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any] | Decline:
+        """A call to a captured entry: `first`, the call that captured it."""
+        serve = functools.partial(self._serve_locked, entry)
+        repeats = False
         if not first:
-            problem = self._check(entry, args)
-            if problem is not None:
-                return self._mismatch(entry, args, *problem)
-            repeats = self._verifier.repeats(entry.moving, args, entry.last_inputs)
-            if repeats is None:
-                return self._refuse(entry, args, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
-            if self._agree(int(repeats)):  # one rank repeating its values: every rank derives a set
-                return self._verify_derived(entry, args)
-        derived: Verdict = NO_SET
-        printed: list[Any] = []
-        if first and self._verify_inputs > 1 and entry.moving:
-            # the capture call verifies a set derived from its values too, so the next call
-            # replays; derived first, while the call's own answer is not held yet
-            derived = self._verifier.judge_derived(entry.moving, args, None, lambda a: self._serve_locked(entry, a),
-                                                   salt=0, printed=printed)
-            if self._agree(2 if derived is NO_SET else int(derived is not None)) == 2:
-                derived = NO_SET  # some rank has no derived set: every rank waits for distinct values
-        expected, verdict = self._verifier.live(args, lambda a: self._serve_locked(entry, a),
-                                                lambda a: self._eager(a, Decline.VERIFYING))
-        if derived is None and printed and not self._verifier.tells(printed[-1], expected, args):
-            derived = NO_SET  # the derived set's outputs are the live ones: it verified nothing more
-        out = self._conclude(entry, args, expected, verdict)
-        if verdict is None and derived is not NO_SET and entry.state is State.CAPTURED:
-            return self._conclude(entry, args, expected, derived, live=False)
-        return out
+            repeated = self._verifier.repeats(entry.moving, args, entry.last_inputs)
+            if repeated is None:
+                self._transitions.decline(entry, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
+                return Decline.CHECK_FAILED
+            repeats = bool(agreed(self._agreement, int(repeated)))  # one rank repeating: every rank derives a set
+        if repeats:  # the caller repeats the verified values: verify on a set derived from them
+            expected = answer_eagerly(self._fn, self._stats, args, Decline.VERIFYING)
+            verdict = self._verifier.judge_derived(entry.moving, args, expected, serve, salt=entry.verified)
+            if agreed(self._agreement, 2 if verdict is NO_SET else int(verdict is not None)) == 2:
+                verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
+            if verdict is NO_SET:
+                self._wait(entry)
+                return expected
+            verdicts, live = [verdict], False
+        else:
+            derived: Verdict = NO_SET
+            printed: list[Any] = []
+            if first and self._verify_inputs > 1 and entry.moving:
+                # the capture call verifies a set derived from its values too, so the next call
+                # replays; derived first, while the call's own answer is not held yet
+                derived = self._verifier.judge_derived(entry.moving, args, None, serve, salt=0, printed=printed)
+                if agreed(self._agreement, 2 if derived is NO_SET else int(derived is not None)) == 2:
+                    derived = NO_SET  # some rank has no derived set: every rank waits for distinct values
+            eager = functools.partial(answer_eagerly, self._fn, self._stats, reason=Decline.VERIFYING)
+            expected, verdict = self._verifier.live(args, serve, eager)
+            if derived is None and printed and not self._verifier.tells(printed[-1], expected, args):
+                derived = NO_SET  # the derived set's outputs are the live ones: it verified nothing more
+            verdicts, live = [verdict] if derived is NO_SET else [verdict, derived], True
+        return self._conclude(entry, args, expected, verdicts, live)
 
-    def _verify_derived(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
-        """The caller repeats the verified values: verify on a set derived from them."""
-        expected = self._eager(args, Decline.VERIFYING)
-        verdict = self._verifier.judge_derived(entry.moving, args, expected, lambda a: self._serve_locked(entry, a),
-                                               salt=entry.verified)
-        if self._agree(2 if verdict is NO_SET else int(verdict is not None)) == 2:
-            verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
-        if verdict is NO_SET:
-            entry.waits += 1
-            if entry.waits > NOT_DISTINCT_LIMIT:
-                self._decline(entry, Decline.VERIFY_NOT_DISTINCT, (
-                    f"{entry.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
-                    "derived from them (every moving input holds one repeated integer or bool value, or eager raised "
-                    "on the derived values): call once with other values, or pass the same tensor object each call "
-                    "(it is then read in place)"))
-            return expected
-        return self._conclude(entry, args, expected, verdict, live=False)
+    def _wait(self, entry: Entry) -> None:
+        """No derived set: wait for a call with distinct values, NOT_DISTINCT_LIMIT calls at most."""
+        entry.waits += 1
+        if entry.waits > NOT_DISTINCT_LIMIT:
+            self._transitions.decline(entry, Decline.VERIFY_NOT_DISTINCT, (
+                f"{entry.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
+                "derived from them (every moving input holds one repeated integer or bool value, or eager raised "
+                "on the derived values): call once with other values, or pass the same tensor object each call "
+                "(it is then read in place)"))
 
-    def _conclude(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any], verdict: Verdict,
-                  live: bool = True) -> Sequence[Any]:
-        if self._gates_changed(entry) and self._agreement is None:
-            # an artifact in this piece failed a parity re-check during this very call: the
-            # capture holds it, so capture again without it rather than declining for good
-            self._transition(entry, args, Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying", -1)
-            return expected
-        if self._gates_changed(entry) and verdict is None:
-            verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
-        if self._agree(int(verdict is not None)) and verdict is None:
-            verdict = Decline.RANK_DISAGREEMENT, "another rank's verification failed"
-        if verdict is not None and self._agreement is not None and verdict[0] is Decline.OUT_OF_MEMORY:
-            verdict = Decline.OUT_OF_MEMORY, verdict[1] + " (in lockstep with other ranks: declined)"
-            self._decline(entry, *verdict)
-            return expected
-        if verdict is not None:
-            if verdict[0] is Decline.OUT_OF_MEMORY:
-                self._backoff(entry, verdict[1])  # the capture stays; verification tries again later
-            else:
-                self._decline(entry, *verdict)
-            return expected
-        entry.verified, entry.waits = entry.verified + 1, 0
-        if entry.verified >= self._verify_inputs:
-            entry.state, entry.last_inputs = State.VERIFIED, None
-            self._set_state()
-        elif live:
-            self._keep_live(entry, args)  # the next call's distinct values verify again
+    def _conclude(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any], verdicts: list[Verdict],
+                  live: bool) -> Sequence[Any]:
+        """Each verdict of the call in turn (the live set's, then a derived set's): a failure
+        declines or backs off; each success counts one input set verified, and the last of
+        `verify_inputs` publishes the entry. A `live` set that did not publish it waits for
+        distinct values: a fingerprint of each moving input is kept, not a copy (one hidden
+        state kept per compiled block until its next call would be the whole model's
+        activations; runtime/checks/digest.py)."""
+        for i, verdict in enumerate(verdicts):
+            if i and entry.state is not State.CAPTURED:
+                return expected
+            changed = bool(self._gates) and entry.gates_changed(self._gates)
+            if changed and self._agreement is None:
+                # an artifact in this piece failed a parity re-check during this very call: the
+                # capture holds it, so capture again without it rather than declining for good
+                self._transitions.demoted(entry, "an artifact was demoted while verifying")
+                return expected
+            if changed and verdict is None:
+                verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
+            if agreed(self._agreement, int(verdict is not None)) and verdict is None:
+                verdict = Decline.RANK_DISAGREEMENT, "another rank's verification failed"
+            if verdict is not None:
+                if verdict[0] is not Decline.OUT_OF_MEMORY:
+                    self._transitions.decline(entry, *verdict)
+                elif self._agreement is not None:
+                    self._transitions.decline(entry, Decline.OUT_OF_MEMORY,
+                                              verdict[1] + " (in lockstep with other ranks: declined)")
+                else:
+                    self._transitions.backoff(entry, verdict[1])  # the capture stays; verification tries again
+                return expected
+            entry.verified, entry.waits = entry.verified + 1, 0
+            if entry.verified >= self._verify_inputs:
+                entry.state, entry.last_inputs = State.VERIFIED, None
+                self._transitions.states_changed()
+        if live and entry.state is State.CAPTURED:  # the next call's distinct values verify again
+            last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
+            if exc is not None:
+                self._transitions.decline(entry, Decline.CHECK_FAILED,
+                                          f"fingerprinting the verified inputs raised {type(exc).__name__}")
+            entry.last_inputs = last
         return expected
-
-    def _keep_live(self, entry: Entry, args: Sequence[Any]) -> None:
-        """Wait for distinct live values: keep a fingerprint of each moving input, not a
-        copy (one hidden state kept per compiled block until its next call would be the
-        whole model's activations; runtime/checks/digest.py)."""
-        last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
-        if exc is not None:
-            self._decline(entry, Decline.CHECK_FAILED,
-                          f"fingerprinting the verified inputs raised {type(exc).__name__}")
-        entry.last_inputs = last
 
     def _serve_locked(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
         with self._device.lock:
-            return serve(entry, args, self._streams)
+            return serve(entry, args, self._device.streams)

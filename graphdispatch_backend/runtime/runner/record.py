@@ -1,4 +1,8 @@
-"""Record one runner entry's graph: classify its inputs, bind static buffers, capture.
+"""Record one runner entry's graph: warm it up, classify its inputs, bind static buffers, capture.
+
+Recorder takes a warming entry's calls: `warmup` eager calls, each recording every tensor
+input's layout identity; then, after evicting the least recently used shape key past
+max_captures (runner/book.py), the capture (`record`).
 
 Given an entry's warmup observations and the live inputs of the capture call:
 - scalars are constants (they are in the shape key);
@@ -34,31 +38,102 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
-from graphdispatch_backend.runtime.call.contract import LayoutIdentity
+from graphdispatch_backend.runtime.call.contract import LayoutIdentity, layout_identity
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreed
 from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
+from graphdispatch_backend.runtime.runner.book import EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
-from graphdispatch_backend.runtime.runner.inputs import InputPlan, picker
+from graphdispatch_backend.runtime.runner.hints import CHURN_CALLS, churn_detail
+from graphdispatch_backend.runtime.runner.inputs import InputPlan, fixed_address, picker
+from graphdispatch_backend.runtime.runner.lookup import Lookup
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
 from graphdispatch_backend.runtime.runner.scope import DeviceRuntime, RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import follow
+from graphdispatch_backend.runtime.runner.transitions import Transitions
 
 CONSTANT_OUTPUTS = (type(None), bool, int, float)
 _data_ptr = torch.Tensor.data_ptr
-
-
-def fixed_address(t: Any) -> bool:
-    """Marked by its owner as living at one address (`torch._dynamo.mark_static_address`)."""
-    return getattr(t, "_dynamo_static_input_type", None) is not None
 
 
 def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
     """The tensor at `i` is backed by the storage the first warmup call saw, kept alive since."""
     ref = entry.first_storages[i] if i < len(entry.first_storages) else None
     return ref is not None and not ref.expired() and ref.cdata == args[i].untyped_storage()._cdata
+
+
+class Recorder:
+    """Warms a runner's entries up and captures them: the observations of `warmup` calls,
+    the eviction that makes room, the capture (`record`), the agreement of the ranks on
+    it. It owns the count of the static buffers the piece's captures hold."""
+
+    def __init__(self, fn: Callable[..., Sequence[Any]], name: str, scope: RuntimeScope, device: DeviceRuntime,
+                 stats: Any, book: EntryBook, lookup: Lookup, transitions: Transitions, *, warmup: int,
+                 gates: Sequence[Any], writes: Writes, wide: Sequence[int], guarded: bool,
+                 agreement: Agreement | None, names: Sequence[str]) -> None:
+        self._fn, self.name, self._scope, self._device = fn, name, scope, device
+        self._stats, self._book, self._lookup, self._transitions = stats, book, lookup, transitions
+        self._warmup = warmup
+        self._gates, self._writes, self._wide, self._guarded = tuple(gates), writes, tuple(wide), guarded
+        self._agreement = agreement
+        self._names = names
+        self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
+
+    def warm(self, entry: Entry, key: tuple[Any, ...], args: Sequence[Any]) -> Decline | None:
+        """A call to a warming entry: observed, and captured once `warmup` calls were.
+        None: captured (state CAPTURED; this call verifies it); else the Decline the call
+        is answered eagerly with."""
+        if not entry.observations:
+            entry.first_storages = [StorageWeakRef(a.untyped_storage()) if isinstance(a, torch.Tensor) else None
+                                    for a in args]
+        entry.observations.append(tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args))
+        if len(entry.observations) <= self._warmup:
+            return self._warming()
+        # not in a piece holding collectives: a rank declining alone would leave the others
+        # waiting in the capture's agreement below
+        if self._agreement is None and self._book.thrashing(key):
+            return self._transitions.thrashing(entry)
+        if self._book.make_room(key) is not None:
+            with self._stats.lock:
+                self._stats.evictions += 1
+        refusal: CudaGraphUnavailable | None = None
+        try:
+            self.capture(entry, args)
+        except CudaGraphUnavailable as exc:
+            refusal = exc
+        if agreed(self._agreement, int(refusal is not None)) and refusal is None:  # another rank failed to capture
+            self._transitions.decline(entry, Decline.RANK_DISAGREEMENT, "another rank's capture failed")
+            return Decline.RANK_DISAGREEMENT
+        if refusal is None:
+            return None
+        if refusal.reason is Decline.OUT_OF_MEMORY and self._agreement is None:
+            return self._transitions.out_of_memory(entry, refusal.detail)
+        self._transitions.decline(entry, refusal.reason, refusal.detail)
+        return refusal.reason
+
+    def _warming(self) -> Decline:
+        """`warmup`, or `shape_churn` while every call brings a new shape key (runner/hints.py)."""
+        if self._lookup.fresh < CHURN_CALLS:
+            return Decline.WARMUP
+        detail = churn_detail(list(self._book.slots), self._lookup.key_positions or (), self._names)
+        self._book.limit(Decline.SHAPE_CHURN, detail, then="calls with new shape keys run eager meanwhile")
+        return Decline.SHAPE_CHURN
+
+    def capture(self, entry: Entry, args: Sequence[Any], like: Like | None = None) -> None:
+        """Capture `entry` now (`record`), counted; raises CudaGraphUnavailable."""
+        buffers = record(entry, args, self._fn, self._scope, self._device, self._lookup.state, self._gates,
+                         self._writes, self._wide, self._guarded, lockstep=self._agreement is not None, like=like)
+        entry.replays_at_capture = self._stats.replays  # hot replays included (runner/hot.py counts both)
+        with self._stats.lock:
+            self._stats.captures += 1
+            self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
+            # what this piece holds; the buffers are shared across pieces (session total in the report)
+            self._stats.static_bytes = sum(self._buffers_used.values())
+        self._transitions.states_changed()
 
 
 def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,

@@ -36,14 +36,19 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from graphdispatch_backend.errors import CudaGraphUnavailable
 from graphdispatch_backend.runtime.call.contract import layout_identity
-from graphdispatch_backend.runtime.runner.entry import Entry
+from graphdispatch_backend.runtime.checks.world import Writes
+from graphdispatch_backend.runtime.runner import transitions
+from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.record import Recorder
+from graphdispatch_backend.runtime.runner.transitions import Transitions
 
 ALIGNMENT = {"cuda": 256, "cpu": 64}
 _data_ptr = torch.Tensor.data_ptr
@@ -73,6 +78,61 @@ class Parked:
         if self.graph is not None:
             self.graph.reset()
         self.graph = self.inputs = self.outputs = None
+
+
+class Relocator:
+    """Relocates a runner's verified entries (module docstring). It owns nothing but the
+    alignment class; the parked captures live on their entries."""
+
+    def __init__(self, device: Any, stats: Any, book: Any, lookup: Any, recorder: Recorder,
+                 transitions: Transitions, writes: Writes, gates: Sequence[Any], verify_inputs: int) -> None:
+        self._device = device
+        self._align = alignment(torch.device(device.device))
+        self._stats, self._book, self._lookup = stats, book, lookup
+        self._recorder, self._transitions = recorder, transitions
+        self._writes, self._gates, self._verify_inputs = writes, tuple(gates), verify_inputs
+
+    def relocate(self, entry: Entry, args: Sequence[Any]) -> bool:
+        """Whether the entry now serves the call's addresses (verified, ready to replay):
+        only held inputs moved, and the capture parked for their new addresses, or one made
+        now as the verified one was, is in place. False: not a relocation, or its capture
+        failed (the usual paths decide)."""
+        state = self._lookup.state
+        moved = {p for p, ptr in zip(entry.pinned, entry.ptrs) if p not in state and _data_ptr(args[p]) != ptr}
+        held = transitions.never_moving(moved, args, self._writes.positions)
+        if not moved or held != moved or entry.gates_changed(self._gates):
+            return False
+        entry.held |= held
+        if not only_held_moved(entry, args, list(state), self._align):
+            return False
+        key = held_key(entry, args)
+        with self._device.lock:  # no replay of it may be running while it is taken off
+            old_key, pinned, moving = held_key(entry, entry.static_args), entry.pinned, [p for p, _ in entry.moving]
+            # aliases, not the caller's tensors: a cache the caller dropped dies at park (`keep`)
+            old_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in entry.static_args]
+            old = park(entry)
+            found = take(entry.parked, key)
+            if found is not None:
+                unpark(entry, found, args)
+        if found is None:
+            observe(entry, args, moving)
+            try:
+                self._recorder.capture(entry, args, like=(old.graph, old_args))  # the same graph, other addresses
+            except CudaGraphUnavailable:
+                entry.state = State.WARMING  # the usual paths re-capture it, or decline
+                old.release()
+                return False
+            if entry.pinned != pinned:  # not the verified classification: verify it as any capture
+                old.release()
+                return False
+            entry.state, entry.verified, entry.last_inputs = State.VERIFIED, self._verify_inputs, None
+            with self._stats.lock:
+                self._stats.relocations += 1
+        with self._device.lock:
+            keep(entry.parked, old_key, old, self._book.max_captures - 1)
+            self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
+        self._transitions.states_changed()
+        return True
 
 
 def only_held_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: int) -> bool:
@@ -143,5 +203,3 @@ def observe(entry: Entry, args: Sequence[Any], moving: Sequence[int]) -> None:
                             for a in args]
     entry.forced_moving |= set(moving)
 
-
-Capture = Callable[[Entry, Sequence[Any]], None]

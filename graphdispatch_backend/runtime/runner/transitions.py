@@ -18,7 +18,7 @@
   eagerly, counted `pinned_input_moved`, so re-captures stay rare against its calls. (An
   activation the piece writes moves during warmup already: it is moving from its first
   capture, copied at an activation's size.) A verified entry whose held inputs only moved
-  never gets here: it relocates (runner/relocate.py, GraphRunner._relocate).
+  never gets here: it relocates (runner/relocate.py).
 - An artifact demoted after capture (its kernels are in the graph) re-captures, at most
   MAX_RECAPTURES times.
 - An allocation failure backs off: the entry answers 2, 4, 8, ... calls eagerly, then
@@ -27,7 +27,8 @@
   `max_captures`, reported once, naming the scalar inputs whose values the keys differ in.
 - Anything else declines the entry for the session, counted, logged once at WARNING.
 
-A mixin of GraphRunner: it uses the runner's scope, stats, book, device and state.
+Transitions is an object of its runner's: it changes entries' states and reports; the call
+is answered by its caller (runner/runner.py).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from typing import Any
 
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.contract import layout_identity
+from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.hints import thrash_detail
-from graphdispatch_backend.runtime.runner.record import fixed_address
+from graphdispatch_backend.runtime.runner.inputs import fixed_address
 
 MAX_RECAPTURES = 2
 MAX_BACKOFF = 1 << 10  # calls
@@ -49,45 +51,45 @@ MAX_REPINS = 16
 
 
 class Transitions:
-    # provided by GraphRunner
-    _scope: Any
-    _stats: Any
-    _book: Any
-    _device: Any
-    _state: dict[int, str]
-    _names: Sequence[str]
-    _writes: Any  # runtime/checks/world.py Writes: the inputs the piece writes
-    _key_positions: tuple[int, ...] | None
-    name: str
+    """Where an entry goes when it leaves the fast path: every state change the verdicts
+    above make, counted and reported. It runs no graph and answers no call: its caller
+    answers the call eagerly with the reason."""
 
-    def _eager(self, args: Sequence[Any], reason: Decline) -> Sequence[Any]:
-        raise NotImplementedError
+    def __init__(self, name: str, scope: Any, stats: Any, book: Any, device: Any, lookup: Any, writes: Any,
+                 names: Sequence[str]) -> None:
+        self.name = name
+        self._scope = scope
+        self._stats = stats
+        self._book = book
+        self._device = device  # its lock: no thread may be replaying what is released
+        self._lookup = lookup  # runner/lookup.py: the parameter names, the key positions
+        self._writes = writes  # runtime/checks/world.py Writes: the inputs the piece writes
+        self._names = names
+        # a lockstep piece's verdict found in steady state, raised at its next agreement
+        self.pending: tuple[Decline, str] | None = None
 
-    def _set_state(self) -> None:
-        raise NotImplementedError
+    def states_changed(self) -> None:
+        """The piece's state in the stats: its most advanced entry's, and its live captures."""
+        order = (State.EAGER, State.WARMING, State.CAPTURED, State.VERIFIED)
+        states = self._book.states()
+        self._stats.state = max(states, key=order.index).value if states else State.EAGER.value
+        self._stats.live_captures = sum(1 for slot in list(self._book.slots.values()) if slot.captured)
 
-    def _refuse(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str) -> Sequence[Any]:
-        self._decline(entry, reason, detail)
-        return self._eager(args, reason)
-
-    def _thrashing(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any]:
+    def thrashing(self, entry: Entry) -> Decline:
         """A warm key that would evict while captures thrash: eager for good (it holds no
         capture yet), the captured keys go on replaying."""
         entry.state, entry.reason = State.EAGER, Decline.MAX_CAPTURES
         detail = thrash_detail(THRASH_LIMIT, self._book.max_captures, list(self._book.slots),
-                               self._key_positions or (), self._names)
+                               self._lookup.key_positions or (), self._names)
         self._book.limit(Decline.MAX_CAPTURES, detail, kind="thrashing")
-        self._set_state()
-        return self._eager(args, Decline.MAX_CAPTURES)
+        self.states_changed()
+        return Decline.MAX_CAPTURES
 
-    def _mismatch(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> Sequence[Any]:
-        self._transition(entry, args, reason, detail, pos)
-        return self._eager(args, reason)
-
-    def _transition(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> None:
+    def transition(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> None:
+        state = self._lookup.state
         if reason is Decline.PINNED_INPUT_MOVED:
             moved = {p for p, ident in zip(entry.pinned, _identities(entry))
-                     if p not in self._state and ident is not None and layout_identity(args[p]) != ident}
+                     if p not in state and ident is not None and layout_identity(args[p]) != ident}
             stayed = self._stats.replays - entry.replays_at_capture >= REPIN_AFTER
             held = never_moving(moved | {pos}, args, self._writes.positions)
             if held:
@@ -95,14 +97,22 @@ class Transitions:
                 self._repin_held(entry, detail, stayed, moved - held)
             elif stayed and entry.repins < MAX_REPINS:
                 entry.repins += 1  # it stayed put for a while: pinned again, at its new address
-                self._recapture(entry, reason, f"{detail}; captured again reading it in place", set())
+                self.recapture(entry, reason, f"{detail}; captured again reading it in place", set())
             else:
-                self._recapture(entry, reason, detail, moved | {pos})
-        elif reason is Decline.ARTIFACT_DEMOTED and entry.recaptures < MAX_RECAPTURES:
-            entry.recaptures += 1
-            self._recapture(entry, reason, detail, set())
+                self.recapture(entry, reason, detail, moved | {pos})
+        elif reason is Decline.ARTIFACT_DEMOTED:
+            self.demoted(entry, detail)
         else:
-            self._decline(entry, reason, detail)
+            self.decline(entry, reason, detail)
+
+    def demoted(self, entry: Entry, detail: str) -> None:
+        """An artifact in the captured graph was demoted: captured again without it, at most
+        MAX_RECAPTURES times, then declined."""
+        if entry.recaptures < MAX_RECAPTURES:
+            entry.recaptures += 1
+            self.recapture(entry, Decline.ARTIFACT_DEMOTED, detail, set())
+        else:
+            self.decline(entry, Decline.ARTIFACT_DEMOTED, detail)
 
     def _repin_held(self, entry: Entry, detail: str, stayed: bool, others: set[int]) -> None:
         """An input never copied whole moved: captured again reading it at its new address;
@@ -114,32 +124,32 @@ class Transitions:
         if entry.quick_moves:
             wait = min(1 << entry.quick_moves, MAX_BACKOFF)
             then = f"moved after fewer than {REPIN_AFTER} replays: eager for {wait} calls, then {then}"
-        self._recapture(entry, Decline.PINNED_INPUT_MOVED, f"{detail} (never copied whole); {then}",
-                        set() if stayed else others)
+        self.recapture(entry, Decline.PINNED_INPUT_MOVED, f"{detail} (never copied whole); {then}",
+                       set() if stayed else others)
         if entry.quick_moves:
             _skip(entry, entry.quick_moves, Decline.PINNED_INPUT_MOVED)
 
-    def _recapture(self, entry: Entry, reason: Decline | str, detail: str, now_moving: set[int]) -> None:
+    def recapture(self, entry: Entry, reason: Decline | str, detail: str, now_moving: set[int]) -> None:
         """Warm the entry up again; `reason` (a Decline, or the cause of a re-capture that
         is no decline: `fusion_changed`) goes to the timing notes."""
-        with self._device.lock:  # no thread may be replaying what is released
+        with self._device.lock:
             entry.release()
             entry.forced_moving |= now_moving
             entry.state, entry.observations = State.WARMING, []
         with self._stats.lock:
             self._stats.recaptures += 1
         self._scope.timing.note(f"recapture {self.name}: {getattr(reason, 'value', reason)}: {detail}")
-        self._set_state()
+        self.states_changed()
 
-    def _out_of_memory(self, entry: Entry, args: Sequence[Any], detail: str) -> Sequence[Any]:
+    def out_of_memory(self, entry: Entry, detail: str) -> Decline:
         """A capture ran out of memory: warm up again after backing off."""
         with self._device.lock:
             entry.release()
             entry.state, entry.observations = State.WARMING, []
-        self._backoff(entry, detail)
-        return self._eager(args, Decline.OUT_OF_MEMORY)
+        self.backoff(entry, detail)
+        return Decline.OUT_OF_MEMORY
 
-    def _backoff(self, entry: Entry, detail: str) -> None:
+    def backoff(self, entry: Entry, detail: str) -> None:
         entry.out_of_memory += 1
         _skip(entry, entry.out_of_memory, Decline.OUT_OF_MEMORY)
         self._stats.decline(Decline.OUT_OF_MEMORY.value, detail)
@@ -148,16 +158,34 @@ class Transitions:
             f"decline:{Decline.OUT_OF_MEMORY.value}",
             "graphdispatch: CUDA graph for %s ran out of memory (%s); eager meanwhile, trying again in %d calls",
             self.name, detail, entry.skip)
-        self._set_state()
+        self.states_changed()
 
-    def _decline(self, entry: Entry, reason: Decline, detail: str) -> None:
-        with self._device.lock:  # no thread may be replaying what is released
+    def replay_failed(self, entry: Entry, exc: BaseException, lockstep: bool) -> Decline:
+        """A verified graph raised on replay: an allocation failure is transient (the call
+        is answered eagerly); a lockstep piece raises it at its next agreement; anything
+        else goes through the session's contain() (under strict it raises) and the entry
+        declines."""
+        if is_out_of_memory(exc):
+            return Decline.OUT_OF_MEMORY
+        if lockstep:
+            self.pending = Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}"
+            return Decline.REPLAY_FAILED
+
+        def reraise() -> None:
+            raise exc
+
+        _, contained = self._scope.contain(reraise)
+        self.decline(entry, Decline.REPLAY_FAILED, f"{type(contained).__name__}: {contained}")
+        return Decline.REPLAY_FAILED
+
+    def decline(self, entry: Entry, reason: Decline, detail: str) -> None:
+        with self._device.lock:
             entry.release()
             entry.state, entry.reason = State.EAGER, reason
-        self._report(reason, detail)
-        self._set_state()
+        self.report(reason, detail)
+        self.states_changed()
 
-    def _report(self, reason: Decline, detail: str, then: str | None = None) -> None:
+    def report(self, reason: Decline, detail: str, then: str | None = None) -> None:
         """Count and log a decline; `then` says what becomes of the calls (by default the
         shape key runs eager for good)."""
         self._stats.decline(reason.value, detail)

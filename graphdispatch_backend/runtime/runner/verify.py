@@ -23,8 +23,8 @@ import torch
 
 from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.checks.digest import same_values
-from graphdispatch_backend.runtime.checks.parity import Mismatch, bitwise_equal, compare, compare_aliasing
-from graphdispatch_backend.runtime.checks.prints import Printed, differs, take_print
+from graphdispatch_backend.runtime.checks.parity import Mismatch, differ
+from graphdispatch_backend.runtime.checks.prints import PRINTED, Printed, differs, outputs_differ, take_print
 from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
 from graphdispatch_backend.runtime.runner.derive import derive
@@ -95,7 +95,7 @@ class Verifier:
         """Eager's outputs against the replay's (either side may be a print, runtime/checks/prints.py),
         and eager's world (`eager_after`) against the replay's (`replay_state`); on a mismatch,
         eager again from `before`. The world is left as eager left it."""
-        mismatch, exc = self._contain(lambda: _outputs_differ(expected, replayed, args)
+        mismatch, exc = self._contain(lambda: outputs_differ(expected, replayed, args)
                                       or _states(eager_after, replay_state))
         if exc is not None:
             return Decline.CHECK_FAILED, f"comparing the replay raised {type(exc).__name__}: {exc}"
@@ -107,7 +107,7 @@ class Verifier:
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
                     second = self._fn(*args)
-                return _outputs_differ(expected, second, args) or eager_after.compare()
+                return outputs_differ(expected, second, args) or eager_after.compare()
             finally:
                 eager_after.restore()
 
@@ -115,7 +115,7 @@ class Verifier:
         if exc is None and nondeterministic is not None:
             return (Decline.EAGER_NONDETERMINISTIC,
                     f"eager disagrees with itself ({nondeterministic}); suspects: {self._suspects}")
-        if mismatch is _PRINTED and serve is not None:
+        if mismatch is PRINTED and serve is not None:
             mismatch = self._replayed_again(args, expected, serve, before, eager_after) or mismatch
         return Decline.VERIFY_MISMATCH, str(mismatch)
 
@@ -127,7 +127,7 @@ class Verifier:
         def replay() -> Mismatch | None:
             before.restore()
             try:
-                return _outputs_differ(expected, serve(args), args)
+                return outputs_differ(expected, serve(args), args)
             finally:
                 eager_after.restore()
 
@@ -163,7 +163,7 @@ class Verifier:
                     expected, exc = self._contain(lambda: self._fn(*derived))  # noqa: B023 (run at once)
                 if exc is not None:  # eager rejects these values (a data-dependent check)
                     return NO_SET
-                if live is not None and not _differs(expected, live):  # outputs ignore the change: a stale read hides
+                if live is not None and not differ(expected, live):  # outputs ignore the change: a stale read hides
                     following = next(candidates, None)
                     if following is not None:
                         values = following
@@ -190,29 +190,6 @@ def unsnapshotted(exc: Exception, doing: str = "snapshot") -> tuple[Decline, str
     return Decline.CHECK_FAILED, f"{doing} raised {type(exc).__name__}: {exc}"
 
 
-_PRINTED = Mismatch(-1, "values", "the replay's outputs differ from eager's")  # values: replay again
-
-
-def _outputs_differ(expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
-                    args: Sequence[Any]) -> Mismatch | None:
-    """Eager's outputs against the replay's; either may be a print (then the mismatch has
-    no values: the caller runs again for those)."""
-    if isinstance(replayed, Printed):
-        return None if differs(replayed, list(expected), args) is None else _PRINTED  # type: ignore[arg-type]
-    if isinstance(expected, Printed):
-        return differs(expected, list(replayed), args)
-    return compare(list(expected), list(replayed)) or compare_aliasing(expected, replayed, args)
-
-
 def _states(eager_after: World, replay_state: World) -> Any:
     """The tensors the piece writes into, as the replay left them, against eager's."""
     return None if eager_after.empty else replay_state.compare_with(eager_after)
-
-
-def _differs(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    """Whether two output sets differ at all: bits only, never the float64 copies a
-    mismatch's detail takes (several times an output's size)."""
-    if len(a) != len(b):
-        return True
-    return not all(bitwise_equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else
-                   type(x) is type(y) and x == y for x, y in zip(a, b))
