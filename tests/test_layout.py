@@ -99,3 +99,49 @@ def test_imports_point_down_the_pipeline():
 def test_every_module_has_a_layer():
     for module in _modules():
         _layer(module if module != "__init__" else "")
+
+
+def _classes(path: Path) -> list[ast.ClassDef]:
+    return [node for node in ast.walk(ast.parse(path.read_text("utf-8"))) if isinstance(node, ast.ClassDef)]
+
+
+def _base_names(cls: ast.ClassDef) -> list[str]:
+    return [ast.unparse(base) for base in cls.bases]
+
+
+def test_the_runtime_composes_objects_and_mixes_in_no_class():
+    """No runtime class takes its methods from two classes (an enum's value type aside), and
+    GraphRunner composes its parts: it derives from nothing but object."""
+    mixed = []
+    for module, path in sorted(_modules().items()):
+        if not module.startswith("runtime"):
+            continue
+        for cls in _classes(path):
+            bases = [b for b in _base_names(cls) if b not in ("str", "int", "enum.Enum", "enum.IntEnum")]
+            if len(bases) > 1 or any(b.endswith(("Mixin", "HotPath", "Publish", "Transitions")) for b in bases):
+                mixed.append(f"{module}.{cls.name}({', '.join(_base_names(cls))})")
+            if cls.name == "GraphRunner" and bases:
+                mixed.append(f"{module}.GraphRunner derives from {', '.join(bases)}")
+    assert not mixed, "classes mixed together:\n" + "\n".join(mixed)
+
+
+def test_the_runners_parts_never_import_the_runner():
+    """The parts answer GraphRunner and never call back into it (runtime/runner/runner.py's docstring)."""
+    runner = PACKAGE / "runtime" / "runner"
+    the_runner = ("runtime.runner.runner", "runtime.runner.GraphRunner")
+    back = [path.name for path in sorted(runner.glob("*.py"))
+            if path.name not in ("runner.py", "__init__.py")
+            and any(t in the_runner or t.startswith("runtime.runner.runner.")
+                    for t in _imports(path, f"runtime.runner.{path.stem}"))]
+    assert not back, f"runner parts that import the runner: {back}"
+
+
+def test_a_module_past_400_lines_says_why():
+    """A module grows past about 400 lines only with a reason in its docstring (one that
+    says '400 lines')."""
+    long = []
+    for module, path in sorted(_modules().items()):
+        text = path.read_text("utf-8")
+        if text.count("\n") > 400 and "400 lines" not in " ".join((ast.get_docstring(ast.parse(text)) or "").split()):
+            long.append(f"{module}: {text.count(chr(10))} lines")
+    assert not long, "modules past 400 lines that do not say why:\n" + "\n".join(long)
