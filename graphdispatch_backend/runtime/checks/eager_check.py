@@ -48,11 +48,12 @@ from graphdispatch_backend.runtime.checks.draws import Start, privately
 from graphdispatch_backend.runtime.checks.isolate import ARTIFACT, CAPTURE, FUSION, culprit
 from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
-from graphdispatch_backend.runtime.checks.schedule import Due
+from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
+from graphdispatch_backend.runtime.checks.schedule import Due, KeyedDue
 from graphdispatch_backend.runtime.checks.world import Region, World
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 
-MAX_KEYS = 4096  # shape keys whose schedules are kept (past it they start over); 0 turns the check off
+MAX_KEYS = KEPT_KEYS  # shape keys whose schedules are kept (schedule.KeyedDue); 0 turns the check off
 
 Verdict = tuple[Decline, str] | None
 # agreement codes, the worst last: the largest code over the ranks is the agreed verdict
@@ -96,8 +97,8 @@ class EagerCheck:
         self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         self._dynamic = dynamic
-        self._recheck = recheck  # which calls are checked (runtime/checks/schedule.py)
-        self._schedules: dict[tuple[Any, ...], Due] = {}  # dynamic graphs: per shape key
+        # which calls are checked (runtime/checks/schedule.py); dynamic graphs: per shape key
+        self._schedules = KeyedDue(recheck, record.name)
         self._schedule = Due(recheck, record.name)  # static graphs: one shape key (Dynamo guards it)
         self._on = MAX_KEYS > 0
         self._declined: Decline | None = None
@@ -129,13 +130,7 @@ class EagerCheck:
         """Whether this call is checked (the `recheck` schedule of its shape key)."""
         due = self._schedule
         if self._dynamic:
-            key = layout_key(map(args.__getitem__, self._keyed))
-            found = self._schedules.get(key)
-            if found is None:
-                if len(self._schedules) >= MAX_KEYS:
-                    self._schedules.clear()  # a bound on memory: the keys' schedules start over
-                found = self._schedules[key] = Due(self._recheck, f"{self._record.name}:{key}")
-            due = found
+            due = self._schedules(layout_key(map(args.__getitem__, self._keyed)))
         if due():
             self._n, self._previous = due.n, due.previous
             return True

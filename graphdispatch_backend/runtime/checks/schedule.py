@@ -42,6 +42,7 @@ CAP = 1024  # the longest interval between two checks of "doubling", in calls
 JITTER_FROM = 16  # intervals from this long on are jittered
 DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then checks twice per doubling
 DENSE_CAP = 256  # the longest interval of "dense", in calls (bench/recheck.py: its cost <= 2%)
+MAX_KEYS = 4096  # shape keys whose schedules are kept: past it they start over (a bound on memory)
 
 
 def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_artifacts: bool) -> str | int:
@@ -120,3 +121,26 @@ class Due:
         if due:
             self.previous, self.last = self.last, n
         return due
+
+
+class KeyedDue:
+    """A Due per shape key, made at the key's first call (seeded `seed:key`); at most
+    MAX_KEYS are kept, and past it they start over (a bound on memory)."""
+
+    __slots__ = ("_dues", "_mode", "_seed")
+
+    def __init__(self, mode: str | int, seed: str) -> None:
+        self._mode, self._seed = mode, seed
+        self._dues: dict[tuple[object, ...], Due] = {}
+
+    def __call__(self, key: tuple[object, ...]) -> Due:
+        due = self._dues.get(key)
+        if due is None:
+            if len(self._dues) >= MAX_KEYS:
+                self._dues.clear()
+            due = self._dues[key] = Due(self._mode, f"{self._seed}:{key}")
+        return due
+
+    def get(self, key: tuple[object, ...]) -> Due | None:
+        """The key's schedule, if it has had a call since the last start-over."""
+        return self._dues.get(key)

@@ -13,27 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
-from graphdispatch_backend.runtime.checks.schedule import Due
-
-MAX_KEYS = 4096  # shape keys whose schedules a gate keeps (past it they start over), as eager_check's
+from graphdispatch_backend.runtime.checks.schedule import KeyedDue
 
 
 class CheckBook:
     def __init__(self, recheck: str | int, record: SubstitutionRecord) -> None:
-        self._recheck = recheck  # the artifact_recheck option: which eager calls are checked
         self._record = record
-        self._schedules: dict[tuple[Any, ...], Due] = {}  # per shape key, over its eager calls (the gate's included)
+        # the artifact_recheck option, per shape key, over its eager calls (the gate's included)
+        self._schedules = KeyedDue(recheck, f"{record.artifact}:{record.region}")
         self._closed = 0  # the unchecked run a check inside a whole-graph check closed (put back if it fails)
 
     def due(self, key: tuple[Any, ...]) -> bool:
         """Whether this eager call of shape key `key` is checked (the `artifact_recheck` schedule)."""
-        due = self._schedules.get(key)
-        if due is None:
-            if len(self._schedules) >= MAX_KEYS:
-                self._schedules.clear()  # a bound on memory: the keys' schedules start over
-            record = self._record
-            due = self._schedules[key] = Due(self._recheck, f"{record.artifact}:{record.region}:{key}")
-        return due()
+        return self._schedules(key)()
 
     def served(self, checked: bool, replayed: bool = False) -> None:
         """Count one call the artifact served, and the run of calls it served unchecked."""
