@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphdispatch_backend.errors import Decline
+
 _calls = threading.local()
 
 
@@ -39,9 +41,10 @@ def mark_eager(reason: str) -> None:
         _calls.reason = reason
 
 
-def answer_eagerly(fn: Callable[..., Sequence[Any]], stats: Any, args: Sequence[Any], reason: Any) -> Sequence[Any]:
+def answer_eagerly(fn: Callable[..., Sequence[Any]], stats: Any, args: Sequence[Any],
+                   reason: Decline) -> Sequence[Any]:
     """The call answered by the piece run eagerly: counted in the piece's `stats` with
-    `reason` (a Decline), and marked for the graph's call."""
+    `reason`, and marked for the graph's call."""
     mark_eager(reason.value)
     stats.eager(reason.value)
     return fn(*args)

@@ -69,7 +69,7 @@ class Replayer:
     `hot`). It owns the hot entry; it counts replays in the stats under the device lock."""
 
     def __init__(self, fn: Callable[..., Sequence[Any]], device: Any, stats: Any, gates: Sequence[Any],
-                 lookup: Lookup, transitions: Transitions, timing: Timing | None, lockstep: bool) -> None:
+                 lookup: Lookup, transitions: Transitions, timing: Timing | None) -> None:
         self._fn = fn
         self._device = device  # its lock read at each replay (a test may swap it)
         self._acquire, self._release = device.lock.acquire, device.lock.release  # cheaper than `with`
@@ -78,7 +78,6 @@ class Replayer:
         self._gates = tuple(gates)
         self._transitions = transitions
         self._timing = timing
-        self._lockstep = lockstep
         self._lookup = lookup  # an entry is kept hot only where one shape key serves every call (`keyless`)
         self.hot: Hot | None = None
         self.last_replayed: Entry | None = None  # what a checked call blames (runtime/checks/isolate.py)
@@ -111,7 +110,7 @@ class Replayer:
                     return out
         self.hot = None
         if failed is not None:
-            return self._transitions.replay_failed(entry, failed, self._lockstep)
+            return self._transitions.replay_failed(entry, failed)
         return None
 
     def replay_hot(self, args: list[Any]) -> Sequence[Any] | None:
@@ -154,5 +153,5 @@ class Replayer:
         self.hot = None
         if failed is None:
             return None  # raced with a state change: the slow path decides
-        reason = self._transitions.replay_failed(entry, failed, self._lockstep)
+        reason = self._transitions.replay_failed(entry, failed)
         raise Answered(answer_eagerly(self._fn, self._stats, args, reason), reason.value)

@@ -48,6 +48,7 @@ class Publisher:
     def verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any] | Decline:
         """A call to a captured entry: `first`, the call that captured it."""
         serve = functools.partial(self._serve_locked, entry)
+        eager = functools.partial(answer_eagerly, self._fn, self._stats, reason=Decline.VERIFYING)
         repeats = False
         if not first:
             repeated = self._verifier.repeats(entry.moving, args, entry.last_inputs)
@@ -56,7 +57,7 @@ class Publisher:
                 return Decline.CHECK_FAILED
             repeats = bool(agreed(self._agreement, int(repeated)))  # one rank repeating: every rank derives a set
         if repeats:  # the caller repeats the verified values: verify on a set derived from them
-            expected = answer_eagerly(self._fn, self._stats, args, Decline.VERIFYING)
+            expected = eager(args)
             verdict = self._verifier.judge_derived(entry.moving, args, expected, serve, salt=entry.verified)
             if agreed(self._agreement, 2 if verdict is NO_SET else int(verdict is not None)) == 2:
                 verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
@@ -73,7 +74,6 @@ class Publisher:
                 derived = self._verifier.judge_derived(entry.moving, args, None, serve, salt=0, printed=printed)
                 if agreed(self._agreement, 2 if derived is NO_SET else int(derived is not None)) == 2:
                     derived = NO_SET  # some rank has no derived set: every rank waits for distinct values
-            eager = functools.partial(answer_eagerly, self._fn, self._stats, reason=Decline.VERIFYING)
             expected, verdict = self._verifier.live(args, serve, eager)
             if derived is None and printed and not self._verifier.tells(printed[-1], expected, args):
                 derived = NO_SET  # the derived set's outputs are the live ones: it verified nothing more
@@ -101,7 +101,7 @@ class Publisher:
         for i, verdict in enumerate(verdicts):
             if i and entry.state is not State.CAPTURED:
                 return expected
-            changed = bool(self._gates) and entry.gates_changed(self._gates)
+            changed = entry.gates_changed(self._gates)
             if changed and self._agreement is None:
                 # an artifact in this piece failed a parity re-check during this very call: the
                 # capture holds it, so capture again without it rather than declining for good

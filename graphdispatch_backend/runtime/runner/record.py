@@ -71,11 +71,11 @@ class Recorder:
     the eviction that makes room, the capture (`record`), the agreement of the ranks on
     it. It owns the count of the static buffers the piece's captures hold."""
 
-    def __init__(self, fn: Callable[..., Sequence[Any]], name: str, scope: RuntimeScope, device: DeviceRuntime,
+    def __init__(self, fn: Callable[..., Sequence[Any]], scope: RuntimeScope, device: DeviceRuntime,
                  stats: Any, book: EntryBook, lookup: Lookup, transitions: Transitions, *, warmup: int,
                  gates: Sequence[Any], writes: Writes, wide: Sequence[int], guarded: bool,
                  agreement: Agreement | None, names: Sequence[str]) -> None:
-        self._fn, self.name, self._scope, self._device = fn, name, scope, device
+        self._fn, self._scope, self._device = fn, scope, device
         self._stats, self._book, self._lookup, self._transitions = stats, book, lookup, transitions
         self._warmup = warmup
         self._gates, self._writes, self._wide, self._guarded = tuple(gates), writes, tuple(wide), guarded

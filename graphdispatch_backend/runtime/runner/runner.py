@@ -96,14 +96,14 @@ class GraphRunner:
     ) -> None:
         self._fn = fn
         self.name = name
-        self._scope = scope
+        self._scope = scope  # the session's (bench/memory.py finds a session's runners by it)
         self._stats = stats
         self._names = tuple(input_names)  # position -> where the input comes from ("" if unknown)
         self._gates = tuple(gates)
         # where the piece writes its inputs (positions, and the regions of a call: world.py)
         writes = writes if writes is not None else Writes(mutated)
         self._device = scope.device(device)
-        self._streams = self._device.streams
+        self._streams = self._device.streams  # read by the stream tests
         self._lock = threading.Lock()  # held while an entry warms, captures or verifies
         # the piece holds collectives (NCCL, captured inside): every rank keeps one schedule
         self._agreement = agreement
@@ -112,10 +112,10 @@ class GraphRunner:
         self._book = book = EntryBook(max_captures, self._device.lock, lambda *a: transitions.report(*a))
         self._lookup = lookup = Lookup(book, stats, state_names, static_shapes)
         transitions = self._transitions = Transitions(name, scope, stats, book, self._device, lookup, writes,
-                                                      self._names)
-        self._replayer = Replayer(fn, self._device, stats, gates, lookup, transitions, timing, agreement is not None)
+                                                      self._names, lockstep=agreement is not None)
+        self._replayer = Replayer(fn, self._device, stats, gates, lookup, transitions, timing)
         self._recorder = recorder = Recorder(
-            fn, name, scope, self._device, stats, book, lookup, transitions, warmup=warmup, gates=gates,
+            fn, scope, self._device, stats, book, lookup, transitions, warmup=warmup, gates=gates,
             writes=writes, wide=wide, guarded=guarded, agreement=agreement, names=self._names)
         self._publisher = Publisher(fn, Verifier(fn, scope.contain, writes, suspects, wide), verify_inputs, scope,
                                     self._device, stats, gates, transitions, agreement)
@@ -205,7 +205,7 @@ class GraphRunner:
     def _check(self, entry: Entry, args: Sequence[Any]) -> tuple[Decline, str, int] | None:
         """Is the call's input where the entry's capture reads it? The one check per call:
         the pinned inputs' addresses (and layouts, where no Dynamo guard ensures them)."""
-        if self._gates and entry.gates_changed(self._gates):
+        if entry.gates_changed(self._gates):
             return Decline.ARTIFACT_DEMOTED, "an artifact in this piece was demoted after capture", -1
         pos = None
         if entry.ptrs != list(map(_data_ptr, entry.pick_pinned(args))):

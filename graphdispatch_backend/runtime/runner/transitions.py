@@ -56,7 +56,7 @@ class Transitions:
     answers the call eagerly with the reason."""
 
     def __init__(self, name: str, scope: Any, stats: Any, book: Any, device: Any, lookup: Any, writes: Any,
-                 names: Sequence[str]) -> None:
+                 names: Sequence[str], lockstep: bool = False) -> None:
         self.name = name
         self._scope = scope
         self._stats = stats
@@ -65,6 +65,7 @@ class Transitions:
         self._lookup = lookup  # runner/lookup.py: the parameter names, the key positions
         self._writes = writes  # runtime/checks/world.py Writes: the inputs the piece writes
         self._names = names
+        self._lockstep = lockstep  # the piece holds collectives: a replay's failure waits for the agreement
         # a lockstep piece's verdict found in steady state, raised at its next agreement
         self.pending: tuple[Decline, str] | None = None
 
@@ -160,14 +161,14 @@ class Transitions:
             self.name, detail, entry.skip)
         self.states_changed()
 
-    def replay_failed(self, entry: Entry, exc: BaseException, lockstep: bool) -> Decline:
+    def replay_failed(self, entry: Entry, exc: BaseException) -> Decline:
         """A verified graph raised on replay: an allocation failure is transient (the call
         is answered eagerly); a lockstep piece raises it at its next agreement; anything
         else goes through the session's contain() (under strict it raises) and the entry
         declines."""
         if is_out_of_memory(exc):
             return Decline.OUT_OF_MEMORY
-        if lockstep:
+        if self._lockstep:
             self.pending = Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}"
             return Decline.REPLAY_FAILED
 
