@@ -294,6 +294,7 @@ class _Builder:
             self.write_plan = ctx.write_plan
         record.input_writes = [{"input": self._input_name(w.position, placeholders), "in_place": w.in_place,
                                 "detail": w.detail} for w in ctx.writes]
+        record.buffer_writes_in_place = ctx.buffer_writes
         if role != "backward":
             record.regions = [self.artifacts.region_entry(r, ctx.outcomes.get(r.name), role == "inference")
                               for r in ctx.regions]

@@ -68,11 +68,8 @@ class CudaGraphStats:
     def to_dict(self) -> dict[str, Any]:
         with self.lock:  # the runner updates these from the calling threads
             return {
-                "state": self.state,
-                "captures": self.captures,
-                "recaptures": self.recaptures,
-                "replays": self.replays,
-                "eager_calls": self.eager_calls,
+                "state": self.state, "captures": self.captures, "recaptures": self.recaptures,
+                "replays": self.replays, "eager_calls": self.eager_calls,
                 "eager_by_reason": dict(self.eager_by_reason),
                 "declines": dict(self.declines),
                 "decline_details": dict(self.decline_details),
@@ -166,6 +163,7 @@ class GraphRecord:
     split_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     # inputs the graph writes into: each written in place, or copied back whole (and why)
     input_writes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    buffer_writes_in_place: int = 0  # writes into tensors the graph makes, made in place
     error: str | None = None
     export: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # an autograd graph's backward: its own calls, pieces and captures (None: inference)
@@ -279,6 +277,7 @@ class GraphRecord:
             "pieces": pieces,
             "split_reasons": dict(self.split_reasons),
             "input_writes": list(self.input_writes),
+            "buffer_writes_in_place": self.buffer_writes_in_place,
             "substitutions": [s.to_dict() for s in self.substitutions],
             "regions": regions,
             "module_rejections": dict(self.module_rejections),

@@ -15,6 +15,7 @@ from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.lift_scalars import lift_scalars
 from graphdispatch_backend.passes.locate_writes import locate_writes
 from graphdispatch_backend.passes.reinplace import reinplace
+from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
 from graphdispatch_backend.passes.split_pieces import split_pieces
 from graphdispatch_backend.passes.strip_assertions import strip_assertions
 from graphdispatch_backend.passes.substitute import substitute
@@ -23,7 +24,7 @@ from graphdispatch_backend.passes.tag_regions import tag_regions
 Pass = Callable[[fx.GraphModule, PassContext], None]
 
 PIPELINE: tuple[Pass, ...] = (strip_assertions, reinplace, locate_writes, tag_regions, substitute, lift_scalars,
-                              split_pieces)
+                              reinplace_buffers, split_pieces)
 # a backward's inputs are saved tensors and gradients: no region to tag or substitute
 BACKWARD_PIPELINE: tuple[Pass, ...] = (strip_assertions, lift_scalars, split_pieces)
 

@@ -81,6 +81,7 @@ class PassContext:
     # results
     stripped_assertions: int = 0
     writes: list[WriteOutcome] = dataclasses.field(default_factory=list)
+    buffer_writes: int = 0  # writes into tensors the graph makes, made in place (passes/reinplace_buffers.py)
     write_plan: Any = None  # passes/locate_writes.py's WritePlan of the whole graph (None: writes no input)
     regions: list[Region] = dataclasses.field(default_factory=list)
     outcomes: dict[str, MatchOutcome] = dataclasses.field(default_factory=dict)

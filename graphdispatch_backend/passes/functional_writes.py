@@ -7,7 +7,9 @@ clones its bases. `parse` reads such a node as a Write: the base it builds its v
 the views it writes through and the op that writes the innermost one; `auto` reads a
 custom op's call; `rewrite` and `rewrite_auto` put the in-place form in their place.
 `stamp` gives a node a pass makes the provenance and value metadata of the one it stands
-for. passes/reinplace.py decides where that is safe; this module only reads and writes.
+for. `Reads` and `blocked` state the rule both reinplacing passes decide by (passes/
+reinplace.py for inputs, passes/reinplace_buffers.py for tensors the graph makes): a chain
+of writes may go in place only if nothing reads a value it overwrites.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ SCATTER_VIEW = {
     aten.as_strided_scatter.default: aten.as_strided.default,
 }
 AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+_META_ONLY = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+                        aten.sym_storage_offset.default})
+
+
 @dataclasses.dataclass
 class Write:
     """How one functional write builds its value from `base`: `leaf` is the functional
@@ -261,3 +267,71 @@ def _fake_run(node: fx.Node) -> Any:
     mode = torch._guards.detect_fake_mode(tensors)
     with mode if mode is not None else contextlib.nullcontext():
         return node.target(*args, **kwargs)
+
+
+class Reads:
+    """Positions and alias classes of one graph: who reads a value after a given node."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def aliases(self, node: fx.Node) -> set[fx.Node]:
+        """`node` and every view taken of it, transitively."""
+        found, frontier = {node}, [node]
+        while frontier:
+            for user in frontier.pop().users:
+                if user not in found and is_view(user) and user.args and user.args[0] in found:
+                    found.add(user)
+                    frontier.append(user)
+        return found
+
+    def read_after(self, base: fx.Node, at: fx.Node, allowed: set[fx.Node]) -> fx.Node | None:
+        """A node after `at` that reads `base`'s value (itself or through a view), or None."""
+        where = self.order[at]
+        for alias in self.aliases(base):
+            for user in alias.users:
+                if user in allowed or self.order[user] <= where or user.target in _META_ONLY:
+                    continue
+                if is_view(user) and all(u.target in _META_ONLY for u in user.users):
+                    continue
+                return user
+        return None
+
+
+def _arguments(write: Write) -> list[Any]:
+    """What the in-place form reads besides its base and views: the leaf's other arguments
+    or the copied source."""
+    if write.leaf is None:
+        return [write.src]
+    return [*write.leaf.args[1:], *write.leaf.kwargs.values()]
+
+
+def _flat_nodes(values: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(values, found.append)
+    return found
+
+
+def blocked(reads: Reads, root: fx.Node, steps: list[Any], allowed: set[fx.Node]) -> str | None:
+    """Why the chain of writes `steps` from `root` (each a Write, or a custom op's
+    (Auto, base index, getitem)) cannot be made in place, or None: a write reads a view of
+    what it writes (an overlapping `cache[:-1] = cache[1:]`), or a node after a write reads
+    the value it overwrites (`allowed` aside)."""
+    base = root
+    for step in steps:
+        if isinstance(step, Write):
+            node, parts, read = step.node, set(step.parts), _flat_nodes(_arguments(step))
+        else:
+            custom, k, _ = step
+            mutable = set(get_mutable_args(custom.node.args[0])[0]) | {"_all_bases"}
+            node, parts, read = custom.node, {custom.node}, [
+                n for name, v in custom.node.kwargs.items() if name not in mutable for n in _flat_nodes(v)]
+            base = custom.bases[k]  # a placeholder: `auto` takes no other base
+        mine = reads.aliases(base)
+        if any(n in mine for n in read):
+            return f"{node.name} reads a view of what it writes"
+        reader = reads.read_after(base, node, parts | allowed)
+        if reader is not None:
+            return f"{reader.name} reads the value {node.name} overwrites"
+        base = node if isinstance(step, Write) else step[2]
+    return None

@@ -40,22 +40,18 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._higher_order_ops.auto_functionalize import get_mutable_args
 
 from graphdispatch_backend.passes.context import PassContext, WriteOutcome
-from graphdispatch_backend.passes.functional_writes import Write, auto, parse, rewrite, rewrite_auto
-from graphdispatch_backend.passes.ops import is_view
+from graphdispatch_backend.passes.functional_writes import Reads, Write, auto, blocked, parse, rewrite, rewrite_auto
 
 aten = torch.ops.aten
-_META_ONLY = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
-                        aten.sym_storage_offset.default})
 
 
-class _Graph:
-    """Positions, alias classes and the epilogue copies of one graph."""
+class _Graph(Reads):
+    """The graph's reads (passes/functional_writes.py) and the epilogue copies back into its inputs."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        super().__init__(gm)
         self.epilogue: dict[fx.Node, fx.Node] = {}
         twice: set[fx.Node] = set()
         for node in gm.graph.find_nodes(op="call_function", target=aten.copy_.default):
@@ -66,42 +62,6 @@ class _Graph:
                 self.epilogue[dst] = node
         for dst in twice:  # not the one epilogue aot writes: leave it be
             del self.epilogue[dst]
-
-    def aliases(self, node: fx.Node) -> set[fx.Node]:
-        """`node` and every view taken of it, transitively."""
-        found, frontier = {node}, [node]
-        while frontier:
-            for user in frontier.pop().users:
-                if user not in found and is_view(user) and user.args and user.args[0] in found:
-                    found.add(user)
-                    frontier.append(user)
-        return found
-
-    def read_after(self, base: fx.Node, at: fx.Node, allowed: set[fx.Node]) -> fx.Node | None:
-        """A node after `at` that reads `base`'s value (itself or through a view), or None."""
-        where = self.order[at]
-        for alias in self.aliases(base):
-            for user in alias.users:
-                if user in allowed or self.order[user] <= where or user.target in _META_ONLY:
-                    continue
-                if is_view(user) and all(u.target in _META_ONLY for u in user.users):
-                    continue
-                return user
-        return None
-
-
-def _arguments(write: Write) -> list[Any]:
-    """What the in-place form reads besides its base and views: the leaf's other arguments
-    or the copied source."""
-    if write.leaf is None:
-        return [write.src]
-    return [*write.leaf.args[1:], *write.leaf.kwargs.values()]
-
-
-def _flat_nodes(values: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(values, found.append)
-    return found
 
 
 def _chain(graph: _Graph, placeholder: fx.Node, copy: fx.Node) -> tuple[list[Any], str | None]:
@@ -133,28 +93,6 @@ def _chain(graph: _Graph, placeholder: fx.Node, copy: fx.Node) -> tuple[list[Any
     return steps, None
 
 
-def _check(graph: _Graph, placeholder: fx.Node, copy: fx.Node, steps: list[Any]) -> str | None:
-    """Why the chain cannot be made in place (see module docstring), or None."""
-    base = placeholder
-    for step in steps:
-        if isinstance(step, Write):
-            node, parts, reads = step.node, set(step.parts), _flat_nodes(_arguments(step))
-        else:
-            custom, k, _ = step
-            mutable = set(get_mutable_args(custom.node.args[0])[0]) | {"_all_bases"}
-            node, parts, reads = custom.node, {custom.node}, [
-                n for name, v in custom.node.kwargs.items() if name not in mutable for n in _flat_nodes(v)]
-            base = custom.bases[k]  # a placeholder: `auto` takes no other base
-        mine = graph.aliases(base)
-        if any(n in mine for n in reads):
-            return f"{node.name} reads a view of what it writes"
-        reader = graph.read_after(base, node, parts | {copy})
-        if reader is not None:
-            return f"{reader.name} reads the value {node.name} overwrites"
-        base = node if isinstance(step, Write) else step[2]
-    return None
-
-
 def reinplace(gm: fx.GraphModule, ctx: PassContext) -> None:
     graph = _Graph(gm)
     if not graph.epilogue:
@@ -163,7 +101,7 @@ def reinplace(gm: fx.GraphModule, ctx: PassContext) -> None:
     chains: dict[fx.Node, list[Any]] = {}
     for placeholder, copy in graph.epilogue.items():
         steps, why = _chain(graph, placeholder, copy)
-        why = why or _check(graph, placeholder, copy, steps)
+        why = why or blocked(graph, placeholder, steps, {copy})
         if why is None:
             chains[placeholder] = steps
         else:

@@ -95,6 +95,19 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
     return None
 
 
+def inline_nodes(gm: fx.GraphModule, graph_device: str) -> dict[fx.Node, SplitReason]:
+    """The nodes that stay outside captured pieces, with why (an output of one, too)."""
+    reasons: dict[fx.Node, SplitReason] = {}
+    for node in gm.graph.nodes:
+        reason = split_reason(node, graph_device)
+        if reason is None and node.target is operator.getitem:
+            src = node.args[0]
+            reason = reasons.get(src) if isinstance(src, fx.Node) else None
+        if reason is not None:
+            reasons[node] = reason
+    return reasons
+
+
 def _inline_companions(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) -> set[fx.Node]:
     """Uninitialized allocations read only by inline nodes, moved right before their first
     user and inline with it (see module docstring); their arguments (sizes, a template
@@ -132,15 +145,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     spec = ctx.pieces_spec
     if spec is None:
         return
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    reasons: dict[fx.Node, SplitReason] = {}
-    for node in calls:
-        reason = split_reason(node, spec.graph_device)
-        if reason is None and node.target is operator.getitem:
-            src = node.args[0]
-            reason = reasons.get(src) if isinstance(src, fx.Node) else None
-        if reason is not None:
-            reasons[node] = reason
+    reasons = inline_nodes(gm, spec.graph_device)
     companions = _inline_companions(gm, reasons) if reasons else set()
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # in the order the moves left
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
