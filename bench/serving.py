@@ -24,6 +24,17 @@ compile (`graphdispatch_backend.reset()`, `torch._dynamo.reset()`), its eager tw
 4. `rotation`: ROTATION caches used in turn (one per slot) for ROUNDS rounds of SHORT-token
    requests. Target: no capture and no eager decode call after the first round.
 
+A fifth, `prefill`, times one prefill call with a new cache (what the first forward of
+every request runs: transformers makes the cache's zeros there and writes the prompt's
+rows) at PREFILL_LENGTHS, A/B interleaved (bench/common.py), against eager: aot_eager,
+graphdispatch with `cuda_graphs=False` (the lowering alone) and with `emulate`. aot lowers
+the row writes into a new buffer out of place (a copy of the whole cache per layer);
+graphdispatch writes the rows into the zeros (passes/reinplace_buffers.py). Target: the
+lowering alone <= PREFILL_MAX x eager at the largest length, logits and caches bitwise.
+`emulate` is shown, not judged: the host model's replay computes its outputs into fresh
+memory and copies them into the pool (a CUDA replay writes the pool), and the copy out of
+a new 16 MiB cache into fresh pages is this CPU's cost, a few microseconds on a GPU.
+
 Every generate's tokens and logits equal the eager twin's (`torch.equal`), else the
 script exits 1. `--smoke`: a one-layer model of hidden 64 at `max_cache_len` 32, 3 requests,
 rotation of 2 for 2 rounds (the plumbing, no figure).
@@ -32,6 +43,7 @@ rotation of 2 for 2 rounds (the plumbing, no figure).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import statistics
 import time
@@ -39,7 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import Target
+from common import Target, interleaved, raise_dynamo_limits
 
 import graphdispatch_backend
 
@@ -50,12 +62,14 @@ MOE = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "moe_in
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
 LENGTH, PROMPT_LEN, TOKENS, SHORT, REQUESTS, ROTATION, ROUNDS = 4096, 8, 24, 4, 12, 4, 3
 EVERY_MAX, MEDIAN_MAX, REUSED_MAX, COPY_MAX = 1.3, 1.1, 1.05, 0.01
+PREFILL_LENGTHS, PREFILL_MAX, PREFILL_REPEATS = (1024, 4096), 1.1, 15
 SMOKE: dict[str, Any] = {
     "LLAMA": {**LLAMA, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
     "MOE": {**MOE, "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
             "num_key_value_heads": 2},
     "LENGTH": 32, "PROMPT_LEN": 4, "TOKENS": 6, "SHORT": 2, "REQUESTS": 3, "ROTATION": 2, "ROUNDS": 2,
+    "PREFILL_LENGTHS": (16, 32), "PREFILL_REPEATS": 2,
 }
 
 
@@ -174,6 +188,42 @@ def _rotation(pair: _Pair) -> dict[str, Any]:
 CASES = {"new cache": _new_cache, "one cache reused": _reused, "short requests": _short, "rotation": _rotation}
 
 
+PREFILL_SIDES = {"aot_eager": ("aot_eager", None), "graphdispatch, cuda_graphs=False": ("graphdispatch",
+                 {"cuda_graphs": False}), "graphdispatch, emulate": ("graphdispatch", {"cuda_graphs": "emulate"})}
+
+
+def _prefill(base: Any, prompt: torch.Tensor, length: int) -> dict[str, Any]:
+    """One prefill with a new cache per call, on each side (module docstring)."""
+    import transformers
+
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    models = {"eager": copy.deepcopy(base)}
+    for name, (backend, options) in PREFILL_SIDES.items():
+        models[name] = copy.deepcopy(base)
+        models[name].forward = torch.compile(models[name].forward, backend=backend, options=options, dynamic=False)
+    outs: dict[str, Any] = {}
+
+    def call(name: str) -> Any:
+        cache = transformers.StaticCache(config=base.config, max_cache_len=length)
+        logits = models[name](input_ids=prompt, past_key_values=cache, cache_position=torch.arange(prompt.shape[1]),
+                              use_cache=True).logits
+        outs[name] = (logits, [t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+    with torch.no_grad():
+        for _ in range(4):  # compile, warm up, capture, verify
+            for name in models:
+                call(name)
+        bitwise = all(torch.equal(outs[n][0], outs["eager"][0]) and all(
+            torch.equal(a, b) for a, b in zip(outs[n][1], outs["eager"][1])) for n in models)
+        timed = interleaved({n: functools.partial(call, n) for n in models}, repeats=PREFILL_REPEATS, inner=1,
+                            baseline="eager")
+    report = graphdispatch_backend.latest_report() or {}
+    written = max((g.get("buffer_writes_in_place", 0) for g in report.get("graphs", [])), default=0)
+    return {"length": length, "eager_us": timed["eager"]["median_us"], "bitwise": bitwise,
+            "buffer_writes_in_place": written, "ratios": {n: timed[n]["ratio"] for n in PREFILL_SIDES}}
+
+
 def section_server(smoke: bool) -> tuple[dict[str, Any], list[Any], list[Target], bool]:
     if smoke:
         globals().update(SMOKE)
@@ -183,6 +233,9 @@ def section_server(smoke: bool) -> tuple[dict[str, Any], list[Any], list[Target]
         base = _model(kind)
         for name, run in CASES.items():
             runs.append(_case(kind, name, base, prompt, run))
+        if kind == "llama":
+            raise_dynamo_limits()  # every side compiles transformers' one forward wrapper
+            prefills = [_prefill(base, prompt, length) for length in PREFILL_LENGTHS]
     graphdispatch_backend.reset()
     rows, targets = [], []
     for r in runs:
@@ -216,16 +269,25 @@ def section_server(smoke: bool) -> tuple[dict[str, Any], list[Any], list[Target]
                    f"of {rot['after_first']['calls']} calls",
                    rot["after_first"]["captures"] == 0 and rot["after_first"]["eager"] == 0),
         ]
-    bitwise = all(r["bitwise"] for r in runs)
+    lowering = [p["ratios"]["graphdispatch, cuda_graphs=False"] for p in prefills]
+    targets.append(Target(f"scale server llama: a prefill with a new cache at {PREFILL_LENGTHS[-1]}, graphdispatch "
+                          "cuda_graphs=False / eager", f"<= {PREFILL_MAX}x",
+                          f"{lowering[-1]:.2f}x (aot_eager {prefills[-1]['ratios']['aot_eager']:.2f}x)",
+                          lowering[-1] <= PREFILL_MAX))
+    bitwise = all(r["bitwise"] for r in runs) and all(p["bitwise"] for p in prefills)
     targets.append(Target("scale server: tokens and logits bitwise equal to eager", "every generate",
                           "yes" if bitwise else "NO", bitwise))
     table = (f"a server's requests at max_cache_len {LENGTH} (ratio: compiled / eager time of the same request, "
              "paired; from the 2nd request, from the 3rd with one cache reused)",
              ["model", "case", "requests", "max ratio", "median", "decode replays", "captures", "relocations",
               "generates bitwise"], rows)
-    payload = {"length": LENGTH, "tokens": TOKENS, "short": SHORT, "requests": REQUESTS, "rotation": ROTATION,
-               "rounds": ROUNDS, "runs": runs}
-    return payload, [table], targets, bitwise
+    prefill_table = (f"a prefill with a new cache per call (ratio to eager, A/B interleaved, {PREFILL_REPEATS} "
+                     "repeats)", ["max_cache_len", "eager", *PREFILL_SIDES, "writes in place", "bitwise"],
+                     [[p["length"], f"{p['eager_us'] / 1e3:.2f} ms", *(f"{p['ratios'][n]:.2f}x" for n in PREFILL_SIDES),
+                       p["buffer_writes_in_place"], "yes" if p["bitwise"] else "NO"] for p in prefills])
+    payload = {"prefill": prefills, "length": LENGTH, "tokens": TOKENS, "short": SHORT, "requests": REQUESTS,
+               "rotation": ROTATION, "rounds": ROUNDS, "runs": runs}
+    return payload, [table, prefill_table], targets, bitwise
 
 
 def _uncaptured(case: dict[str, Any]) -> int:
