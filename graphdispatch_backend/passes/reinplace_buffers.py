@@ -71,8 +71,12 @@ def _fresh(node: fx.Node) -> bool:
 
 def _same_layout(node: fx.Node, root: fx.Node) -> bool:
     a, b = node.meta.get("val"), root.meta.get("val")
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset())
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype):
+        return False
+    sizes = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()), (a.storage_offset(), b.storage_offset())]
+    # a symbolic size is compared as its expression: comparing values would add a guard
+    return a.dim() == b.dim() and all(x == y if isinstance(x, int) and isinstance(y, int) else str(x) == str(y)
+                                      for x, y in sizes)
 
 
 def _next_write(base: fx.Node) -> Write | None:

@@ -109,6 +109,23 @@ def forward(self, arg0_1, arg1_1):
         self.assertEqual(_run(gm), 0)
         self.assertEqual(op_counts(gm)["aten::masked_fill.Scalar"], 1)
 
+    def test_a_buffer_sized_by_a_symbolic_size_goes_in_place(self):
+        def rows(pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            buf = torch.zeros(k.shape[0], 16, k.shape[2])
+            return buf.index_copy(1, pos, k)
+
+        with torch.no_grad():
+            gm = aten_graph(rows, *_prefill_args(), dynamic=True).gm
+        self.assertEqual(_run(gm), 1)
+        graphdispatch_backend.reset()
+        args = (torch.arange(3), torch.randn(5, 3, 6))
+        compiled = torch.compile(rows, backend="graphdispatch", options={"cuda_graphs": False}, dynamic=True)
+        with torch.no_grad():
+            for a in (_prefill_args(), args):
+                assert torch.equal(compiled(*a), rows(*a))
+        graph = graphdispatch_backend.latest_report()["graphs"][-1]
+        assert graph["buffer_writes_in_place"] == 1 and graph["lowering_check"]["status"] == "bitwise"
+
     def test_a_write_into_an_input_is_not_this_pass_s(self):
         def decode(cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
             cache.index_copy_(1, pos, k)
