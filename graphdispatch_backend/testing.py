@@ -158,6 +158,20 @@ def accounted_graphs(report: dict[str, Any] | None = None) -> list[dict[str, Any
     return report["graphs"]
 
 
+def generates_like_eager(model: Any, prompt: torch.Tensor, kw: dict[str, Any], times: int) -> None:
+    """A transformers model's `generate` (`kw` asks for its logits), compiled as transformers'
+    docs compile a static-cache decode (`forward`, emulate, `dynamic=False`): `times`
+    generates, each with eager's tokens and logits, bit for bit."""
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
+                                      dynamic=False)
+        for _ in range(times):
+            out = model.generate(prompt, **kw)
+            assert torch.equal(out.sequences, ref.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+
+
 def only_graph() -> dict[str, Any]:
     """The latest report's only graph; its calls are replays or counted eager calls."""
     (graph,) = accounted_graphs()

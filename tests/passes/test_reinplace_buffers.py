@@ -16,7 +16,7 @@ import graphdispatch_backend
 from graphdispatch_backend.passes import functional_writes
 from graphdispatch_backend.passes.context import PassContext, PieceSpec
 from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
-from graphdispatch_backend.testing import aten_graph, normalize, op_counts
+from graphdispatch_backend.testing import accounted_graphs, aten_graph, generates_like_eager, normalize, op_counts
 
 
 def _lowered(fn: Any, *args: Any) -> fx.GraphModule:
@@ -190,18 +190,8 @@ def test_a_transformers_prefill_writes_its_new_cache_rows_in_place_bitwise():
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", max_cache_len=64, pad_token_id=0,
               disable_compile=True, return_dict_in_generate=True, output_logits=True)
-    with torch.no_grad():
-        ref = model.generate(prompt, **kw)
-        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
-                                      dynamic=False)
-        for _ in range(4):
-            got = model.generate(prompt, **kw)
-            assert torch.equal(got.sequences, ref.sequences)
-            assert all(torch.equal(a, b) for a, b in zip(got.logits, ref.logits))
-    report = graphdispatch_backend.latest_report()
-    for graph in report["graphs"]:
-        assert graph["calls"] == graph["cuda_graph"]["replays"] + graph["cuda_graph"]["eager_calls"]
-    prefill_graph = min(report["graphs"], key=lambda g: g["calls"])
+    generates_like_eager(model, prompt, kw, 4)
+    prefill_graph = min(accounted_graphs(), key=lambda g: g["calls"])
     assert prefill_graph["buffer_writes_in_place"] == 4
     assert prefill_graph["lowering_check"]["status"] == "bitwise"
     assert prefill_graph["cuda_graph"]["replays"] >= 1

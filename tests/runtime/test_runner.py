@@ -36,6 +36,7 @@ from graphdispatch_backend.runtime.runner.transitions import MAX_RECAPTURES
 from graphdispatch_backend.testing import (
     LinearBlock,
     accounted_graphs,
+    generates_like_eager,
     linear_stack,
     manifest_from_region,
     region_entry,
@@ -613,14 +614,7 @@ def test_a_transformers_sliding_window_cache_generate_captures_and_replays():
     prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", max_cache_len=32,
               return_dict_in_generate=True, output_logits=True, disable_compile=True)
-    with torch.no_grad():
-        ref = model.generate(prompt, **kw)
-        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
-                                      dynamic=False)
-        for _ in range(3):
-            out = model.generate(prompt, **kw)
-            assert torch.equal(out.sequences, ref.sequences)
-            assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    generates_like_eager(model, prompt, kw, 3)
     report = graphdispatch_backend.latest_report()
     assert_report_accounted(report)
     assert all(not g["cuda_graph"]["declines"] for g in report["graphs"]), report["graphs"]
