@@ -55,13 +55,17 @@ aten = torch.ops.aten
 
 # writes that copy their whole base to change part of it (pointwise ones stay: see docstring)
 ROW_WRITES = frozenset(IN_PLACE) - {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.copy.default}
+# ops whose schema declares a new tensor where the result shares its input's memory
+# (aot's `_unsafe_view` after a matmul): never a buffer of the graph's own
+UNDECLARED_VIEWS = frozenset({aten._unsafe_view.default, aten._reshape_alias.default})
 
 
 def _fresh(node: fx.Node) -> bool:
     """`node` is a tensor this graph allocates: an ATen op returning new memory, dense."""
     target = node.target
     if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
-            or target.namespace not in ("aten", "prims") or is_view(node) or "gd_substitution" in node.meta):
+            or target.namespace not in ("aten", "prims") or is_view(node) or target in UNDECLARED_VIEWS
+            or "gd_substitution" in node.meta):
         return False
     returns = target._schema.returns
     val = node.meta.get("val")

@@ -126,6 +126,17 @@ def forward(self, arg0_1, arg1_1):
         graph = graphdispatch_backend.latest_report()["graphs"][-1]
         assert graph["buffer_writes_in_place"] == 1 and graph["lowering_check"]["status"] == "bitwise"
 
+    def test_a_buffer_that_views_a_matmul_s_memory_is_not_the_graph_s_own(self):
+        def rows(a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            y = a @ b  # a batch of rows: aot's mm, then an _unsafe_view of its memory
+            return y.index_copy(1, pos, torch.ones(2, 3, 4))
+
+        args = (torch.randn(2, 16, 8), torch.randn(8, 4), torch.arange(3))
+        gm = _lowered(rows, *args)
+        self.assertIn("aten::_unsafe_view.default", op_counts(gm))
+        self.assertEqual(_run(gm), 0)
+        assert _same(gm, rows, *args)
+
     def test_a_write_into_an_input_is_not_this_pass_s(self):
         def decode(cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
             cache.index_copy_(1, pos, k)
