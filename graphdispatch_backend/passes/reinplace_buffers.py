@@ -98,10 +98,13 @@ def _next_write(base: fx.Node) -> Write | None:
 def reinplace_buffers(gm: fx.GraphModule, ctx: PassContext) -> None:
     reads = Reads(gm)
     device = ctx.pieces_spec.graph_device if ctx.pieces_spec is not None else None
-    # positions of the nodes split_pieces keeps out of captured pieces
-    splits = [] if device is None else sorted(reads.order[n] for n in inline_nodes(gm, device))
+    splits: list[int] = []  # positions of the nodes split_pieces keeps out of pieces, found at the first chain
 
     def one_piece(root: fx.Node, last: fx.Node) -> bool:
+        if device is None:
+            return True
+        if not splits:
+            splits.extend(sorted(reads.order[n] for n in inline_nodes(gm, device)) or [len(reads.order)])
         i = bisect.bisect_left(splits, reads.order[root])
         return i == len(splits) or splits[i] > reads.order[last]
 
