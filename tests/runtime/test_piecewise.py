@@ -9,15 +9,15 @@ only of such nodes runs eager as no_capturable_piece.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
@@ -175,29 +175,33 @@ def test_without_the_move_the_uninitialized_mask_fails_verification(monkeypatch)
         return torch.nn.functional.dropout2d(x.sin(), 0.5, training=True) * 2
 
     torch.manual_seed(0)  # the inputs below: the same whatever ran before (the suite's order)
-    with _Uninitialized():  # memory nobody wrote differs run to run (not by the allocator's chance)
+    with _uninitialized():  # memory nobody wrote differs run to run (not by the allocator's chance)
         run_checked(emulate(dropped), dropped, [(torch.randn(2, 3, 4, 4),) for _ in range(6)], seed=11)
-    # (the mode on the stack may make Dynamo compile the function twice: any graph of it)
     assert any("eager_nondeterministic" in g["cuda_graph"]["declines"] for g in accounted_graphs())
 
 
-class _Uninitialized(TorchDispatchMode):
-    """Every `new_empty` holds other values, as uninitialized memory may: a test of what
-    reads it must not depend on what the allocator happened to reuse (pages of zeros)."""
+@contextlib.contextmanager
+def _uninitialized() -> Iterator[None]:
+    """Every CPU `new_empty` holds other values, as uninitialized memory may: a test of what
+    reads it must not depend on what the allocator happened to reuse (pages of zeros). A
+    kernel registered for the test's span, not a dispatch mode around the compiled call:
+    a mode on the stack puts the Python dispatch key in the tensors' key set that Dynamo's
+    guards compare, and whether the compile saw it depended on the tests run before (one
+    recompile per call, so no graph reached its capture)."""
+    values = itertools.count(1)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._values = itertools.count(1)
+    def new_empty(self: torch.Tensor, size: Sequence[int], *, dtype: torch.dtype | None = None,
+                  layout: Any = None, device: Any = None, pin_memory: bool | None = None) -> torch.Tensor:
+        out = torch.empty(size, dtype=self.dtype if dtype is None else dtype,
+                          device=self.device if device is None else device)
+        return out.fill_(next(values))
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.new_empty.default:
-            out.fill_(next(self._values))
-        return out
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (scoped: dropped with the block)
+    try:
+        lib.impl("new_empty", new_empty, "CPU")
+        yield
+    finally:
+        lib._destroy()
 
 
 def test_cudagraph_unsafe_tag_splits():
