@@ -107,7 +107,7 @@ class _Pair:
             if caches is not None:
                 cache = caches[0 if side == "eager" else 1]
                 cache.reset()
-                kw = {"past_key_values": cache}
+                kw = {"cache": cache}
             gc.collect()
             gc.disable()  # as timeit does: a collection inside one generate is another's noise
             try:

@@ -1,6 +1,7 @@
-"""lift_scalars: tensors made from Python-number inputs move ahead of the captured piece, so
-one capture serves every value (a timestep passed as an int replays); a scalar with any
-other use keeps keying the piece."""
+"""lift_scalars: tensors made from Python-number inputs, and host arithmetic on them that is
+returned, move ahead of the captured piece, so one capture serves every value (a timestep
+passed as an int replays, a cache layer's int counter does not key the decode step); a
+scalar with any other use keeps keying the piece."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def _lifted(gm: fx.GraphModule) -> list[str]:
 
 
 class TestLiftScalars(expecttest.TestCase):
+    def _assert_unmoved(self, fn: Any, *args: Any) -> None:
+        gm = aten_graph(fn, *args, dynamic=True).gm
+        code = normalize(gm)
+        lift_scalars(gm, PassContext(pieces_spec=_spec()))
+        self.assertEqual(normalize(gm), code)
+        self.assertEqual(_lifted(gm), [])
+
     def test_factories_of_a_scalar_input_move_to_the_top_marked(self):
         gm = _timestep_graph()
         before = op_counts(gm)
@@ -67,11 +75,40 @@ def forward(self, arg0_1, arg1_1, arg2_1):
         def g(x: torch.Tensor, t: int) -> torch.Tensor:
             return x * t + torch.tensor([t])
 
-        gm = aten_graph(g, torch.randn(2), 3, dynamic=True).gm
-        code = normalize(gm)
-        lift_scalars(gm, PassContext(pieces_spec=_spec()))
-        self.assertEqual(normalize(gm), code)
-        self.assertEqual(_lifted(gm), [])
+        self._assert_unmoved(g, torch.randn(2), 3)
+
+    def test_host_arithmetic_that_is_returned_moves_to_the_top_marked(self):
+        def counted(x: torch.Tensor, w: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+            return x @ w, n + 1  # a cache layer's counter: no kernel reads it
+
+        gm = aten_graph(counted, torch.randn(2, 2), torch.randn(2, 2), 3, dynamic=True).gm
+        before = op_counts(gm)
+        ctx = PassContext(pieces_spec=_spec())
+        lift_scalars(gm, ctx)
+        self.assertExpectedInline(normalize(gm), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    add_3 = arg3_1 + 1
+    mm = torch.ops.aten.mm.default(arg1_1, arg2_1)
+    return (mm, add_3)""")
+        self.assertEqual(op_counts(gm), before)
+        self.assertEqual(_lifted(gm), ["add_3"])
+        split_pieces(gm, ctx)
+        (call,) = [n for n in gm.graph.nodes if n.meta.get("gd_piece") is not None]
+        assert all(isinstance(a.meta.get("val"), torch.Tensor) for a in call.args if isinstance(a, fx.Node))
+
+    def test_arithmetic_that_reaches_a_kernel_keeps_its_scalar(self):
+        def scaled(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+            return x * (n + 1), n + 1
+
+        self._assert_unmoved(scaled, torch.randn(2), 3)
+
+    def test_arithmetic_on_a_kept_scalar_keeps_the_other_one_too(self):
+        # n + m runs in the piece (m keys it), so the piece reads n: lifting n's factory
+        # would split the graph for nothing
+        def mixed(x: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, int]:
+            return x * m + torch.tensor([n]), n + m
+
+        self._assert_unmoved(mixed, torch.randn(2), 3, 4)
 
     def test_nothing_moves_when_nothing_is_captured(self):
         gm = _timestep_graph()
@@ -146,6 +183,76 @@ def test_the_piece_after_the_lift_computes_no_shape_key(monkeypatch: pytest.Monk
     graph = _denoise({}, STEPS, rounds=1)
     assert graph["cuda_graph"]["replays"] > 0
     assert keys == []  # none: the piece is keyless
+
+class Layer:
+    """transformers' sliding-window cache layer in small: a plain object whose Python int
+    counter each decode step adds one to (Dynamo makes it a symbol after one recompile)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+
+def _step(x: torch.Tensor, w: torch.Tensor, layer: Layer) -> torch.Tensor:
+    layer.length += 1
+    return (x @ w).sin()
+
+
+def _count(steps: int) -> dict[str, Any]:
+    compiled = torch.compile(_step, backend="graphdispatch", options={"cuda_graphs": "emulate", "max_captures": 4})
+    ours, theirs = Layer(), Layer()
+    x, w = torch.randn(1, 8), torch.randn(8, 8)
+    with torch.no_grad():
+        for i in range(steps):
+            assert torch.equal(compiled(x + i, w, ours), _step(x + i, w, theirs))
+            assert ours.length == theirs.length
+    graphs = accounted_graphs()
+    assert len(graphs) == 2  # Dynamo specializes the first value, then makes the counter a symbol
+    return graphs[-1]
+
+
+def test_a_counter_returned_plus_one_does_not_key_the_capture():
+    graph = _count(20)
+    cg = graph["cuda_graph"]
+    assert graph["split_reasons"] == {"scalar_input": 1} and cg["captures"] == 1 and cg["declines"] == {}
+    assert cg["replays"] == graph["calls"] - 2 and cg["eager_by_reason"] == {"warmup": 1, "verifying": 1}
+
+
+def test_without_the_arithmetic_lift_every_count_is_a_shape_key(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(sys.modules[lift_scalars.__module__], "_is_arithmetic", lambda node: False)
+    graph = _count(20)
+    assert graph["split_reasons"] == {} and graph["cuda_graph"]["replays"] == 0
+    assert "shape_churn" in graph["cuda_graph"]["eager_by_reason"]
+
+
+def test_a_transformers_sliding_window_decode_relocates_across_requests():
+    """What a new user hit: Gemma 3 (sliding-window layers, a new StaticCache per generate).
+    Each decode step passed the layers' int counter in and got it back plus one: every
+    position was a shape key of its own, warmed and verified again in each request."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, sliding_window=4, attn_implementation="eager")
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    prompt = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    kw = {"max_new_tokens": 8, "do_sample": False, "cache_implementation": "static", "disable_compile": True,
+          "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+        for _ in range(3):
+            out = model.generate(prompt, **kw)
+            assert torch.equal(out.sequences, ref.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    decode = max(accounted_graphs(), key=lambda g: g["calls"])
+    cg = decode["cuda_graph"]
+    assert decode["split_reasons"] == {"scalar_input": 2}  # one counter per layer
+    # warmup, the capture call and a second verification, in the first request; then one
+    # relocation per request, each replaying
+    assert cg["relocations"] == 2 and cg["eager_by_reason"] == {"warmup": 1, "verifying": 2}, cg
+    assert cg["replays"] == decode["calls"] - 3
+
 
 def test_a_diffusers_unet_called_with_int_timesteps_replays():
     """What a new user hit: diffusers' UNet2DConditionModel with `t` an int, as samplers that

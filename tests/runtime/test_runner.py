@@ -662,14 +662,14 @@ def test_a_rotation_of_transformers_caches_replays_without_capturing_after_the_f
     kw.pop("cache_implementation")
     caches = [transformers.StaticCache(config=model.config, max_cache_len=64) for _ in range(4)]
     with torch.no_grad():
-        ref = model.generate(prompt, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=64),
+        ref = model.generate(prompt, cache=transformers.StaticCache(config=model.config, max_cache_len=64),
                              **kw)
         model.forward = torch.compile(model.forward, backend="graphdispatch", options={"cuda_graphs": "emulate"},
                                       dynamic=False)
         for rnd in range(3):
             for cache in caches:
                 cache.reset()
-                assert torch.equal(model.generate(prompt, past_key_values=cache, **kw), ref)
+                assert torch.equal(model.generate(prompt, cache=cache, **kw), ref)
             if rnd == 0:
                 captures = _decode(graphdispatch_backend.latest_report())["cuda_graph"]["captures"]
     decode = _decode(graphdispatch_backend.latest_report())["cuda_graph"]
