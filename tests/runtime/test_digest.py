@@ -79,3 +79,16 @@ def test_memory_not_aligned_to_a_word_is_read_by_copy(monkeypatch):
     x = torch.randn(43)
     assert torch.equal(digest(x[1:]), digest(x[1:].clone()))  # 4 bytes into its storage
     assert torch.equal(digest(x[3:].view(5, 8)[:, 1:6]), digest(x[3:].view(5, 8)[:, 1:6].contiguous()))
+
+
+def test_the_weighted_sum_wraps_as_the_sum_of_the_products_does():
+    words = torch.randint(-(2**63), 2**63 - 1, (4097,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    weights = digest_mod._weights(torch.device("cpu"))[:4097]
+    assert torch.equal(digest_mod.weighted_sum(weights, words), (weights * words).sum())
+
+
+def test_the_digest_is_its_definitions_whichever_sum_reads_the_words(monkeypatch):
+    x = torch.randn(3, 1001)
+    fast = digest(x)
+    monkeypatch.setattr(digest_mod, "weighted_sum", lambda weights, words: (weights * words).sum())
+    assert torch.equal(digest(x), fast)

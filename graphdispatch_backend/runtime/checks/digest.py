@@ -91,9 +91,19 @@ class _Words:
             size = min(n - i, SPAN - offset)
             piece = ints[i : i + size]
             self.total[0] += piece.sum()
-            self.total[1] += (self.weights[offset : offset + size] * piece).sum() * _block_multiplier(block)
+            self.total[1] += weighted_sum(self.weights[offset : offset + size], piece) * _block_multiplier(block)
             i += size
         self.position += n
+
+
+def weighted_sum(weights: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """sum(weights * words), wrapping in int64. int64 arithmetic wraps, so the dot product
+    is the same number; on the CPU `dot` reads both once and makes no temporary (8 MiB of
+    words: 0.6 ms against 1.2-2.3 ms for the products and their sum, one thread). CUDA has
+    no integer dot."""
+    if words.device.type == "cpu":
+        return torch.dot(weights, words)
+    return (weights * words).sum()
 
 
 def _weights(device: torch.device) -> torch.Tensor:
