@@ -2,11 +2,12 @@
 
 Verification needs to know whether a call repeats the values it was verified on (then it
 derives a distinct set, runtime/runner/derive.py), and compares a replay's outputs with
-eager's without holding both (runtime/checks/prints.py). Keeping a copy of every moving input
-until the next call holds one hidden state per compiled block: 40 blocks of a 14B video
-DiT at 75k tokens are ~31 GB of copies. A fingerprint is enough: equal values give equal
-digests, always; different values give equal digests with a chance of about 2**-64 per
-pair, and then the only cost is that a derived set is verified instead of the live one.
+eager's without holding both (runtime/checks/prints.py). Keeping a copy of every moving
+input until the next call holds one hidden state per compiled block: 40 blocks of a 14B
+video DiT at 75k tokens are ~31 GB of copies. A fingerprint is enough: equal values give
+equal digests, always; different values give equal digests with a chance of about 2**-64
+per pair, and then the only cost is that a derived set is verified instead of the live
+one.
 
 The tensor's elements, in row-major order, are read as a stream of bytes cut into 64-bit
 words (the last one padded with zeros): the plain sum of the words and a position-weighted
@@ -15,14 +16,15 @@ p is w[p mod SPAN] * m(p div SPAN): w a pseudo-random table of SPAN weights (a
 multiplicative hash of the position, never 0), made once per device and kept (8 MiB), m an
 odd multiplier per block of SPAN. Words, not elements: a float32 tensor is read as half as
 many int64 words, in place, with no widening copy, so a digest costs about one read of the
-tensor (a 2 MiB cache: 0.3 ms on one CPU thread, against 3 ms when every element was
-widened to int64 first; it is what the verification of a graph that creates its caches
-spent most on). The digest depends on the positions only, not on how the tensor is laid
-out or on CHUNK: a non-contiguous tensor is read in contiguous slices (of its first
-dimensions, in steps of whole words of rows where a chunk allows) of at most CHUNK
-elements; bytes that straddle two slices are joined, and a slice whose memory is not
-8-byte aligned is copied, in bounded pieces. Floats are compared by bits, as everything
-else in graphdispatch: `-0.0` is not `0.0`, and a NaN equals the same NaN.
+tensor (16 MiB of new KV cache: 1.75 ms on one CPU thread, the weighted sum a dot product;
+every element widened to int64 first cost about ten times that, and it was what the
+verification of a graph that creates its caches spent most on). The digest depends on the
+positions only, not on how the tensor is laid out or on CHUNK: a non-contiguous tensor is
+read in contiguous slices (of its first dimensions, in steps of whole words of rows where
+a chunk allows) of at most CHUNK elements; bytes that straddle two slices are joined, and
+a slice whose memory is not 8-byte aligned is copied, in bounded pieces. Floats are
+compared by bits, as everything else in graphdispatch: `-0.0` is not `0.0`, and a NaN
+equals the same NaN.
 """
 
 from __future__ import annotations
