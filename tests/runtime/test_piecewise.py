@@ -196,7 +196,7 @@ def _uninitialized() -> Iterator[None]:
                           device=self.device if device is None else device)
         return out.fill_(next(values))
 
-    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (scoped: dropped with the block)
+    lib = torch.library.Library("aten", "IMPL")  # scoped: destroyed when the block ends
     try:
         lib.impl("new_empty", new_empty, "CPU")
         yield
