@@ -32,6 +32,7 @@ from graphdispatch_backend.errors import (
     Decline,
     GraphDispatchError,
     OptionsError,
+    SplitReason,
     StrictModeError,
 )
 from graphdispatch_backend.fusion.recipe import recipe_for
@@ -69,6 +70,18 @@ _DETAILS = {
     Decline.NO_CAPTURABLE_PIECE: "every node of the graph must stay outside a CUDA graph",
     Decline.MULTI_DEVICE: "the graph's tensors are on several CUDA devices; a CUDA graph captures one device",
 }
+
+
+def _detail(reason: Decline, split_reasons: dict[str, int]) -> str | None:
+    """What a graph-level decline says; no capturable piece names its nodes' split reasons."""
+    detail = _DETAILS.get(reason)
+    if reason is not Decline.NO_CAPTURABLE_PIECE or not split_reasons:
+        return detail
+    detail = f"{detail} ({', '.join(f'{k}: {v}' for k, v in split_reasons.items())})"
+    if SplitReason.MADE_BUFFER.value in split_reasons:
+        detail += ("; it makes and returns a buffer (a new cache): pass one in (a transformers StaticCache per "
+                   "slot, reused) and the graph is captured, writing into it")
+    return detail
 
 
 def _fixed_shapes(piece: fx.GraphModule) -> bool:
@@ -316,7 +329,7 @@ class _Builder:
         if fusion is not None:
             fusion.finish()  # compiled with what the graph learned before (the verdict cache)
         record.cuda_graph_reason = reason.value if reason else None
-        record.cuda_graph_detail = _DETAILS.get(reason) if reason else None
+        record.cuda_graph_detail = _detail(reason, record.split_reasons) if reason else None
         # what runs instead: an autograd graph's lowered forward and backward, not the Dynamo graph
         runs = "the lowered forward and backward run, not captured" if training else "it runs eager"
         if reason is not None and training:
@@ -326,7 +339,7 @@ class _Builder:
             # the user asked for graphs (or a piece could have had one): say why there is none
             self.session.events.warn_once(
                 f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
-                record.name, reason.value, _DETAILS.get(reason), runs)
+                record.name, reason.value, _detail(reason, record.split_reasons), runs)
         return CompiledGraph(run, native, contract, record, self.session.timing, reason,
                              lambda detail: self._contract_mismatch(record, detail),
                              guarded=self.guarded and role != "backward")

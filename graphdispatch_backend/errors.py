@@ -128,6 +128,9 @@ class SplitReason(str, enum.Enum):
     COLLECTIVE = "collective"  # a collective a CUDA graph cannot hold (gloo, CPU): it runs between pieces
     # a tensor made from a Python-number input, made before the piece: one capture serves every value
     SCALAR_INPUT = "scalar_input"
+    # a buffer the graph makes and returns (a new KV cache): its piece runs eager, never a
+    # pool copy of it and a copy out per call (passes/split_pieces.py)
+    MADE_BUFFER = "made_buffer"
 
 
 class Rejection(str, enum.Enum):

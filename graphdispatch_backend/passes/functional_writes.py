@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch._higher_order_ops.auto_functionalize import get_mutable_args, read_view_information_from_args
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
-from graphdispatch_backend.passes.ops import draws_random, is_view
+from graphdispatch_backend.passes.ops import alias_root, draws_random, is_view
 
 aten = torch.ops.aten
 
@@ -52,6 +52,14 @@ SCATTER_VIEW = {
     aten.diagonal_scatter.default: aten.diagonal.default,
     aten.as_strided_scatter.default: aten.as_strided.default,
 }
+# writes that copy their whole base to change part of it: index and scatter writes (a
+# masked fill or a copy may change every element: its value is not the base's, written)
+ROW_WRITES = frozenset(IN_PLACE) - {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.copy.default}
+# ops that make a tensor from sizes and a fill value alone (a `*_like` or `new_*` reads only
+# its template's metadata)
+FACTORIES = frozenset({f"aten::{name}" for name in (
+    "zeros", "ones", "full", "empty", "empty_strided", "zeros_like", "ones_like", "full_like", "empty_like",
+    "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided")})
 AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
 _META_ONLY = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
                         aten.sym_storage_offset.default})
@@ -335,3 +343,17 @@ def blocked(reads: Reads, root: fx.Node, steps: list[Any], allowed: set[fx.Node]
             return f"{reader.name} reads the value {node.name} overwrites"
         base = node if isinstance(step, Write) else step[2]
     return None
+
+
+def made_root(node: fx.Node) -> fx.Node | None:
+    """The factory a value is a buffer of, when the graph makes it and only writes rows into
+    it (views of it, index and scatter writes, functional or in place): a new KV cache,
+    `zeros` plus `index_copy_` of the prompt's rows. None for a value computed from its inputs."""
+    while True:
+        node = alias_root(node)
+        if (node.op == "call_function" and (node.target in ROW_WRITES or node.target in SCATTER_VIEW)
+                and node.args and isinstance(node.args[0], fx.Node)):
+            node = node.args[0]
+            continue
+        schema = getattr(node.target, "_schema", None)
+        return node if node.op == "call_function" and schema is not None and schema.name in FACTORIES else None

@@ -47,14 +47,20 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from graphdispatch_backend.passes.context import PassContext
-from graphdispatch_backend.passes.functional_writes import IN_PLACE, SCATTER_VIEW, Reads, Write, blocked, parse, rewrite
+from graphdispatch_backend.passes.functional_writes import (
+    ROW_WRITES,
+    SCATTER_VIEW,
+    Reads,
+    Write,
+    blocked,
+    parse,
+    rewrite,
+)
 from graphdispatch_backend.passes.ops import is_view
 from graphdispatch_backend.passes.split_pieces import inline_nodes
 
 aten = torch.ops.aten
 
-# writes that copy their whole base to change part of it (pointwise ones stay: see docstring)
-ROW_WRITES = frozenset(IN_PLACE) - {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.copy.default}
 # ops whose schema declares a new tensor where the result shares its input's memory
 # (aot's `_unsafe_view` after a matmul): never a buffer of the graph's own
 UNDECLARED_VIEWS = frozenset({aten._unsafe_view.default, aten._reshape_alias.default})

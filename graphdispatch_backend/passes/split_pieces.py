@@ -14,6 +14,15 @@ whose manifest says `"capturable": false`, or makes a tensor out of a Python-num
 (marked by lift_scalars.py, which moved it to the top: the piece then takes its tensor).
 Such nodes stay inline, in order; each maximal run of other nodes with real work becomes
 one piece, called through `make_piece`.
+A run that would return buffers it makes (a factory and row writes into it:
+transformers' new static cache, `zeros` plus `index_copy_` of the prompt's rows, at
+MADE_BUFFER_BYTES or more in all) stays inline too, counted `made_buffer` once per buffer:
+a capture would keep a copy of each in the graph's pool for the graph's life and copy it
+out on every replay, where eager's cost is one fill. At a 14B model's cache that is
+gigabytes of device memory held twice. The attention that reads such a buffer reads it at
+a new address on every call, so no smaller piece around it could replay without copying
+it in; the run is left whole. A cache the caller passes in (one `StaticCache` per slot,
+reused) is an input, written in place and captured.
 A graph with no such node is left alone: it is captured whole. An allocation of
 uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) whose every user stays
 inline goes inline with its first user (dropout2d's `new_empty` feeds `bernoulli`, rrelu's
@@ -40,11 +49,13 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo
+from graphdispatch_backend.passes.functional_writes import made_root
 from graphdispatch_backend.passes.lift_scalars import SCALAR_INPUT_META
 from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.passes.ops import (
@@ -57,6 +68,9 @@ from graphdispatch_backend.passes.ops import (
     written_inputs,
 )
 from graphdispatch_backend.passes.subgraph import boundary, extract, replace_with_call
+
+# made buffers a piece may return: below this, a counter or a mask, whose copy costs nothing
+MADE_BUFFER_BYTES = 1 << 20
 
 _SCHEMA_REASONS = {
     "aten::_local_scalar_dense": SplitReason.SCALAR_READ,
@@ -150,6 +164,11 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # in the order the moves left
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     if not reasons:
+        made = _made_buffers(gm.graph.output_node().all_input_nodes)
+        if made:  # the whole graph: it runs eager (module docstring)
+            ctx.split_reasons[SplitReason.MADE_BUFFER] = len(made)
+            ctx.pieces = [PieceInfo(0, False, len(calls), {SplitReason.MADE_BUFFER.value: len(made)}, _ops(calls))]
+            return
         origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
         ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins, tuple(sorted(written_inputs(gm))),
                                 tuple(sorted(storage_readers(gm))), any(is_collective(n) for n in calls),
@@ -178,6 +197,12 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         inputs, outputs = boundary(nodes)
         if not outputs:
             continue
+        made = _made_buffers(outputs)
+        if made:
+            info.capturable, info.reasons = False, {SplitReason.MADE_BUFFER.value: len(made)}
+            ctx.split_reasons[SplitReason.MADE_BUFFER] = ctx.split_reasons.get(SplitReason.MADE_BUFFER, 0) + len(made)
+            pieces.append(info)
+            continue
         info.input_origins = tuple(_origin(ctx, placeholders, n) for n in inputs)
         piece_gm = extract(nodes, inputs, outputs)
         info.mutated = tuple(sorted(written_inputs(piece_gm)))
@@ -188,6 +213,21 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         replace_with_call(gm, nodes, inputs, outputs, target, {"gd_piece": info.index})
         pieces.append(info)
     ctx.pieces = pieces
+
+
+def _made_buffers(outputs: list[fx.Node]) -> list[fx.Node]:
+    """The buffers among `outputs` that the graph makes (passes/functional_writes.py
+    `made_root`), when they hold MADE_BUFFER_BYTES or more in all; else none."""
+    made = list(dict.fromkeys(root for o in outputs if (root := made_root(o)) is not None))
+    return made if sum(_nbytes(n) for n in made) >= MADE_BUFFER_BYTES else []
+
+
+def _nbytes(node: fx.Node) -> int:
+    """Bytes of a node's tensor; a symbolic size counts at its hint (0 without one)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return optimization_hint(val.numel(), fallback=0) * val.element_size()
 
 
 def _origin(ctx: PassContext, placeholders: dict[fx.Node, int], node: fx.Node) -> InputOrigin | None:

@@ -1,0 +1,224 @@
+"""split_pieces' made-buffer rule: a run of nodes that would return a buffer the graph makes
+(a factory and row writes into it, MADE_BUFFER_BYTES or more: a new KV cache) stays
+eager, counted `made_buffer`; a smaller one, a computed output, or a cache passed in is
+captured; `made_root` tells a made buffer from a computed value."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+import torch.fx as fx
+
+from graphdispatch_backend.errors import SplitReason
+from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
+from graphdispatch_backend.passes.functional_writes import made_root
+from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
+from graphdispatch_backend.passes.split_pieces import MADE_BUFFER_BYTES, split_pieces
+from graphdispatch_backend.testing import accounted_graphs, aten_graph, generates_like_eager, normalize, op_counts
+
+ROWS = MADE_BUFFER_BYTES // (4 * 64 * 4)  # a float32 cache of (4, ROWS, 64): MADE_BUFFER_BYTES
+
+
+def prefill(pos: torch.Tensor, k: torch.Tensor, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = torch.zeros(4, rows, 64)  # made at the first forward, as transformers' StaticCache
+    cache.index_copy_(1, pos, k)
+    return cache, (cache.sum(1) * 2).relu()  # attention stands here: it reads the new cache
+
+
+def small_prefill(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return prefill(pos, k, ROWS // 2)
+
+
+def computed(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    big = torch.zeros(4, ROWS, 64) + k.sum()  # as large, but a value computed from an input
+    return big, k * 2
+
+
+def read_after_write(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = torch.zeros(4, ROWS, 64)
+    new = cache.index_copy(1, pos, k)
+    return new, cache.sum(1)  # the old value read after the write: it stays functional
+
+
+def with_item(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = (k * 3).cos()
+    n = pos.sum().item()  # splits the graph: the run after it makes the cache
+    cache = torch.zeros(4, ROWS, 64)
+    cache.index_copy_(1, pos, k * n)
+    return cache, y
+
+
+def _args() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(3), torch.randn(4, 3, 64)
+
+
+def _cut(fn: Callable[..., Any]) -> tuple[fx.GraphModule, PassContext, list[fx.GraphModule]]:
+    made: list[fx.GraphModule] = []
+
+    def make_piece(piece: fx.GraphModule, info: PieceInfo) -> Callable[..., Any]:
+        made.append(piece)
+
+        def run(*args: Any) -> Any:
+            return piece(*args)
+
+        run.__name__ = run.__qualname__ = f"gd_piece_{info.index}"
+        run.__module__ = "graphdispatch"
+        return run
+
+    with torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        gm = aten_graph(fn, *_args()).gm
+    ctx = PassContext(pieces_spec=PieceSpec("cpu", make_piece))
+    reinplace_buffers(gm, ctx)  # in the pipeline's order: a new cache's rows are written in place
+    split_pieces(gm, ctx)
+    return gm, ctx, made
+
+
+def _emulated(fn: Callable[..., Any], calls: int = 6) -> dict[str, Any]:
+    """`fn` compiled (emulate), called with a new `k` each time, every output equal to
+    eager's; the report's only graph, every call accounted for."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    with torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for _ in range(calls):
+            args = _args()
+            for got, want in zip(compiled(*args), fn(*args)):
+                assert torch.equal(got, want)
+    (graph,) = accounted_graphs()
+    return graph
+
+
+class TestMadeBuffer(expecttest.TestCase):
+    def test_a_graph_that_returns_a_new_cache_is_left_whole_and_eager(self):
+        gm, ctx, made = _cut(prefill)
+        self.assertEqual(ctx.split_reasons, {SplitReason.MADE_BUFFER: 1})
+        self.assertEqual([(p.capturable, p.reasons) for p in ctx.pieces], [(False, {"made_buffer": 1})])
+        self.assertEqual(made, [])
+        self.assertEqual(op_counts(gm), {"aten::index_copy_.default": 1, "aten::mul.Tensor": 1,
+                                         "aten::relu.default": 1, "aten::sum.dim_IntList": 1,
+                                         "aten::zeros.default": 1})
+        self.assertExpectedInline(normalize(gm), """\
+def forward(self, arg0_1, arg1_1):
+    zeros = torch.ops.aten.zeros.default([4, 1024, 64], device = device(type='cpu'), pin_memory = False)
+    index_copy__default = torch.ops.aten.index_copy_.default(zeros, 1, arg0_1, arg1_1)
+    sum_1 = torch.ops.aten.sum.dim_IntList(zeros, [1])
+    mul = torch.ops.aten.mul.Tensor(sum_1, 2)
+    relu = torch.ops.aten.relu.default(mul)
+    return (zeros, relu)""")
+
+    def test_through_compile_it_runs_eager_every_call_and_says_why(self):
+        graph = _emulated(prefill)
+        self.assertEqual(graph["split_reasons"], {"made_buffer": 1})
+        self.assertEqual(graph["cuda_graph"]["reason"], "no_capturable_piece")
+        detail = graph["cuda_graph"]["decline_details"]["no_capturable_piece"]
+        self.assertIn("made_buffer: 1", detail)
+        self.assertIn("pass one in", detail)
+        self.assertEqual(graph["cuda_graph"]["replays"], 0)
+        self.assertEqual(graph["cuda_graph"]["eager_by_reason"], {"no_capturable_piece": 6})
+
+    def test_a_made_buffer_below_the_limit_is_captured_and_replays(self):
+        gm, ctx, _ = _cut(small_prefill)
+        self.assertEqual(ctx.split_reasons, {})
+        self.assertEqual([p.capturable for p in ctx.pieces], [True])
+        graph = _emulated(small_prefill)
+        self.assertEqual(graph["cuda_graph"]["reason"], None)
+        self.assertGreaterEqual(graph["cuda_graph"]["replays"], 3)
+
+    def test_a_computed_output_as_large_is_captured(self):
+        _, ctx, _ = _cut(computed)
+        self.assertEqual(ctx.split_reasons, {})
+        self.assertEqual([p.capturable for p in ctx.pieces], [True])
+
+    def test_a_buffer_whose_write_stays_functional_is_made_too(self):
+        gm, ctx, _ = _cut(read_after_write)
+        self.assertIn("aten::index_copy.default", op_counts(gm))  # functional: a copy of the zeros
+        self.assertEqual(ctx.split_reasons, {SplitReason.MADE_BUFFER: 1})
+
+    def test_only_the_run_that_makes_the_buffer_stays_eager(self):
+        _, ctx, made = _cut(with_item)
+        self.assertEqual(ctx.split_reasons, {SplitReason.SCALAR_READ: 1, SplitReason.MADE_BUFFER: 1})
+        self.assertEqual([(p.capturable, p.reasons) for p in ctx.pieces],
+                         [(True, {}), (False, {"scalar_read": 1}), (False, {"made_buffer": 1})])
+        self.assertEqual(len(made), 1)  # the run before the .item() (mul, cos, sum) is captured
+        graph = _emulated(with_item)
+        self.assertEqual(graph["pieces"][0]["cuda_graph"]["replays"], 4)  # warmup, capture, 4 replays
+        self.assertEqual(graph["split_reasons"], {"scalar_read": 1, "made_buffer": 1})
+
+
+def test_made_root_follows_views_and_row_writes_to_a_factory():
+    def fn(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        buf = torch.zeros(4, 8, 64)
+        buf.index_copy_(1, pos, k)
+        like = torch.zeros_like(k)
+        like[:, 0] = 1.0  # a write into a view: select_scatter
+        over = torch.zeros(4, 3, 64)
+        over.copy_(k)  # a whole copy: k's value, not a buffer the graph made
+        return buf.transpose(0, 1), like, over, k * 2
+
+    with torch.no_grad():
+        gm = aten_graph(fn, *_args()).gm
+    outs = gm.graph.output_node().args[0]
+    assert [made_root(o) is not None for o in outs] == [True, True, False, False]
+
+
+_MODULE = "graphdispatch_backend.passes.split_pieces"
+
+
+@pytest.mark.parametrize(("rule", "name", "broken", "test"), [
+    ("made buffers stay eager", "_made_buffers", lambda outputs: [],
+     "test_through_compile_it_runs_eager_every_call_and_says_why"),
+    ("the size limit", "MADE_BUFFER_BYTES", 0, "test_a_made_buffer_below_the_limit_is_captured_and_replays"),
+    ("through functional writes", "made_root", lambda node: node if "zeros" in node.name else None,
+     "test_a_buffer_whose_write_stays_functional_is_made_too"),
+])
+def test_mutation_each_rule_is_what_its_test_checks(rule: str, name: str, broken: Any, test: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rule removed: the test that states it fails."""
+    monkeypatch.setattr(sys.modules[_MODULE], name, broken)
+    with pytest.raises(AssertionError):
+        getattr(TestMadeBuffer(test), test)()
+
+
+def test_a_transformers_server_with_a_new_cache_per_request_prefills_eager_and_decodes_replaying():
+    """A Llama with a new 1 MiB StaticCache per generate (transformers' default): the
+    prefill graph, which makes the caches, runs eager as `made_buffer` (2 layers x keys and
+    values); the decode graph, which reads them as inputs, replays; every generate equal to
+    eager, bit for bit. With one cache passed in and reset per request, the prefill writes
+    into it and is captured (Dynamo compiles it once more for the cache made by the first
+    request: it guards on the cache's `is_initialized`)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    length = MADE_BUFFER_BYTES // (2 * 2 * 2 * 16 * 4)  # layers x (keys, values) x heads x head_dim x 4 B
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=length, attn_implementation="eager",
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static", max_cache_len=length,
+              pad_token_id=0, disable_compile=True, return_dict_in_generate=True, output_logits=True)
+    torch._dynamo.reset()
+    generates_like_eager(model, prompt, kw, 3)
+    prefill_graph, decode_graph = sorted(accounted_graphs(), key=lambda g: g["calls"])
+    assert prefill_graph["split_reasons"] == {"made_buffer": 4}
+    assert prefill_graph["cuda_graph"]["eager_by_reason"] == {"no_capturable_piece": 3}
+    assert decode_graph["cuda_graph"]["replays"] >= 8
+    with torch.no_grad():
+        ref = {k: v for k, v in kw.items() if k not in ("cache_implementation", "max_cache_len")}
+        cache = transformers.StaticCache(config=config, max_cache_len=length)
+        eager = transformers.LlamaForCausalLM(config).eval()
+        eager.load_state_dict(model.state_dict())
+        want = eager.generate(prompt, cache=transformers.StaticCache(config=config, max_cache_len=length),
+                              **ref)
+        for _ in range(4):  # the first makes the cache's tensors (the made-buffer graph, once more)
+            cache.reset()
+            got = model.generate(prompt, cache=cache, **ref)
+            assert torch.equal(got.sequences, want.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    prefills = [g for g in accounted_graphs() if "made_buffer" not in g["split_reasons"] and g["calls"] == 3]
+    assert prefills and prefills[0]["cuda_graph"]["replays"] >= 1
