@@ -5,6 +5,8 @@
 - `regions(lowered)`: `tag_regions` run on it, as {region name: Region}.
 - `normalize(gm)`: small, stable text of a graph for `assertExpectedInline`.
 - `op_counts(gm)`: op histogram by schema name, to pair with goldens.
+- `cut_pieces(gm, device, before=())`: `split_pieces` run on a lowered graph (after the
+  passes `before`), its pieces recorded: (the PassContext, the piece graphs made).
 - `write_bundle(...)`: a bundle folder with a correct manifest (sizes, sha256).
 - `manifest_from_region(region, ...)`: a manifest signature copied from a region report
   entry, exactly as a new user would write it.
@@ -48,7 +50,7 @@ from graphdispatch_backend.artifacts.catalog import signature
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
-from graphdispatch_backend.passes.context import PassContext
+from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
 from graphdispatch_backend.passes.tag_regions import tag_regions
 from graphdispatch_backend.region import Region
 
@@ -102,6 +104,31 @@ def normalize(gm: fx.GraphModule) -> str:
 
 def op_counts(gm: fx.GraphModule) -> dict[str, int]:
     return dict(sorted(Counter(op_key(n.target) for n in gm.graph.nodes if n.op == "call_function").items()))
+
+
+def cut_pieces(gm: fx.GraphModule, device: str, before: Sequence[Callable[[fx.GraphModule, PassContext], None]] = (),
+               ) -> tuple[PassContext, list[fx.GraphModule]]:
+    """`split_pieces` on `gm` for a graph on `device`, after the passes `before` (in the
+    pipeline's order); each piece a plain call of its graph, named as backend.py names
+    its runners (FX code generation names a call target by them)."""
+    from graphdispatch_backend.passes.split_pieces import split_pieces
+
+    made: list[fx.GraphModule] = []
+
+    def make_piece(piece: fx.GraphModule, info: PieceInfo) -> Callable[..., Any]:
+        made.append(piece)
+
+        def run(*args: Any) -> Any:
+            return piece(*args)
+
+        run.__name__ = run.__qualname__ = f"gd_piece_{info.index}"
+        run.__module__ = "graphdispatch"
+        return run
+
+    ctx = PassContext(pieces_spec=PieceSpec(device, make_piece))
+    for step in (*before, split_pieces):
+        step(gm, ctx)
+    return ctx, made
 
 
 def write_bundle(

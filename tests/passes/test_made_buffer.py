@@ -15,11 +15,18 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.errors import SplitReason
-from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
+from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.functional_writes import made_root
 from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
-from graphdispatch_backend.passes.split_pieces import MADE_BUFFER_BYTES, split_pieces
-from graphdispatch_backend.testing import accounted_graphs, aten_graph, generates_like_eager, normalize, op_counts
+from graphdispatch_backend.passes.split_pieces import MADE_BUFFER_BYTES
+from graphdispatch_backend.testing import (
+    accounted_graphs,
+    aten_graph,
+    cut_pieces,
+    generates_like_eager,
+    normalize,
+    op_counts,
+)
 
 ROWS = MADE_BUFFER_BYTES // (4 * 64 * 4)  # a float32 cache of (4, ROWS, 64): MADE_BUFFER_BYTES
 
@@ -58,23 +65,11 @@ def _args() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _cut(fn: Callable[..., Any]) -> tuple[fx.GraphModule, PassContext, list[fx.GraphModule]]:
-    made: list[fx.GraphModule] = []
-
-    def make_piece(piece: fx.GraphModule, info: PieceInfo) -> Callable[..., Any]:
-        made.append(piece)
-
-        def run(*args: Any) -> Any:
-            return piece(*args)
-
-        run.__name__ = run.__qualname__ = f"gd_piece_{info.index}"
-        run.__module__ = "graphdispatch"
-        return run
-
+    """`fn`'s lowered graph cut into pieces after reinplace_buffers (the pipeline's order: a
+    new cache's rows are written in place)."""
     with torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
         gm = aten_graph(fn, *_args()).gm
-    ctx = PassContext(pieces_spec=PieceSpec("cpu", make_piece))
-    reinplace_buffers(gm, ctx)  # in the pipeline's order: a new cache's rows are written in place
-    split_pieces(gm, ctx)
+    ctx, made = cut_pieces(gm, "cpu", before=(reinplace_buffers,))
     return gm, ctx, made
 
 

@@ -20,13 +20,14 @@ import torch.fx as fx
 from torch import nn
 
 from graphdispatch_backend.errors import SplitReason
-from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
+from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.ops import draws_random
 from graphdispatch_backend.passes.split_pieces import split_pieces, split_reason
 from graphdispatch_backend.testing import (
     LinearBlock,
     accounted_graphs,
     aten_graph,
+    cut_pieces,
     manifest_from_region,
     only_graph,
     region_entry,
@@ -263,22 +264,7 @@ def test_artifact_declared_not_capturable_splits_around_its_call(tmp_path):
 
 
 def cut(gm: fx.GraphModule, device: str) -> tuple[PassContext, list[fx.GraphModule]]:
-    made: list[fx.GraphModule] = []
-
-    def make_piece(piece: fx.GraphModule, info: PieceInfo) -> Callable[..., Any]:
-        made.append(piece)
-
-        def run(*args: Any) -> Any:
-            return piece(*args)
-
-        # FX code generation names a call target by these, as backend.py's runners do
-        run.__name__ = run.__qualname__ = f"gd_piece_{info.index}"
-        run.__module__ = "graphdispatch"
-        return run
-
-    ctx = PassContext(pieces_spec=PieceSpec(device, make_piece))
-    split_pieces(gm, ctx)
-    return ctx, made
+    return cut_pieces(gm, device)
 
 
 def chain(x: torch.Tensor) -> torch.Tensor:
