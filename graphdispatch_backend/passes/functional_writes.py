@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._higher_order_ops.auto_functionalize import get_mutable_args, read_view_information_from_args
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
-from graphdispatch_backend.passes.ops import alias_root, draws_random, is_view
+from graphdispatch_backend.passes.ops import alias_root, draws_random, is_view, writes
 
 aten = torch.ops.aten
 
@@ -345,15 +346,35 @@ def blocked(reads: Reads, root: fx.Node, steps: list[Any], allowed: set[fx.Node]
     return None
 
 
-def made_root(node: fx.Node) -> fx.Node | None:
-    """The factory a value is a buffer of, when the graph makes it and only writes rows into
-    it (views of it, index and scatter writes, functional or in place): a new KV cache,
-    `zeros` plus `index_copy_` of the prompt's rows. None for a value computed from its inputs."""
+def made_buffer(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(the factory, the values written into it) when `node`'s value is a buffer the graph
+    makes and only writes into (views of it, index and scatter writes, functional or in
+    place, and any in-place write): a new KV cache is `zeros` plus `index_copy_` of the
+    prompt's rows. None for a value computed from its inputs. A write's value is its
+    largest tensor operand other than the buffer (an `index_copy_`'s rows, a
+    `slice_scatter`'s source)."""
+    chain: list[fx.Node] = []
     while True:
         node = alias_root(node)
         if (node.op == "call_function" and (node.target in ROW_WRITES or node.target in SCATTER_VIEW)
                 and node.args and isinstance(node.args[0], fx.Node)):
+            chain.append(node)
             node = node.args[0]
             continue
         schema = getattr(node.target, "_schema", None)
-        return node if node.op == "call_function" and schema is not None and schema.name in FACTORIES else None
+        if node.op != "call_function" or schema is None or schema.name not in FACTORIES:
+            return None
+        break
+    root = node
+    values = [_value(n, {n.args[0]}) for n in chain]
+    for n in root.graph.nodes:
+        written = [w for w in writes(n) if alias_root(w) is root]
+        if written:
+            values.append(_value(n, set(written)))
+    return root, [v for v in values if v is not None]
+
+
+def _value(write: fx.Node, into: set[fx.Node]) -> fx.Node | None:
+    """The largest tensor operand of `write` other than what it writes `into`."""
+    operands = [a for a in write.all_input_nodes if a not in into and isinstance(a.meta.get("val"), torch.Tensor)]
+    return max(operands, key=lambda a: optimization_hint(a.meta["val"].numel(), fallback=0), default=None)

@@ -14,15 +14,17 @@ whose manifest says `"capturable": false`, or makes a tensor out of a Python-num
 (marked by lift_scalars.py, which moved it to the top: the piece then takes its tensor).
 Such nodes stay inline, in order; each maximal run of other nodes with real work becomes
 one piece, called through `make_piece`.
-A run that would return buffers it makes (a factory and row writes into it:
-transformers' new static cache, `zeros` plus `index_copy_` of the prompt's rows, at
-MADE_BUFFER_BYTES or more in all) stays inline too, counted `made_buffer` once per buffer:
+A run that would return buffers it makes and writes less than half of (a factory and
+writes into it: transformers' new static cache, `zeros` plus `index_copy_` of the prompt's
+rows, at MADE_BUFFER_BYTES or more in all) stays inline too, counted `made_buffer` once
+per buffer:
 a capture would keep a copy of each in the graph's pool for the graph's life and copy it
 out on every replay, where eager's cost is one fill. At a 14B model's cache that is
 gigabytes of device memory held twice. The attention that reads such a buffer reads it at
 a new address on every call, so no smaller piece around it could replay without copying
 it in; the run is left whole. A cache the caller passes in (one `StaticCache` per slot,
-reused) is an input, written in place and captured.
+reused) is an input, written in place and captured; a buffer whose writes cover it (a
+video decoded tile by tile into `zeros`) is a computed output, captured as any.
 A graph with no such node is left alone: it is captured whole. An allocation of
 uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) whose every user stays
 inline goes inline with its first user (dropout2d's `new_empty` feeds `bernoulli`, rrelu's
@@ -55,7 +57,7 @@ from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext, PieceInfo
-from graphdispatch_backend.passes.functional_writes import made_root
+from graphdispatch_backend.passes.functional_writes import made_buffer
 from graphdispatch_backend.passes.lift_scalars import SCALAR_INPUT_META
 from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.passes.ops import (
@@ -216,10 +218,17 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 
 def _made_buffers(outputs: list[fx.Node]) -> list[fx.Node]:
-    """The buffers among `outputs` that the graph makes (passes/functional_writes.py
-    `made_root`), when they hold MADE_BUFFER_BYTES or more in all; else none."""
-    made = list(dict.fromkeys(root for o in outputs if (root := made_root(o)) is not None))
-    return made if sum(_nbytes(n) for n in made) >= MADE_BUFFER_BYTES else []
+    """The buffers among `outputs` the graph makes and writes less than half of (a cache and
+    its new rows; passes/functional_writes.py `made_buffer`), when they hold
+    MADE_BUFFER_BYTES or more in all; else none. A buffer assembled in place from values
+    that cover it (a video decoded tile by tile into `zeros`) is a computed output."""
+    made: dict[fx.Node, int] = {}
+    for out in outputs:
+        found = made_buffer(out)
+        if found is not None:
+            root, values = found
+            made[root] = _nbytes(root) if 2 * sum(_nbytes(v) for v in values) < _nbytes(root) else 0
+    return [root for root, size in made.items() if size] if sum(made.values()) >= MADE_BUFFER_BYTES else []
 
 
 def _nbytes(node: fx.Node) -> int:

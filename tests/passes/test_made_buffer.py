@@ -1,7 +1,8 @@
 """split_pieces' made-buffer rule: a run of nodes that would return a buffer the graph makes
 (a factory and row writes into it, MADE_BUFFER_BYTES or more: a new KV cache) stays
 eager, counted `made_buffer`; a smaller one, a computed output, or a cache passed in is
-captured; `made_root` tells a made buffer from a computed value."""
+captured, and so is a buffer assembled from values that cover it (tiles); `made_buffer`
+tells a made buffer from a computed value."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.fx as fx
 
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext
-from graphdispatch_backend.passes.functional_writes import made_root
+from graphdispatch_backend.passes.functional_writes import made_buffer
 from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
 from graphdispatch_backend.passes.split_pieces import MADE_BUFFER_BYTES
 from graphdispatch_backend.testing import (
@@ -50,6 +51,14 @@ def read_after_write(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, 
     cache = torch.zeros(4, ROWS, 64)
     new = cache.index_copy(1, pos, k)
     return new, cache.sum(1)  # the old value read after the write: it stays functional
+
+
+def tiles(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.zeros(4, ROWS, 64)  # a decoded video, tile by tile: every element written
+    half = ROWS // 2
+    out[:, :half] = k.sum(1, keepdim=True).expand(4, half, 64).cos()
+    out[:, half:] = k.mean(1, keepdim=True).expand(4, ROWS - half, 64).sin()
+    return out, k * 2
 
 
 def with_item(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +137,11 @@ def forward(self, arg0_1, arg1_1):
         self.assertEqual(ctx.split_reasons, {})
         self.assertEqual([p.capturable for p in ctx.pieces], [True])
 
+    def test_a_buffer_assembled_from_tiles_that_cover_it_is_captured(self):
+        _, ctx, _ = _cut(tiles)
+        self.assertEqual(ctx.split_reasons, {})
+        self.assertEqual([p.capturable for p in ctx.pieces], [True])
+
     def test_a_buffer_whose_write_stays_functional_is_made_too(self):
         gm, ctx, _ = _cut(read_after_write)
         self.assertIn("aten::index_copy.default", op_counts(gm))  # functional: a copy of the zeros
@@ -144,7 +158,7 @@ def forward(self, arg0_1, arg1_1):
         self.assertEqual(graph["split_reasons"], {"scalar_read": 1, "made_buffer": 1})
 
 
-def test_made_root_follows_views_and_row_writes_to_a_factory():
+def test_made_buffer_follows_views_and_row_writes_to_a_factory():
     def fn(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         buf = torch.zeros(4, 8, 64)
         buf.index_copy_(1, pos, k)
@@ -157,7 +171,7 @@ def test_made_root_follows_views_and_row_writes_to_a_factory():
     with torch.no_grad():
         gm = aten_graph(fn, *_args()).gm
     outs = gm.graph.output_node().args[0]
-    assert [made_root(o) is not None for o in outs] == [True, True, False, False]
+    assert [made_buffer(o) is not None for o in outs] == [True, True, False, False]
 
 
 _MODULE = "graphdispatch_backend.passes.split_pieces"
@@ -167,8 +181,11 @@ _MODULE = "graphdispatch_backend.passes.split_pieces"
     ("made buffers stay eager", "_made_buffers", lambda outputs: [],
      "test_through_compile_it_runs_eager_every_call_and_says_why"),
     ("the size limit", "MADE_BUFFER_BYTES", 0, "test_a_made_buffer_below_the_limit_is_captured_and_replays"),
-    ("through functional writes", "made_root", lambda node: node if "zeros" in node.name else None,
+    ("through functional writes", "made_buffer", lambda node: (node, []) if "zeros" in node.name else None,
      "test_a_buffer_whose_write_stays_functional_is_made_too"),
+    ("less than half written", "made_buffer",
+     lambda node: (found[0], []) if (found := made_buffer(node)) is not None else None,
+     "test_a_buffer_assembled_from_tiles_that_cover_it_is_captured"),
 ])
 def test_mutation_each_rule_is_what_its_test_checks(rule: str, name: str, broken: Any, test: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
