@@ -324,6 +324,8 @@ class _Builder:
                 run = self._runner(scope, gm, ctx.pieces[0], device, record, suspects, agreement, fusion)
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
+                if fusion is not None:  # not captured, still fused, as under cuda_graphs=False
+                    run = fusion.unit(gm, run)
             if training and reason is None:
                 run = without_history(run, native, self.session.events, record)
         if fusion is not None:

@@ -252,6 +252,27 @@ def test_pieces_split_around_a_random_draw_are_fused_one_by_one():
     assert graph["cuda_graph"]["replays"] == 3
 
 
+def test_a_graph_no_piece_of_which_is_captured_is_fused_whole():
+    """A prefill that makes its cache (split reason made_buffer, passes/split_pieces.py) is
+    not captured: it is fused whole, as under cuda_graphs=False, every call bitwise."""
+    rows = 1 << 12
+
+    def prefill(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(4, rows, 64)  # 4 MiB, made at the first forward
+        cache.index_copy_(1, pos, k)
+        return cache, (k * 2).relu()
+
+    compiled = torch.compile(prefill, backend="graphdispatch",
+                             options={"fuse": True, "cuda_graphs": "emulate", "cache_dir": False})
+    with torch.no_grad():
+        for i in range(4):
+            args = torch.arange(3), torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(i))
+            assert all(torch.equal(a, b) for a, b in zip(compiled(*args), prefill(*args)))
+    (graph,) = accounted_graphs()
+    assert graph["split_reasons"] == {"made_buffer": 1} and graph["cuda_graph"]["reason"] == "no_capturable_piece"
+    assert graph["fusion"]["status"] == "fused" and graph["fusion"]["fused_ops"] == {MUL: 1, "aten.relu.default": 1}
+
+
 class Counter(nn.Module):
     """A static cache and its position, as transformers' decode step keeps them: the
     position is read, then advanced in place, then the row written."""
