@@ -17,10 +17,9 @@ one piece, called through `make_piece`.
 A run that would return buffers it makes and writes less than half of (a factory and
 writes into it: transformers' new static cache, `zeros` plus `index_copy_` of the prompt's
 rows, at MADE_BUFFER_BYTES or more in all) stays inline too, counted `made_buffer` once
-per buffer:
-a capture would keep a copy of each in the graph's pool for the graph's life and copy it
-out on every replay, where eager's cost is one fill. At a 14B model's cache that is
-gigabytes of device memory held twice. The attention that reads such a buffer reads it at
+per buffer: a capture would keep a copy of each in the graph's pool for the graph's life
+and copy it out on every replay, where eager's cost is one fill. At a 14B model's cache
+that is gigabytes of device memory held twice. The attention that reads such a buffer reads it at
 a new address on every call, so no smaller piece around it could replay without copying
 it in; the run is left whole. A cache the caller passes in (one `StaticCache` per slot,
 reused) is an input, written in place and captured; a buffer whose writes cover it (a
