@@ -295,7 +295,7 @@ class _Builder:
             matcher=self.artifacts.match if role == "inference" else self.artifacts.match_autograd,
             make_call=self.artifacts.make_call,
             pieces_spec=PieceSpec(torch.device(device).type, lambda piece, info: self._runner(
-                scope, piece, info, device, record, suspects, agreement, fusion))
+                scope, piece, info, device, record, suspects, agreement, fusion), role == "inference")
             if scope else None,
         )
         if role == "backward":

@@ -28,6 +28,10 @@ class PieceSpec:
 
     graph_device: str  # device type the captured pieces run on ("cuda", or "cpu" in emulation)
     make_piece: Callable[[fx.GraphModule, PieceInfo], Callable[..., Any]]
+    # a run returning a buffer the graph makes stays eager (`made_buffer`): an inference
+    # graph's new cache. Not an autograd graph's: a gradient made by `zeros` and the rows an
+    # index wrote (the backward of `w[idx]`) is an output as any, and its graph is captured
+    made_buffers_eager: bool = True
 
 
 @dataclasses.dataclass

@@ -23,7 +23,9 @@ that is gigabytes of device memory held twice. The attention that reads such a b
 a new address on every call, so no smaller piece around it could replay without copying
 it in; the run is left whole. A cache the caller passes in (one `StaticCache` per slot,
 reused) is an input, written in place and captured; a buffer whose writes cover it (a
-video decoded tile by tile into `zeros`) is a computed output, captured as any.
+video decoded tile by tile into `zeros`) is a computed output, captured as any; so is an
+autograd graph's (`PieceSpec.made_buffers_eager`: the backward of `w[idx]` makes `w`'s
+gradient from `zeros` and the rows the index wrote).
 A graph with no such node is left alone: it is captured whole. An allocation of
 uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) whose every user stays
 inline goes inline with its first user (dropout2d's `new_empty` feeds `bernoulli`, rrelu's
@@ -165,7 +167,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # in the order the moves left
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     if not reasons:
-        made = _made_buffers(gm.graph.output_node().all_input_nodes)
+        made = _made_buffers(gm.graph.output_node().all_input_nodes) if spec.made_buffers_eager else []
         if made:  # the whole graph: it runs eager (module docstring)
             ctx.split_reasons[SplitReason.MADE_BUFFER] = len(made)
             ctx.pieces = [PieceInfo(0, False, len(calls), {SplitReason.MADE_BUFFER.value: len(made)}, _ops(calls))]
@@ -198,7 +200,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         inputs, outputs = boundary(nodes)
         if not outputs:
             continue
-        made = _made_buffers(outputs)
+        made = _made_buffers(outputs) if spec.made_buffers_eager else []
         if made:
             info.capturable, info.reasons = False, {SplitReason.MADE_BUFFER.value: len(made)}
             ctx.split_reasons[SplitReason.MADE_BUFFER] = ctx.split_reasons.get(SplitReason.MADE_BUFFER, 0) + len(made)

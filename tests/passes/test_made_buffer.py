@@ -1,8 +1,8 @@
 """split_pieces' made-buffer rule: a run of nodes that would return a buffer the graph makes
 (a factory and row writes into it, MADE_BUFFER_BYTES or more: a new KV cache) stays
 eager, counted `made_buffer`; a smaller one, a computed output, or a cache passed in is
-captured, and so is a buffer assembled from values that cover it (tiles); `made_buffer`
-tells a made buffer from a computed value."""
+captured, and so is a buffer assembled from values that cover it (tiles), and an autograd
+graph's made gradient; `made_buffer` tells a made buffer from a computed value."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.errors import SplitReason
-from graphdispatch_backend.passes.context import PassContext
+from graphdispatch_backend.passes.context import PassContext, PieceSpec
 from graphdispatch_backend.passes.functional_writes import made_buffer
 from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
 from graphdispatch_backend.passes.split_pieces import MADE_BUFFER_BYTES
@@ -158,6 +158,36 @@ def forward(self, arg0_1, arg1_1):
         self.assertEqual(graph["split_reasons"], {"scalar_read": 1, "made_buffer": 1})
 
 
+class Gather(torch.nn.Module):
+    """`w[idx]`: its backward makes `w`'s gradient from `zeros` and the rows the index wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(ROWS * 4, 64, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.w[idx] * 2).relu().sum()
+
+
+def test_an_autograd_graph_s_made_gradient_is_captured():
+    """A gradient made by `zeros` and the rows an index wrote (1 MiB, 16 of 4096 rows) is an
+    output as any: the backward graph is captured and replays, every gradient eager's."""
+    torch._dynamo.reset()
+    model, twin = Gather(), Gather()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    for i in range(5):
+        idx = torch.randint(0, ROWS * 4, (16,), generator=torch.Generator().manual_seed(i))
+        model.zero_grad()
+        twin.zero_grad()
+        compiled(idx).backward()
+        twin(idx).backward()
+        assert torch.equal(model.w.grad, twin.w.grad)
+    (graph,) = accounted_graphs()
+    backward = graph["backward"]
+    assert backward["split_reasons"] == {} and backward["cuda_graph"]["reason"] is None
+    assert backward["cuda_graph"]["replays"] == 3
+
+
 def test_made_buffer_follows_views_and_row_writes_to_a_factory():
     def fn(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         buf = torch.zeros(4, 8, 64)
@@ -172,6 +202,20 @@ def test_made_buffer_follows_views_and_row_writes_to_a_factory():
         gm = aten_graph(fn, *_args()).gm
     outs = gm.graph.output_node().args[0]
     assert [made_buffer(o) is not None for o in outs] == [True, True, False, False]
+
+
+def test_mutation_without_the_inference_only_rule_the_gradient_graph_runs_eager(monkeypatch: pytest.MonkeyPatch):
+    """backend.py asks for made buffers to stay eager in inference graphs only: asked in
+    every graph, the backward of `w[idx]` is not captured, and
+    test_an_autograd_graph_s_made_gradient_is_captured fails."""
+    backend = sys.modules["graphdispatch_backend.backend"]
+
+    def everywhere(device: str, make_piece: Any, made_buffers_eager: bool = True) -> PieceSpec:
+        return PieceSpec(device, make_piece, True)
+
+    monkeypatch.setattr(backend, "PieceSpec", everywhere)
+    with pytest.raises(AssertionError):
+        test_an_autograd_graph_s_made_gradient_is_captured()
 
 
 _MODULE = "graphdispatch_backend.passes.split_pieces"
