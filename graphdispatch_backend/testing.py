@@ -51,6 +51,7 @@ from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower
 from graphdispatch_backend.passes.context import PassContext, PieceInfo, PieceSpec
+from graphdispatch_backend.passes.split_pieces import split_pieces
 from graphdispatch_backend.passes.tag_regions import tag_regions
 from graphdispatch_backend.region import Region
 
@@ -111,8 +112,6 @@ def cut_pieces(gm: fx.GraphModule, device: str, before: Sequence[Callable[[fx.Gr
     """`split_pieces` on `gm` for a graph on `device`, after the passes `before` (in the
     pipeline's order); each piece a plain call of its graph, named as backend.py names
     its runners (FX code generation names a call target by them)."""
-    from graphdispatch_backend.passes.split_pieces import split_pieces
-
     made: list[fx.GraphModule] = []
 
     def make_piece(piece: fx.GraphModule, info: PieceInfo) -> Callable[..., Any]:

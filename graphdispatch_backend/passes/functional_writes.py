@@ -22,10 +22,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._higher_order_ops.auto_functionalize import get_mutable_args, read_view_information_from_args
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
-from graphdispatch_backend.passes.ops import alias_root, draws_random, is_view, writes
+from graphdispatch_backend.passes.ops import alias_root, allocates_uninitialized, draws_random, is_view, nbytes, writes
 
 aten = torch.ops.aten
 
@@ -57,10 +56,9 @@ SCATTER_VIEW = {
 # masked fill or a copy may change every element: its value is not the base's, written)
 ROW_WRITES = frozenset(IN_PLACE) - {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.copy.default}
 # ops that make a tensor from sizes and a fill value alone (a `*_like` or `new_*` reads only
-# its template's metadata)
-FACTORIES = frozenset({f"aten::{name}" for name in (
-    "zeros", "ones", "full", "empty", "empty_strided", "zeros_like", "ones_like", "full_like", "empty_like",
-    "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided")})
+# its template's metadata); `empty` and its kin are factories too (ops.allocates_uninitialized)
+FILLED_FACTORIES = frozenset({f"aten::{name}" for name in (
+    "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full")})
 AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
 _META_ONLY = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
                         aten.sym_storage_offset.default})
@@ -362,7 +360,8 @@ def made_buffer(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
             node = node.args[0]
             continue
         schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or schema.name not in FACTORIES:
+        if not allocates_uninitialized(node) and (node.op != "call_function" or schema is None
+                                                  or schema.name not in FILLED_FACTORIES):
             return None
         break
     root = node
@@ -377,4 +376,4 @@ def made_buffer(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
 def _value(write: fx.Node, into: set[fx.Node]) -> fx.Node | None:
     """The largest tensor operand of `write` other than what it writes `into`."""
     operands = [a for a in write.all_input_nodes if a not in into and isinstance(a.meta.get("val"), torch.Tensor)]
-    return max(operands, key=lambda a: optimization_hint(a.meta["val"].numel(), fallback=0), default=None)
+    return max(operands, key=nbytes, default=None)

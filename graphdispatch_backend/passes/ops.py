@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 
 def _argument(node: fx.Node, name: str) -> Any:
@@ -25,6 +26,14 @@ def _argument(node: fx.Node, name: str) -> Any:
 
 _UNINITIALIZED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
                             "aten::new_empty_strided", "aten::empty_permuted"})
+
+
+def nbytes(node: fx.Node) -> int:
+    """Bytes of a node's tensor value; a symbolic size counts at its hint (0 without one)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return optimization_hint(val.numel(), fallback=0) * val.element_size()
 
 
 def allocates_uninitialized(node: fx.Node) -> bool:

@@ -52,7 +52,6 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.lower import InputOrigin
@@ -66,6 +65,7 @@ from graphdispatch_backend.passes.ops import (
     draws_random,
     is_collective,
     is_effectful,
+    nbytes,
     sized_by_arguments,
     storage_readers,
     written_inputs,
@@ -228,16 +228,8 @@ def _made_buffers(outputs: list[fx.Node]) -> list[fx.Node]:
         found = made_buffer(out)
         if found is not None:
             root, values = found
-            made[root] = _nbytes(root) if 2 * sum(_nbytes(v) for v in values) < _nbytes(root) else 0
+            made[root] = nbytes(root) if 2 * sum(nbytes(v) for v in values) < nbytes(root) else 0
     return [root for root, size in made.items() if size] if sum(made.values()) >= MADE_BUFFER_BYTES else []
-
-
-def _nbytes(node: fx.Node) -> int:
-    """Bytes of a node's tensor; a symbolic size counts at its hint (0 without one)."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    return optimization_hint(val.numel(), fallback=0) * val.element_size()
 
 
 def _origin(ctx: PassContext, placeholders: dict[fx.Node, int], node: fx.Node) -> InputOrigin | None:
