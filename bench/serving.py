@@ -16,9 +16,9 @@ compile (`graphdispatch_backend.reset()`, `torch._dynamo.reset()`), its eager tw
    off), so the ratio of their times is paired. Targets: every request from the 2nd <= 1.3x
    eager's time, the median <= 1.1x; the decode graph's bytes copied per replay <= 1% of the
    cache's (a moved cache is not copied in). The prefill graph makes the new cache, so it
-   runs eagerly (split reason `made_buffer`, passes/split_pieces.py); the 2nd request pays
-   its `recheck` against the Dynamo graph (a second prefill) and the decode graph's first
-   relocation.
+   runs eagerly (split reason `made_buffer`, passes/split_pieces.py), as the Dynamo graph
+   (nothing else to serve: no lowering to `recheck`); the 2nd request pays the decode
+   graph's first relocation.
 2. `one cache reused`: one `StaticCache` per side, `reset()` before each request (a server
    that keeps one cache per slot). Target: median ratio from the 3rd request <= 1.05x.
 3. `short requests`: REQUESTS requests of SHORT new tokens, a new cache each. Target: no
@@ -35,7 +35,7 @@ the row writes into a new buffer out of place (a copy of the whole cache per lay
 graphdispatch writes the rows into the zeros (passes/reinplace_buffers.py). Target: the
 lowering alone <= PREFILL_MAX x eager at the largest length, logits and caches bitwise.
 `emulate` is shown, not judged: the graph makes the cache, so it is not captured
-(`made_buffer`) and runs the lowering, as `cuda_graphs=False` does.
+(`made_buffer`) and runs the Dynamo graph (nothing to serve: not lowered).
 
 Every generate's tokens and logits equal the eager twin's (`torch.equal`), else the
 script exits 1. `--smoke`: a one-layer model of hidden 64 at `max_cache_len` 32, 3 requests,

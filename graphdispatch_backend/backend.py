@@ -63,6 +63,10 @@ _DYNAMO_CONTROL = tuple(
 )
 
 
+# `lowering_check.status` of a graph whose lowering never runs: with nothing to serve (no
+# capturable piece, no artifact, no fusion) the Dynamo graph answers its calls
+NOT_LOWERED = "not_lowered"
+
 _DETAILS = {
     Decline.DISABLED: "cuda_graphs=False",
     Decline.NOT_CUDA: "the graph's inputs are not all on CUDA; cuda_graphs='emulate' shows what a GPU would do",
@@ -159,9 +163,16 @@ def _fallback(session: Session, record: GraphRecord, gm: fx.GraphModule, exc: Ex
                              "graphdispatch: a graph runs eager because compiling it failed: %s", record.error)
     session.events.decision("fallback", {"graph": record.name, "error": record.error})
 
+    return _as_traced(gm, record, Decline.BACKEND_ERROR)
+
+
+def _as_traced(gm: fx.GraphModule, record: GraphRecord, reason: Decline) -> Callable[..., Any]:
+    """The Dynamo graph as the call's answer, each call counted eager with `reason`."""
+    run_traced = generated_forward(gm)
+
     def run(*args: Any) -> Any:
-        out = gm(*args)
-        record.called(False, Decline.BACKEND_ERROR.value)
+        out = run_traced(*args)
+        record.called(False, reason.value)
         return out
 
     return run
@@ -183,7 +194,13 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     lifted = [t for _, t in gm.named_parameters(remove_duplicate=False)] + [
         t for _, t in gm.named_buffers(remove_duplicate=False)]
     n_lifted = len(lifted)
-    if builder.mutated is not None:
+    if builder.serves_nothing():
+        # no piece to capture, no artifact, nothing fused: the lowering would serve nothing
+        # and cost its checks (a second prefill on the calls of its schedule): eager runs
+        record.lowering = {"status": NOT_LOWERED, "detail": "nothing to serve (no capturable piece, no "
+                           "artifact substituted, nothing fused): the Dynamo graph runs, as eager"}
+        compiled = _as_traced(gm, record, Decline.NO_CAPTURABLE_PIECE)
+    elif builder.mutated is not None:
         # the lowered graph's inputs are aot's (parameters and buffers lifted first): its write
         # plan locates regions of those, when they are these one to one (no effect token, no
         # merged duplicate or synthetic base; else written inputs are snapshotted whole)
@@ -238,6 +255,13 @@ class _Builder:
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
         self.guarded = torch._guards.CompileContext.try_get() is not None
         self.fusion: Fusion | None = None  # the inference graph's, with `fuse` (runtime/program/fused.py)
+
+    def serves_nothing(self) -> bool:
+        """The inference graph declined a CUDA graph for want of a capturable piece, and
+        has no artifact substituted and no fusion: its lowered form adds nothing to eager."""
+        record = self.record
+        return (record.kind == "inference" and record.cuda_graph_reason == Decline.NO_CAPTURABLE_PIECE.value
+                and not record.substitutions and self.fusion is None)
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         self.mutated = mutated_inputs()

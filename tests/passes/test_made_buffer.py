@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import expecttest
@@ -21,12 +22,16 @@ from graphdispatch_backend.passes.functional_writes import made_buffer
 from graphdispatch_backend.passes.reinplace_buffers import reinplace_buffers
 from graphdispatch_backend.passes.split_pieces import MADE_BUFFER_BYTES
 from graphdispatch_backend.testing import (
+    Mlp,
     accounted_graphs,
     aten_graph,
     cut_pieces,
     generates_like_eager,
+    manifest_from_region,
     normalize,
     op_counts,
+    region_entry,
+    write_bundle,
 )
 
 ROWS = MADE_BUFFER_BYTES // (4 * 64 * 4)  # a float32 cache of (4, ROWS, 64): MADE_BUFFER_BYTES
@@ -123,6 +128,8 @@ def forward(self, arg0_1, arg1_1):
         self.assertIn("pass one in", detail)
         self.assertEqual(graph["cuda_graph"]["replays"], 0)
         self.assertEqual(graph["cuda_graph"]["eager_by_reason"], {"no_capturable_piece": 6})
+        # nothing to serve: the Dynamo graph answers, no lowering to check (backend.py)
+        self.assertEqual((graph["lowering_check"]["status"], graph["lowering_check"]["checked"]), ("not_lowered", 0))
 
     def test_a_made_buffer_below_the_limit_is_captured_and_replays(self):
         gm, ctx, _ = _cut(small_prefill)
@@ -156,6 +163,42 @@ def forward(self, arg0_1, arg1_1):
         graph = _emulated(with_item)
         self.assertEqual(graph["pieces"][0]["cuda_graph"]["replays"], 4)  # warmup, capture, 4 replays
         self.assertEqual(graph["split_reasons"], {"scalar_read": 1, "made_buffer": 1})
+
+
+class CacheOfMlp(torch.nn.Module):
+    """A new cache whose rows an Mlp computes: the run that makes it holds the Mlp's region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp(64)
+
+    def forward(self, pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return prefill(pos, self.mlp(k))
+
+
+def test_a_graph_with_no_capturable_piece_but_an_artifact_runs_lowered_and_checked(tmp_path: Path):
+    """The lowering serves the artifact: it runs, checked against eager on its schedule;
+    only a graph that serves nothing runs as Dynamo traced it."""
+    torch.manual_seed(0)
+    model = CacheOfMlp().eval()
+    region = region_entry(model, *_args(), name="mlp", cuda_graphs=False)
+    sig = manifest_from_region(region)
+    names = [i["name"] for i in region["inputs"]]
+    write_bundle(tmp_path / "mlp", "mlp-exact", "mlp", sig["inputs"], sig["outputs"],
+                 f"import torch\nimport torch.nn.functional as F\n\nNAMES = {names!r}\n\n\ndef forward(*inputs):\n"
+                 "    a = dict(zip(NAMES, inputs))\n    return F.linear(torch.relu(F.linear(a['input0'], "
+                 "a['fc1.weight'], a['fc1.bias'])), a['fc2.weight'], a['fc2.bias'])\n")
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"cuda_graphs": "emulate", "artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for _ in range(4):
+            args = _args()
+            for got, want in zip(compiled(*args), model(*args)):
+                assert torch.equal(got, want)
+    (graph,) = accounted_graphs()
+    assert graph["cuda_graph"]["reason"] == "no_capturable_piece"
+    assert [s["calls"] for s in graph["substitutions"]] == [4]
+    assert graph["lowering_check"]["status"] == "bitwise" and graph["lowering_check"]["checked"] == 3
 
 
 class Gather(torch.nn.Module):

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphdispatch_backend.errors import CaptureRefused
 from graphdispatch_backend.runtime.cudagraph import tape as tape_mod
@@ -97,6 +98,72 @@ def test_an_opaque_call_is_one_step_replayed_on_the_replays_tensors():
     x.copy_(torch.arange(4.0))
     graph.replay()
     assert torch.equal(graph.outputs[0], torch.arange(4.0) * 12 + 1) and len(calls) == 4  # 2 recorded, 2 replayed
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen ops a replay runs, and whether each ran in inference mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+        self.inference: list[bool] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(func.__name__)
+        self.inference.append(torch.is_inference_mode_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_view_of_held_tensors_runs_no_op_at_replay_and_reads_their_values_then():
+    """A weight's `t()` is one view for every replay (runtime/cudagraph/tape_code.py), as a
+    CUDA graph launches nothing for it; a view of a tensor the capture made is still made
+    by each replay, over that replay's memory."""
+    w = torch.randn(4, 3)  # made before the capture: held
+    x = torch.randn(2, 3)
+    graph = _capture(lambda t: ((t @ w.t()).t() + 1,), x)
+    assert [str(step[0]) for step in graph._tape.steps] == ["aten.t.default", "aten.mm.default",
+                                                            "aten.t.default", "aten.add.Tensor"]
+    x.copy_(torch.arange(6.0).view(2, 3))
+    w.copy_(torch.arange(12.0).view(4, 3))  # written in place: the view reads the values live now
+    graph.replay()  # the first makes the view
+    with _Ops() as ops:
+        graph.replay()
+    # then the copy of the output into its pool block
+    assert ops.seen[:3] == ["mm.default", "t.default", "add.Tensor"] and "t.default" not in ops.seen[3:], ops.seen
+    assert torch.equal(graph.outputs[0], (x @ w.t()).t() + 1)
+
+
+def test_a_view_reshaped_in_place_is_made_at_every_replay():
+    """A step that reshapes a view in place (`t_`) would carry the change into the next
+    replay if the view were made once: two replays, the same answer as eager."""
+    w = torch.randn(2, 3)
+
+    def body(t: torch.Tensor) -> tuple[torch.Tensor]:
+        v = w.t()
+        v.t_()  # (3, 2) back to (2, 3)
+        return (v.sum(0) + t,)
+
+    x = torch.randn(3)
+    graph = _capture(body, x)
+    for _ in range(2):
+        graph.replay()
+        assert torch.equal(graph.outputs[0], w.sum(0) + x)
+
+
+def test_a_replay_hands_back_tensors_autograd_accepts_whatever_it_ran_in():
+    """A host replay runs in inference mode (no autograd bookkeeping, as a graph replay
+    does none): its outputs are the pool blocks made at capture, and the inputs it writes
+    stay normal tensors that eager code outside inference mode can write again."""
+    cache = torch.zeros(4, 3)
+    graph = _capture(lambda t: (cache.index_copy_(0, torch.tensor([1]), t.view(1, 3)).sum(0) * 2,), torch.ones(3))
+    with _Ops() as ops:
+        graph.replay()
+    assert "index_copy_.default" in ops.seen and all(ops.inference), ops.seen
+    out = graph.outputs[0]
+    assert not out.is_inference() and not cache.is_inference()
+    assert torch.equal(out, torch.full((3,), 2.0))
+    out.add_(1), cache.add_(1)  # in place outside inference mode: refused for an inference tensor
+    assert torch.equal(cache.sum(0), torch.full((3,), 5.0))
 
 
 def test_what_a_capture_refuses_is_refused_inside_an_opaque_call():

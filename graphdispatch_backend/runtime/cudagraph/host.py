@@ -86,7 +86,7 @@ class HostPool:
 
 class _HostGraph:
     def __init__(self, tape: Tape, outputs: tuple[Any, ...], arena: torch.UntypedStorage,
-                 blocks: list[tuple[int, torch.Tensor]], inference: bool, pool: HostPool,
+                 blocks: list[tuple[int, torch.Tensor]], pool: HostPool,
                  layout: list[tuple[list[int], int, int]], working: int) -> None:
         self._tape: Tape | None = tape  # holds the pinned inputs it reads, as a graph holds their addresses
         self.outputs = outputs
@@ -94,14 +94,16 @@ class _HostGraph:
         self._pool: HostPool | None = pool  # the graphs captured into a pool keep it (module docstring)
         self._arena = arena  # kept alive: the blocks are views of it
         self._blocks = blocks  # (output index, its storage's bytes in the arena, as uint8)
-        self._inference = inference  # the capture's mode: its pinned inputs may be inference tensors
 
     def replay(self) -> None:
         if self._tape is None:
             raise RuntimeError("replay of a graph that was reset")
         # the ops as captured, with no Python of the graph's (cudagraph/tape.py); autocast
-        # off: the casts it made at capture are recorded ops
-        with recording(), torch.no_grad(), torch.inference_mode(self._inference), torch.autocast("cpu", enabled=False):
+        # off: the casts it made at capture are recorded ops. Inference mode whatever the
+        # capture's: a graph replay does no autograd bookkeeping (none for the tensors it
+        # makes, no view records: 8% of a decode step's replay), and those tensors never
+        # reach the caller: the outputs are copied into the pool's blocks, made at capture.
+        with recording(), torch.inference_mode(), torch.autocast("cpu", enabled=False):
             fresh = self._tape.replay()
             for index, block in self._blocks:
                 storage = fresh[index].untyped_storage()
@@ -239,6 +241,5 @@ class HostReplayEngine:
                     made[id(out)] = with_view_bits(made[id(out)], view_bits(out))
                 outputs[i] = made[id(out)]
             blocks.append((indices[0], torch.empty(0, dtype=torch.uint8).set_(block)))
-        return _HostGraph(tape, tuple(outputs), arena, blocks, torch.is_inference_mode_enabled(), pool,
-                          layout, working)
+        return _HostGraph(tape, tuple(outputs), arena, blocks, pool, layout, working)
 

@@ -249,8 +249,7 @@ class Recorder(TorchDispatchMode):
                     self._storages[storage.data_ptr()] = (StorageWeakRef(storage), slot)
                 outs.append((i, slot))
         self.tape.slots = len(self._reads)
-        op = getattr(func, "_op", func)  # the C++ entry: an OpOverload's __call__ is a Python frame around it
-        self.tape.steps.append((op, tuple(args), kwargs, tuple(lists), fills, outs, form, ()))
+        self.tape.steps.append((func, tuple(args), kwargs, tuple(lists), fills, outs, form, ()))
 
     def _arg(self, t: torch.Tensor, step: int, fills: list[Any], where: int, key: Any, index: int | None) -> Any:
         """The value a step holds for tensor argument `t`: None where each replay fills it in."""
