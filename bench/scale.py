@@ -102,7 +102,11 @@ This script imports the graphdispatch_backend of the checkout it lives in (it pu
 repository root first on `sys.path`), not whichever copy the interpreter has installed.
 `server`: a transformers server's requests at a 4096-long static cache, on a Llama and an
 MoE: a new cache per request, one cache reused, short requests, a rotation of caches
-(bench/serving.py says what and its targets).
+(bench/serving.py says what and its targets). It runs in a fresh process of its own
+(`--child server`), as `dit` and `lifetime` do: its figures are time ratios, and what the
+sections before it leave in a process (their heap, Dynamo's caches) slowed both sides of
+each request by about a fifth and moved the medians by several percent (one cache reused:
+0.99x on its own, 1.07x and 1.12x after the decode and llama sections).
 
 `--only decode,llama,server,dit,lifetime` runs a subset (development; run.py runs all).
 
@@ -780,13 +784,15 @@ def dit_child(variant: str, blocks: int, mib: int, out_path: str, device: str) -
     return out
 
 
-def run_children(argvs: list[list[str]], device: str) -> list[dict[str, Any]]:
+def run_children(argvs: list[list[str]], device: str, heap: bool = True) -> list[dict[str, Any]]:
     """This script's `--child` modes, two processes at a time (what they measure is their own
-    process's: a neighbour's memory does not enter it). glibc is told to serve every
-    allocation of 1 MiB or more by mmap and to give it back on free (a fixed threshold: no
-    dynamic raise), so the RSS follows the live tensors instead of a heap's free chunks."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": str(MIB),
-           "MALLOC_TRIM_THRESHOLD_": str(MIB)}
+    process's: a neighbour's memory does not enter it). With `heap` (the memory children),
+    glibc is told to serve every allocation of 1 MiB or more by mmap and to give it back on
+    free (a fixed threshold: no dynamic raise), so the RSS follows the live tensors instead
+    of a heap's free chunks; a child that times (the server's) keeps glibc's defaults."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if heap:
+        env.update(MALLOC_MMAP_THRESHOLD_=str(MIB), MALLOC_TRIM_THRESHOLD_=str(MIB))
     results: list[dict[str, Any]] = [{} for _ in argvs]
     pending = list(enumerate(argvs))
     running: list[tuple[int, subprocess.Popen[str], float]] = []
@@ -813,6 +819,15 @@ def run_children(argvs: list[list[str]], device: str) -> list[dict[str, Any]]:
             tail = (stderr.strip().splitlines() or ["(no stderr)"])[-1][:300]
             results[i] = {"error": f"exit {proc.returncode}: {tail}"}
     return results
+
+
+def server_in_child() -> tuple[dict[str, Any], list[Any], list[Target], bool]:
+    """section_server, in a fresh process (module docstring)."""
+    (got,) = run_children([["server"]], "cpu", heap=False)
+    if "error" in got:
+        raise SystemExit(f"scale: the server section's process failed: {got['error']}")
+    tables = [(title, header, rows) for title, header, rows in got["tables"]]
+    return got["payload"], tables, [Target(**t) for t in got["targets"]], got["bitwise"]
 
 
 def section_dit(args: argparse.Namespace, device: str) -> tuple[dict[str, Any], list[Any], list[Target], bool]:
@@ -1014,6 +1029,9 @@ def main() -> None:
             got = dit_child(rest[0], int(rest[1]), int(rest[2]), rest[3], device)
         elif kind == "lifetime":
             got = lifetime_child(rest[0], int(rest[1]), *rest[2:])
+        elif kind == "server":
+            payload, tables, targets, bitwise = section_server(args.smoke)
+            got = {"payload": payload, "tables": tables, "targets": [t.to_dict() for t in targets], "bitwise": bitwise}
         else:
             raise SystemExit(f"unknown child {kind!r}")
         print(CHILD_TAG + json.dumps(got), flush=True)
@@ -1037,7 +1055,7 @@ def main() -> None:
         elif section == "llama":
             got = section_llama(args)
         elif section == "server":
-            got = section_server(args.smoke)
+            got = server_in_child()
         elif section == "dit":
             got = section_dit(args, device)
         else:

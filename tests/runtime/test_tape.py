@@ -150,6 +150,25 @@ def test_a_view_reshaped_in_place_is_made_at_every_replay():
         assert torch.equal(graph.outputs[0], w.sum(0) + x)
 
 
+def test_a_rebound_tape_runs_its_origins_code_on_the_moved_tensor_and_holds_no_old_one():
+    """A relocation's tape (Tape.rebound) is the same generated code, its constants rebound
+    (a folded view of the moved tensor too); it keeps nothing of the tensor that moved, so a
+    dropped cache is freed while the relocated graph lives."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    w = torch.randn(3, 2)
+    old, new = torch.randn(4, 3), torch.randn(4, 3)
+    graph = _capture(lambda c: (c.t().t() @ w + 1,), old)
+    graph.replay()
+    moved = graph._tape.rebound({old.untyped_storage().data_ptr(): new})
+    assert moved._replay.__code__ is graph._tape._replay.__code__ and moved.steps == []
+    assert torch.equal(moved.replay()[0], new @ w + 1)
+    gone = StorageWeakRef(old.untyped_storage())
+    del graph, old
+    assert gone.expired()
+    assert torch.equal(moved.replay()[0], new @ w + 1)
+
+
 def test_a_replay_hands_back_tensors_autograd_accepts_whatever_it_ran_in():
     """A host replay runs in inference mode (no autograd bookkeeping, as a graph replay
     does none): its outputs are the pool blocks made at capture, and the inputs it writes

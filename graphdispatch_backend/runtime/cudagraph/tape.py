@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -64,7 +65,7 @@ class Tape:
         # [(0 for args | 1 for kwargs, position or key, index in a list or None, kind, what)]
         # to fill, the slots the op's tensor outputs go to, what it returned (TENSOR, FLAT
         # or NESTED), the slots no later step reads: freed after this one)
-        self.steps: list[tuple[Any, ...]] = []
+        self.steps: list[tuple[Any, ...]] = []  # none in a rebound tape (`rebound`)
         self.slots = 0
         self.outputs: list[tuple[int | None, Any]] = []  # per output: (kind, what), as an argument's
         self._replay: Callable[[], list[Any]] | None = None
@@ -77,12 +78,17 @@ class Tape:
     def rebound(self, moves: dict[int, torch.Tensor]) -> Tape:
         """This tape reading, wherever it held a tensor over the storage at address `p`,
         the same view over `moves[p]`'s storage instead (HostReplayEngine.capture's `like`:
-        what a CUDA capture at the new addresses records). Nothing else changes."""
+        what a CUDA capture at the new addresses records). Nothing else changes: the new
+        tape's replay is this one's code, its constants rebound (no source written again:
+        half of a relocation's cost on a decode step). It keeps no steps, which would hold
+        the tensors that moved (a dropped cache) for as long as the graph lives."""
+        if self._replay is None:
+            self._replay = straight_line(self.steps, self.outputs)
         tape = Tape()
         tape.slots = self.slots
-        tape.steps = [(op, tuple(rebind(a, moves) for a in args), {k: rebind(v, moves) for k, v in kwargs.items()},
-                       *rest) for op, args, kwargs, *rest in self.steps]
         tape.outputs = [(kind, rebind(what, moves) if kind is None else what) for kind, what in self.outputs]
+        held = {name: rebind(value, moves) for name, value in self._replay.__globals__.items()}
+        tape._replay = types.FunctionType(self._replay.__code__, held)
         return tape
 
 

@@ -76,7 +76,8 @@ def straight_line(steps: Sequence[tuple[Any, ...]], outputs: Sequence[tuple[int 
     fold = not any(torch.Tag.inplace_view in getattr(op, "tags", ()) for op, *_ in steps)
     for op, args, kwargs, lists, fills, outs, form, free in steps:
         if fold and not fills and outs and form != NESTED and getattr(op, "is_view", False):
-            made = op(*args, **kwargs)  # of held tensors only: the same view at every replay
+            with torch.inference_mode():  # as every replay runs (cudagraph/host.py): no autograd record
+                made = op(*args, **kwargs)  # of held tensors only: the same view at every replay
             views = [made] if form == TENSOR else list(made)
             w.lines.append("; ".join(f"s{slot} = {w.const(views[i])}" for i, slot in outs))
         else:
@@ -88,7 +89,7 @@ def straight_line(steps: Sequence[tuple[Any, ...]], outputs: Sequence[tuple[int 
     source = "def replay():\n" + "".join(f"    {line}\n" for line in w.lines)
     namespace = dict(w.names)
     exec(_compiled(source), namespace)  # our own generated code
-    return namespace["replay"]
+    return namespace.pop("replay")  # its globals do not hold it (Tape.rebound copies them)
 
 
 def _call(w: _Writer, op: Any, args: Sequence[Any], kwargs: dict[str, Any], lists: Sequence[Any],
