@@ -163,12 +163,11 @@ def _fallback(session: Session, record: GraphRecord, gm: fx.GraphModule, exc: Ex
                              "graphdispatch: a graph runs eager because compiling it failed: %s", record.error)
     session.events.decision("fallback", {"graph": record.name, "error": record.error})
 
-    return _as_traced(gm, record, Decline.BACKEND_ERROR)
+    return _as_traced(gm, record, Decline.BACKEND_ERROR)  # the module itself: no code of ours to fail again
 
 
-def _as_traced(gm: fx.GraphModule, record: GraphRecord, reason: Decline) -> Callable[..., Any]:
-    """The Dynamo graph as the call's answer, each call counted eager with `reason`."""
-    run_traced = generated_forward(gm)
+def _as_traced(run_traced: Callable[..., Any], record: GraphRecord, reason: Decline) -> Callable[..., Any]:
+    """The Dynamo graph (`run_traced`) as the call's answer, each call counted eager with `reason`."""
 
     def run(*args: Any) -> Any:
         out = run_traced(*args)
@@ -199,7 +198,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         # and cost its checks (a second prefill on the calls of its schedule): eager runs
         record.lowering = {"status": NOT_LOWERED, "detail": "nothing to serve (no capturable piece, no "
                            "artifact substituted, nothing fused): the Dynamo graph runs, as eager"}
-        compiled = _as_traced(gm, record, Decline.NO_CAPTURABLE_PIECE)
+        compiled = _as_traced(generated_forward(gm), record, Decline.NO_CAPTURABLE_PIECE)
     elif builder.mutated is not None:
         # the lowered graph's inputs are aot's (parameters and buffers lifted first): its write
         # plan locates regions of those, when they are these one to one (no effect token, no

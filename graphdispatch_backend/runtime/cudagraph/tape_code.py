@@ -121,7 +121,7 @@ def _call(w: _Writer, op: Any, args: Sequence[Any], kwargs: dict[str, Any], list
     return f"{got}; " + "; ".join(f"s{slot} = r[{i}]" for i, slot in outs) + "; r = None"
 
 
-_CODE: OrderedDict[str, Any] = OrderedDict()  # source -> code: a tape rebound (Tape.rebound) has the same text
+_CODE: OrderedDict[str, Any] = OrderedDict()  # source -> code: another capture of one graph has the same text
 _CODE_KEPT = 16
 _CODE_LOCK = threading.Lock()
 
