@@ -65,31 +65,31 @@ class Tape:
         # [(0 for args | 1 for kwargs, position or key, index in a list or None, kind, what)]
         # to fill, the slots the op's tensor outputs go to, what it returned (TENSOR, FLAT
         # or NESTED), the slots no later step reads: freed after this one)
-        self.steps: list[tuple[Any, ...]] = []  # none in a rebound tape (`rebound`)
-        self.slots = 0
+        self.steps: list[tuple[Any, ...]] = []
         self.outputs: list[tuple[int | None, Any]] = []  # per output: (kind, what), as an argument's
-        self._replay: Callable[[], list[Any]] | None = None
+        self._replay: Callable[[], list[Any]] | None = None  # a rebound tape has only this (`rebound`)
 
     def replay(self) -> list[Any]:
-        if self._replay is None:  # generated at the first replay (cudagraph/tape_code.py)
-            self._replay = straight_line(self.steps, self.outputs)
-        return self._replay()
+        return self._generated()()
 
     def rebound(self, moves: dict[int, torch.Tensor]) -> Tape:
         """This tape reading, wherever it held a tensor over the storage at address `p`,
         the same view over `moves[p]`'s storage instead (HostReplayEngine.capture's `like`:
         what a CUDA capture at the new addresses records). Nothing else changes: the new
         tape's replay is this one's code, its constants rebound (no source written again:
-        half of a relocation's cost on a decode step). It keeps no steps, which would hold
-        the tensors that moved (a dropped cache) for as long as the graph lives."""
-        if self._replay is None:
-            self._replay = straight_line(self.steps, self.outputs)
+        half of a relocation's cost on a decode step). It keeps no steps and no outputs,
+        which are in that code, and would hold the tensors that moved (a dropped cache) for
+        as long as the graph lives."""
+        replay = self._generated()
         tape = Tape()
-        tape.slots = self.slots
-        tape.outputs = [(kind, rebind(what, moves) if kind is None else what) for kind, what in self.outputs]
-        held = {name: rebind(value, moves) for name, value in self._replay.__globals__.items()}
-        tape._replay = types.FunctionType(self._replay.__code__, held)
+        held = {name: rebind(value, moves) for name, value in replay.__globals__.items()}
+        tape._replay = types.FunctionType(replay.__code__, held)
         return tape
+
+    def _generated(self) -> Callable[[], list[Any]]:
+        if self._replay is None:  # generated at the first replay (cudagraph/tape_code.py)
+            self._replay = straight_line(self.steps, self.outputs)
+        return self._replay
 
 
 def rebind(value: Any, moves: dict[int, torch.Tensor]) -> Any:
@@ -254,7 +254,6 @@ class Recorder(TorchDispatchMode):
                 if storage.data_ptr() not in self._storages:
                     self._storages[storage.data_ptr()] = (StorageWeakRef(storage), slot)
                 outs.append((i, slot))
-        self.tape.slots = len(self._reads)
         self.tape.steps.append((func, tuple(args), kwargs, tuple(lists), fills, outs, form, ()))
 
     def _arg(self, t: torch.Tensor, step: int, fills: list[Any], where: int, key: Any, index: int | None) -> Any:
