@@ -6,8 +6,8 @@
              --(the caller repeats the verified values)--> a derived set (runner/derive.py),
                or, after NOT_DISTINCT_LIMIT such calls without one, verify_not_distinct
 
-Each verifying call is answered by the user's own eager run (Verifier.live and
-Verifier.judge_derived compare, runner/verify.py); a verdict that would change the
+Each verifying call is answered by the user's own eager run; its steps (the live set, a
+derived set) are a Trial's (runner/verify.py); a verdict that would change the
 schedule of a piece holding collectives is agreed over its ranks first (`agreed`).
 The verdicts' state changes are the runner's Transitions' (runner/transitions.py).
 """
@@ -25,7 +25,7 @@ from graphdispatch_backend.runtime.checks.digest import digest
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
 from graphdispatch_backend.runtime.runner.transitions import Transitions
-from graphdispatch_backend.runtime.runner.verify import NO_SET, Verdict, Verifier
+from graphdispatch_backend.runtime.runner.verify import NO_SET, Trial, Verdict, Verifier
 
 NOT_DISTINCT_LIMIT = 8
 
@@ -47,18 +47,18 @@ class Publisher:
 
     def verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any] | Decline:
         """A call to a captured entry: `first`, the call that captured it."""
-        serve = functools.partial(self._serve_locked, entry)
-        eager = functools.partial(answer_eagerly, self._fn, self._stats, reason=Decline.VERIFYING)
+        trial = Trial(self._verifier, args, functools.partial(self._serve_locked, entry),
+                      functools.partial(answer_eagerly, self._fn, self._stats, reason=Decline.VERIFYING))
         repeats = False
         if not first:
-            repeated = self._verifier.repeats(entry.moving, args, entry.last_inputs)
+            repeated = trial.repeats(entry.moving, entry.last_inputs)
             if repeated is None:
                 self._transitions.decline(entry, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
                 return Decline.CHECK_FAILED
             repeats = bool(agreed(self._agreement, int(repeated)))  # one rank repeating: every rank derives a set
         if repeats:  # the caller repeats the verified values: verify on a set derived from them
-            expected = eager(args)
-            verdict = self._verifier.judge_derived(entry.moving, args, expected, serve, salt=entry.verified)
+            expected = trial.answer()
+            verdict = trial.derived(entry.moving, expected, salt=entry.verified)
             if agreed(self._agreement, 2 if verdict is NO_SET else int(verdict is not None)) == 2:
                 verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
             if verdict is NO_SET:
@@ -71,11 +71,11 @@ class Publisher:
             if first and self._verify_inputs > 1 and entry.moving:
                 # the capture call verifies a set derived from its values too, so the next call
                 # replays; derived first, while the call's own answer is not held yet
-                derived = self._verifier.judge_derived(entry.moving, args, None, serve, salt=0, printed=printed)
+                derived = trial.derived(entry.moving, None, salt=0, printed=printed)
                 if agreed(self._agreement, 2 if derived is NO_SET else int(derived is not None)) == 2:
                     derived = NO_SET  # some rank has no derived set: every rank waits for distinct values
-            expected, verdict = self._verifier.live(args, serve, eager)
-            if derived is None and printed and not self._verifier.tells(printed[-1], expected, args):
+            expected, verdict = trial.live()
+            if derived is None and printed and not trial.tells(printed[-1], expected):
                 derived = NO_SET  # the derived set's outputs are the live ones: it verified nothing more
             verdicts, live = [verdict] if derived is NO_SET else [verdict, derived], True
         return self._conclude(entry, args, expected, verdicts, live)

@@ -8,7 +8,7 @@ calling back into it:
     EntryBook (runner/book.py)           the entries, and the bounds on them
     Replayer (runner/hot.py)             every replay, and the hot entry
     Recorder (runner/record.py)          warmup and capture (input and output plans)
-    Publisher (runner/publish.py)        verification (the Verifier, runner/verify.py)
+    Publisher (runner/publish.py)        verification (a Trial per call, runner/verify.py)
     Relocator (runner/relocate.py)       a verified graph whose held inputs moved
     Transitions (runner/transitions.py)  declines, re-captures and back-offs, reported
 

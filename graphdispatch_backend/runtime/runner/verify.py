@@ -1,14 +1,19 @@
 """Verifier: is a captured entry's replay bit for bit what eager gives, on inputs it was
 not captured with?
 
-- `judge` compares a replay with eager's output on the same live inputs (outputs: values,
+- A `Trial` is one verifying call: its live inputs, the replay that serves them and the
+  user's eager run that answers them. Its steps are what runner/publish.py asks of a call:
+  - `repeats`: do the live moving inputs hold the values already verified?
+  - `live`: a replay on the live inputs against the user's own eager run;
+  - `derived`: when the caller repeats the values already verified, a set derived from
+    them (runner/derive.py): eager and a replay run on it in the runner's own tensors,
+    never the caller's, the world (mutated inputs, RNG) put back after each. Eager raising
+    on a derived set (a data-dependent check) means there is none;
+  - `tells`: did a derived set's outputs differ from the live ones (else it tested nothing)?
+- `Verifier.judge` compares one set's replay with eager's output (outputs: values,
   strides, views; and the tensors the piece writes into). On a mismatch it runs eager a
   second time from the same world: an eager that disagrees with itself is
   `eager_nondeterministic` (atomics, `index_add_`), not the capture's fault.
-- `judge_derived` makes its own input set when the caller repeats the values already
-  verified (runner/derive.py): eager and a replay run on it in the runner's own tensors,
-  never the caller's, the world (mutated inputs, RNG) put back after each, and the two are
-  compared. Eager raising on a derived set (a data-dependent check) means there is none.
 
 A verdict is None (verified) or (Decline, detail); graphdispatch's own steps run inside
 `contain`, and a failure there is the verdict `check_failed`, never an error in the call.
@@ -31,72 +36,36 @@ from graphdispatch_backend.runtime.runner.derive import derive
 
 Verdict = tuple[Decline, str] | None
 NO_SET = (Decline.VERIFY_NOT_DISTINCT, "")  # no derived set could be made or run
+Serve = Callable[[Sequence[Any]], Sequence[Any]]  # runs the piece (replayed or eager) on a set of inputs
 
 
 class Verifier:
+    """How one piece is verified (its eager function, where it writes, what may make eager
+    disagree with itself); each verifying call is a Trial of it."""
+
     def __init__(self, fn: Callable[..., Sequence[Any]], contain: Contain, writes: Writes | None = None,
                  suspects: Sequence[str] = (), wide: Sequence[int] = ()) -> None:
-        self._fn = fn  # the piece, run eagerly
-        self._contain = contain
+        self.fn = fn  # the piece, run eagerly
+        self.contain = contain
         self._writes = writes if writes is not None else Writes(())  # where the piece writes its inputs
         self._suspects = ", ".join(suspects) or "no known nondeterministic op (a custom op?)"
-        self._wide = frozenset(wide)  # inputs read with as_strided: derived over their whole storage
+        self.wide = frozenset(wide)  # inputs read with as_strided: derived over their whole storage
+
+    def live(self, args: Sequence[Any], serve: Serve, eager: Serve) -> tuple[Sequence[Any], Verdict]:
+        """A call's live set alone (Trial.live)."""
+        return Trial(self, args, serve, eager).live()
 
     def world(self, args: Sequence[Any]) -> World:
         return World.take(self._writes.regions(args))
 
-    def repeats(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
-                last: Sequence[torch.Tensor] | None) -> bool | None:
-        """True when the live moving inputs hold the values of the last verified set (`last`:
-        their digests); None when comparing them raised."""
-        if not moving or last is None:
-            return False
-        same, exc = self._contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
-        return None if exc is not None else bool(same)
-
-    def tells(self, printed: Printed, outputs: Sequence[Any], args: Sequence[Any]) -> bool:
-        """A derived set's outputs (printed) differ from the live ones: it tested something."""
-        told, exc = self._contain(lambda: differs(printed, list(outputs), args) is not None)
-        return bool(told) if exc is None else False
-
-    def live(self, args: Sequence[Any], serve: Callable[[Sequence[Any]], Sequence[Any]],
-             eager: Callable[[Sequence[Any]], Sequence[Any]]) -> tuple[Sequence[Any], Verdict]:
-        """A replay on the live inputs, then the user's own eager run (which answers the
-        call and advances the world once); the replay's effect on the world is undone."""
-        before, exc = self._contain(lambda: self.world(args))
-        if exc is not None:
-            return eager(args), unsnapshotted(exc)
-        replayed, failed = self._contain(lambda: serve(args))
-        if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
-            # (printed before the world goes back: an output may view an input it puts back)
-            printed, oops = self._contain(lambda: take_print(replayed, args))
-            replayed = printed if oops is None else replayed
-        replay_state, exc = self._contain(before.swap)
-        try:  # the user's own run: it must not fail for the memory the replay's outputs hold
-            expected = eager(args)
-        except (RuntimeError, MemoryError) as oom:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_out_of_memory(oom):
-                raise  # the user's own error, as eager raises it
-            del replayed, replay_state  # freed before eager runs again
-            return self._fn(*args), (Decline.OUT_OF_MEMORY, f"eager beside the replay: {type(oom).__name__}: {oom}")
-        if failed is not None:
-            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
-            return expected, (reason, f"{type(failed).__name__}: {failed}")
-        if exc is not None:
-            return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
-        eager_after, exc = self._contain(before.now)
-        if exc is not None:
-            return expected, unsnapshotted(exc)
-        return expected, self.judge(args, expected, replayed, replay_state, before, eager_after, serve)
-
     def judge(self, args: Sequence[Any], expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
               replay_state: World, before: World, eager_after: World,
-              serve: Callable[[Sequence[Any]], Sequence[Any]] | None = None) -> Verdict:
+              serve: Serve | None = None) -> Verdict:
         """Eager's outputs against the replay's (either side may be a print, runtime/checks/prints.py),
         and eager's world (`eager_after`) against the replay's (`replay_state`); on a mismatch,
         eager again from `before`. The world is left as eager left it."""
-        mismatch, exc = self._contain(lambda: outputs_differ(expected, replayed, args)
-                                      or _states(eager_after, replay_state))
+        mismatch, exc = self.contain(lambda: outputs_differ(expected, replayed, args)
+                                     or _states(eager_after, replay_state))
         if exc is not None:
             return Decline.CHECK_FAILED, f"comparing the replay raised {type(exc).__name__}: {exc}"
         if mismatch is None:
@@ -106,12 +75,12 @@ class Verifier:
             before.restore()
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
-                    second = self._fn(*args)
+                    second = self.fn(*args)
                 return outputs_differ(expected, second, args) or eager_after.compare()
             finally:
                 eager_after.restore()
 
-        nondeterministic, exc = self._contain(again)
+        nondeterministic, exc = self.contain(again)
         if exc is None and nondeterministic is not None:
             return (Decline.EAGER_NONDETERMINISTIC,
                     f"eager disagrees with itself ({nondeterministic}); suspects: {self._suspects}")
@@ -120,7 +89,7 @@ class Verifier:
         return Decline.VERIFY_MISMATCH, str(mismatch)
 
     def _replayed_again(self, args: Sequence[Any], expected: Sequence[Any] | Printed,
-                        serve: Callable[[Sequence[Any]], Sequence[Any]], before: World,
+                        serve: Serve, before: World,
                         eager_after: World) -> Mismatch | None:
         """The replay's outputs were printed: replay once more for a mismatch's values (the
         max abs diff, the first index), the world put back as eager left it."""
@@ -131,36 +100,93 @@ class Verifier:
             finally:
                 eager_after.restore()
 
-        detail, _ = self._contain(replay)
+        detail, _ = self.contain(replay)
         return detail
 
-    def judge_derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
-                      live: Sequence[Any] | None, serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int,
-                      printed: list[Printed] | None = None) -> Verdict:
+
+
+class Trial:
+    """One verifying call: its live inputs, how a replay serves them (`serve`) and the
+    user's eager run that answers the call (`eager`); the steps runner/publish.py takes."""
+
+    def __init__(self, verifier: Verifier, args: Sequence[Any], serve: Serve, eager: Serve) -> None:
+        self._verifier, self.contain = verifier, verifier.contain
+        self.args, self._serve, self._eager = args, serve, eager
+
+    def repeats(self, moving: Sequence[tuple[int, torch.Tensor]], last: Sequence[torch.Tensor] | None) -> bool | None:
+        """True when the live moving inputs hold the values of the last verified set (`last`:
+        their digests); None when comparing them raised."""
+        if not moving or last is None:
+            return False
+        args = self.args
+        same, exc = self.contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
+        return None if exc is not None else bool(same)
+
+    def answer(self) -> Sequence[Any]:
+        """The user's own eager run, which answers the call."""
+        return self._eager(self.args)
+
+    def tells(self, printed: Printed, outputs: Sequence[Any]) -> bool:
+        """A derived set's outputs (printed) differ from the live ones: it tested something."""
+        told, exc = self.contain(lambda: differs(printed, list(outputs), self.args) is not None)
+        return bool(told) if exc is None else False
+
+    def live(self) -> tuple[Sequence[Any], Verdict]:
+        """A replay on the live inputs, then the user's own eager run (which answers the
+        call and advances the world once); the replay's effect on the world is undone."""
+        args, verifier = self.args, self._verifier
+        before, exc = self.contain(lambda: verifier.world(args))
+        if exc is not None:
+            return self.answer(), unsnapshotted(exc)
+        replayed, failed = self.contain(lambda: self._serve(args))
+        if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
+            # (printed before the world goes back: an output may view an input it puts back)
+            printed, oops = self.contain(lambda: take_print(replayed, args))
+            replayed = printed if oops is None else replayed
+        replay_state, exc = self.contain(before.swap)
+        try:  # the user's own run: it must not fail for the memory the replay's outputs hold
+            expected = self.answer()
+        except (RuntimeError, MemoryError) as oom:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(oom):
+                raise  # the user's own error, as eager raises it
+            del replayed, replay_state  # freed before eager runs again
+            return verifier.fn(*args), (Decline.OUT_OF_MEMORY, f"eager beside the replay: {type(oom).__name__}: {oom}")
+        if failed is not None:
+            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
+            return expected, (reason, f"{type(failed).__name__}: {failed}")
+        if exc is not None:
+            return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
+        eager_after, exc = self.contain(before.now)
+        if exc is not None:
+            return expected, unsnapshotted(exc)
+        return expected, verifier.judge(args, expected, replayed, replay_state, before, eager_after, self._serve)
+
+    def derived(self, moving: Sequence[tuple[int, torch.Tensor]], live: Sequence[Any] | None, salt: int,
+                printed: list[Printed] | None = None) -> Verdict:
         """Verify on a set derived from the live moving inputs (see module docstring);
         NO_SET when none could be made or eager raised on it. The world is left as it was.
         Without `live` (the capture call, before its live run), the derived eager outputs'
         print goes into `printed`: the caller tells afterwards whether they differ from the
         live ones (outputs that ignore the change would hide a stale read)."""
-        verdict, exc = self._contain(lambda: self._derived(moving, args, live, serve, salt, printed))
+        verdict, exc = self.contain(lambda: self._derived(moving, live, salt, printed))
         if exc is not None:
             return unsnapshotted(exc, "a derived verification set")
         return verdict
 
-    def _derived(self, moving: Sequence[tuple[int, torch.Tensor]], args: Sequence[Any],
-                 live: Sequence[Any] | None, serve: Callable[[Sequence[Any]], Sequence[Any]], salt: int,
+    def _derived(self, moving: Sequence[tuple[int, torch.Tensor]], live: Sequence[Any] | None, salt: int,
                  printed: list[Printed] | None) -> Verdict:
+        verifier = self._verifier
         # made one at a time, in memory of their own: the replay copies them in as any call's
-        candidates = derive([args[pos] for pos, _ in moving], salt, [pos in self._wide for pos, _ in moving])
+        candidates = derive([self.args[pos] for pos, _ in moving], salt, [pos in verifier.wide for pos, _ in moving])
         values = next(candidates, None)
         while values is not None:
-            derived = list(args)
+            derived = list(self.args)
             for (pos, _), value in zip(moving, values):
                 derived[pos] = value
-            before = self.world(derived)
+            before = verifier.world(derived)
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
-                    expected, exc = self._contain(lambda: self._fn(*derived))  # noqa: B023 (run at once)
+                    expected, exc = self.contain(lambda: verifier.fn(*derived))  # noqa: B023 (run at once)
                 if exc is not None:  # eager rejects these values (a data-dependent check)
                     return NO_SET
                 if live is not None and not differ(expected, live):  # outputs ignore the change: a stale read hides
@@ -172,9 +198,9 @@ class Verifier:
                 if printed is not None:
                     printed.append(expected)
                 eager_after = before.swap()
-                replayed = serve(derived)
+                replayed = self._serve(derived)
                 replay_state = eager_after.swap()
-                return self.judge(derived, expected, replayed, replay_state, before, eager_after)
+                return verifier.judge(derived, expected, replayed, replay_state, before, eager_after)
             finally:
                 before.restore()
         return NO_SET
