@@ -104,13 +104,12 @@ class Verifier:
         return detail
 
 
-
 class Trial:
     """One verifying call: its live inputs, how a replay serves them (`serve`) and the
     user's eager run that answers the call (`eager`); the steps runner/publish.py takes."""
 
     def __init__(self, verifier: Verifier, args: Sequence[Any], serve: Serve, eager: Serve) -> None:
-        self._verifier, self.contain = verifier, verifier.contain
+        self._verifier, self._contain = verifier, verifier.contain
         self.args, self._serve, self._eager = args, serve, eager
 
     def repeats(self, moving: Sequence[tuple[int, torch.Tensor]], last: Sequence[torch.Tensor] | None) -> bool | None:
@@ -119,7 +118,7 @@ class Trial:
         if not moving or last is None:
             return False
         args = self.args
-        same, exc = self.contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
+        same, exc = self._contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
         return None if exc is not None else bool(same)
 
     def answer(self) -> Sequence[Any]:
@@ -128,22 +127,22 @@ class Trial:
 
     def tells(self, printed: Printed, outputs: Sequence[Any]) -> bool:
         """A derived set's outputs (printed) differ from the live ones: it tested something."""
-        told, exc = self.contain(lambda: differs(printed, list(outputs), self.args) is not None)
+        told, exc = self._contain(lambda: differs(printed, list(outputs), self.args) is not None)
         return bool(told) if exc is None else False
 
     def live(self) -> tuple[Sequence[Any], Verdict]:
         """A replay on the live inputs, then the user's own eager run (which answers the
         call and advances the world once); the replay's effect on the world is undone."""
         args, verifier = self.args, self._verifier
-        before, exc = self.contain(lambda: verifier.world(args))
+        before, exc = self._contain(lambda: verifier.world(args))
         if exc is not None:
             return self.answer(), unsnapshotted(exc)
-        replayed, failed = self.contain(lambda: self._serve(args))
+        replayed, failed = self._contain(lambda: self._serve(args))
         if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
             # (printed before the world goes back: an output may view an input it puts back)
-            printed, oops = self.contain(lambda: take_print(replayed, args))
+            printed, oops = self._contain(lambda: take_print(replayed, args))
             replayed = printed if oops is None else replayed
-        replay_state, exc = self.contain(before.swap)
+        replay_state, exc = self._contain(before.swap)
         try:  # the user's own run: it must not fail for the memory the replay's outputs hold
             expected = self.answer()
         except (RuntimeError, MemoryError) as oom:  # torch.OutOfMemoryError is a RuntimeError
@@ -156,7 +155,7 @@ class Trial:
             return expected, (reason, f"{type(failed).__name__}: {failed}")
         if exc is not None:
             return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
-        eager_after, exc = self.contain(before.now)
+        eager_after, exc = self._contain(before.now)
         if exc is not None:
             return expected, unsnapshotted(exc)
         return expected, verifier.judge(args, expected, replayed, replay_state, before, eager_after, self._serve)
@@ -168,7 +167,7 @@ class Trial:
         Without `live` (the capture call, before its live run), the derived eager outputs'
         print goes into `printed`: the caller tells afterwards whether they differ from the
         live ones (outputs that ignore the change would hide a stale read)."""
-        verdict, exc = self.contain(lambda: self._derived(moving, live, salt, printed))
+        verdict, exc = self._contain(lambda: self._derived(moving, live, salt, printed))
         if exc is not None:
             return unsnapshotted(exc, "a derived verification set")
         return verdict
@@ -186,7 +185,7 @@ class Trial:
             before = verifier.world(derived)
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
-                    expected, exc = self.contain(lambda: verifier.fn(*derived))  # noqa: B023 (run at once)
+                    expected, exc = self._contain(lambda: verifier.fn(*derived))  # noqa: B023 (run at once)
                 if exc is not None:  # eager rejects these values (a data-dependent check)
                     return NO_SET
                 if live is not None and not differ(expected, live):  # outputs ignore the change: a stale read hides
