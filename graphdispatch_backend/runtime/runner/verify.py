@@ -52,7 +52,7 @@ class Verifier:
         self.wide = frozenset(wide)  # inputs read with as_strided: derived over their whole storage
 
     def live(self, args: Sequence[Any], serve: Serve, eager: Serve) -> tuple[Sequence[Any], Verdict]:
-        """A call's live set alone (Trial.live)."""
+        """A call's live set alone, without the publisher's other steps (Trial.live)."""
         return Trial(self, args, serve, eager).live()
 
     def world(self, args: Sequence[Any]) -> World:
@@ -110,30 +110,30 @@ class Trial:
 
     def __init__(self, verifier: Verifier, args: Sequence[Any], serve: Serve, eager: Serve) -> None:
         self._verifier, self._contain = verifier, verifier.contain
-        self.args, self._serve, self._eager = args, serve, eager
+        self._args, self._serve, self._eager = args, serve, eager
 
     def repeats(self, moving: Sequence[tuple[int, torch.Tensor]], last: Sequence[torch.Tensor] | None) -> bool | None:
         """True when the live moving inputs hold the values of the last verified set (`last`:
         their digests); None when comparing them raised."""
         if not moving or last is None:
             return False
-        args = self.args
+        args = self._args
         same, exc = self._contain(lambda: all(same_values(args[pos], prev) for (pos, _), prev in zip(moving, last)))
         return None if exc is not None else bool(same)
 
     def answer(self) -> Sequence[Any]:
         """The user's own eager run, which answers the call."""
-        return self._eager(self.args)
+        return self._eager(self._args)
 
     def tells(self, printed: Printed, outputs: Sequence[Any]) -> bool:
         """A derived set's outputs (printed) differ from the live ones: it tested something."""
-        told, exc = self._contain(lambda: differs(printed, list(outputs), self.args) is not None)
+        told, exc = self._contain(lambda: differs(printed, list(outputs), self._args) is not None)
         return bool(told) if exc is None else False
 
     def live(self) -> tuple[Sequence[Any], Verdict]:
         """A replay on the live inputs, then the user's own eager run (which answers the
         call and advances the world once); the replay's effect on the world is undone."""
-        args, verifier = self.args, self._verifier
+        args, verifier = self._args, self._verifier
         before, exc = self._contain(lambda: verifier.world(args))
         if exc is not None:
             return self.answer(), unsnapshotted(exc)
@@ -176,10 +176,10 @@ class Trial:
                  printed: list[Printed] | None) -> Verdict:
         verifier = self._verifier
         # made one at a time, in memory of their own: the replay copies them in as any call's
-        candidates = derive([self.args[pos] for pos, _ in moving], salt, [pos in verifier.wide for pos, _ in moving])
+        candidates = derive([self._args[pos] for pos, _ in moving], salt, [pos in verifier.wide for pos, _ in moving])
         values = next(candidates, None)
         while values is not None:
-            derived = list(self.args)
+            derived = list(self._args)
             for (pos, _), value in zip(moving, values):
                 derived[pos] = value
             before = verifier.world(derived)
