@@ -72,14 +72,17 @@ def opdb_records() -> list[dict[str, Any]]:
 
 def opdb_table(records: list[dict[str, Any]]) -> list[str]:
     """Samples per category and dtype, then every failure and excused difference, by op."""
-    dtypes = sorted({r["dtype"] for r in records})
+    def column(r: dict[str, Any]) -> str:  # a dtype, and " fuse" for the fused runs
+        return r.get("column", r["dtype"])
+
+    dtypes = sorted({column(r) for r in records})
     per: defaultdict[str, Counter[str]] = defaultdict(Counter)
     for r in records:
-        per[r["category"]][r["dtype"]] += 1
+        per[r["category"]][column(r)] += 1
     rows = [[cat, *(per[cat][d] for d in dtypes)] for cat in sorted(per)]
-    rows.append(["samples", *(sum(1 for r in records if r["dtype"] == d) for d in dtypes)])
-    rows.append(["OpInfos", *(len({r["op"] for r in records if r["dtype"] == d}) for d in dtypes)])
-    rows.append(["seconds", *(round(sum(r["seconds"] for r in records if r["dtype"] == d)) for d in dtypes)])
+    rows.append(["samples", *(sum(1 for r in records if column(r) == d) for d in dtypes)])
+    rows.append(["OpInfos", *(len({r["op"] for r in records if column(r) == d}) for d in dtypes)])
+    rows.append(["seconds", *(round(sum(r["seconds"] for r in records if column(r) == d)) for d in dtypes)])
     lines = table(["op_db sample", *dtypes], rows).splitlines()
     failed = [(r, [o for o in r["outcomes"] if o["excuse"] is None]) for r in records]
     if any(outcomes for _, outcomes in failed):
@@ -88,13 +91,13 @@ def opdb_table(records: list[dict[str, Any]]) -> list[str]:
         for kind in sorted({o["kind"] for o in outcomes}):
             hits = [o for o in outcomes if o["kind"] == kind]
             calls = ", ".join(str(o["call"]) for o in hits)
-            lines.append(f"  {r['op']} {r['dtype']} sample {r['sample']} calls {calls}: {kind}: {hits[0]['text']}")
+            lines.append(f"  {r['op']} {column(r)} sample {r['sample']} calls {calls}: {kind}: {hits[0]['text']}")
     # excused differences: one line per op, dtype and excuse (a full sweep has many)
     excused: defaultdict[tuple[str, str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     for r in records:
         for o in r["outcomes"]:
             if o["excuse"] is not None:
-                excused[(r["op"], r["dtype"], o["excuse"])].append((r, o))
+                excused[(r["op"], column(r), o["excuse"])].append((r, o))
     if excused:
         lines.append("excused (graphdispatch differs from eager, and so does the control):")
     for (op, dtype, why), hits in sorted(excused.items()):

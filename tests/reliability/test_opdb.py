@@ -25,7 +25,18 @@ graph's report must balance (calls == replays + eager_calls).
 
 CI: one sample of every OpInfo that supports float32 on CPU (the cheapest whose values
 change between draws), 7 calls (the 7th replays). `--run-slow`: every sample, float32 and
-bfloat16, 10 calls. Knobs (tests/README.md): GD_OPDB_OPS, GD_OPDB_DTYPES, GD_OPDB_SHARD,
+bfloat16, 10 calls.
+
+The half-precision sweep (`test_opdb_half`, issue 43): every OpInfo that supports bfloat16
+or float16 on CPU, its first 3 samples, each under graphdispatch with and without `fuse`,
+the TWELVE schedule: the same tensors 5 times (one capture verified on a derived set, then
+replays), then those tensors' float values scaled in place by 15/16 (what a capture froze
+shows here: a replay that read the capture's values), then 6 calls on fresh tensors (the
+original values again: the graph only moved; new draws). CI runs its smoke
+(`test_opdb_half_smoke`: a few OpInfos of every kind, both dtypes, both modes) and every
+sample of `linear_cross_entropy`'s variants; `--run-slow` runs the whole sweep.
+
+Knobs (tests/README.md): GD_OPDB_OPS, GD_OPDB_DTYPES, GD_OPDB_FUSE, GD_OPDB_SHARD,
 GD_OPDB_LOG. The run ends with a section "op_db differential": samples per outcome and
 dtype, every failure, and the differences excused by the control.
 """
@@ -52,7 +63,7 @@ from torch.testing._internal.opinfo.core import OpInfo, SampleInput
 import graphdispatch_backend
 
 OPTIONS = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAW_SEED = 1234  # draw k of a sample uses seed DRAW_SEED + k
 CALL_SEED = 4321  # torch.manual_seed(CALL_SEED + k) before call k, eager and compiled alike
 
@@ -63,6 +74,13 @@ CALL_SEED = 4321  # torch.manual_seed(CALL_SEED + k) before call k, eager and co
 # inputs (call 7, also the 8th call of the eager check's 2nd/4th/8th re-check schedule).
 CI_SCHEDULE = (("fresh", 0), ("inplace", 1), ("fresh", 2), ("fresh", 3), ("fresh", 4), ("fresh", 5), ("fresh", 6))
 FULL_SCHEDULE = (*CI_SCHEDULE, ("inplace", 7), ("fresh", 8), ("fresh", 9))
+# Issue 43's protocol: 5 calls on the same tensors ("same": nothing written between calls),
+# their float values scaled in place by 15/16 ("scale"), then fresh tensors, of the first
+# values (the graph only moved) and of new draws.
+TWELVE_SCHEDULE = (("fresh", 0), ("same", 0), ("same", 0), ("same", 0), ("same", 0), ("scale", 0),
+                   ("fresh", 0), ("fresh", 1), ("fresh", 0), ("fresh", 2), ("fresh", 3), ("fresh", 0))
+HALF_DTYPES = ("bfloat16", "float16")
+HALF_SAMPLES = 3  # the first samples of each OpInfo the half-precision sweep takes
 
 # Ops whose output is uninitialized memory (or grows a tensor into it): their values are
 # not compared, everything else (dtype, shape, strides, aliasing) is.
@@ -104,8 +122,15 @@ def selected_ops(dtype: torch.dtype) -> list[OpInfo]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "opdb_case" not in metafunc.fixturenames:
         return
+    if metafunc.function.__name__ == "test_opdb_half":
+        dtypes = _env_list("GD_OPDB_DTYPES") or list(HALF_DTYPES)
+        fuses = [f == "fuse" for f in (_env_list("GD_OPDB_FUSE") or ["plain", "fuse"])]
+        params = [pytest.param((op, name, fuse), id=f"{op_id(op)}-{name}-{'fuse' if fuse else 'plain'}")
+                  for name in dtypes for fuse in fuses for op in selected_ops(DTYPES[name])]
+        metafunc.parametrize("opdb_case", params)
+        return
     full = metafunc.function.__name__ == "test_opdb_full"
-    dtypes = _env_list("GD_OPDB_DTYPES") or (list(DTYPES) if full else ["float32"])
+    dtypes = _env_list("GD_OPDB_DTYPES") or (["float32", "bfloat16"] if full else ["float32"])
     params = [pytest.param((op, name), id=f"{op_id(op)}-{name}") for name in dtypes
               for op in selected_ops(DTYPES[name])]
     metafunc.parametrize("opdb_case", params)
@@ -261,6 +286,20 @@ def write_values(live: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> N
             dst.copy_(src)
 
 
+def scale_values(live: Sequence[torch.Tensor], factor: float = 15 / 16) -> None:
+    """Scale the live tensors' floating values in place, through their storages (an
+    expanded input's shared elements once each); integer and bool inputs keep theirs."""
+    for t in live:
+        if not (t.is_floating_point() or t.is_complex()):
+            continue
+        if t.layout != torch.strided:
+            t.values().mul_(factor) if t.is_coalesced() else t._values().mul_(factor)
+            continue
+        n = t.untyped_storage().nbytes() // t.element_size()
+        if n:
+            torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,)).mul_(factor)
+
+
 # -- comparing ------------------------------------------------------------------------------------
 
 _LAYOUT_FIELDS = ("dtype", "shape", "strides", "layout", "conj bit", "neg bit")
@@ -390,14 +429,16 @@ class Case:
     report: dict[str, Any] | None = None
     category: str = ""
     seconds: float = 0.0
+    fuse: bool = False
 
     @property
     def name(self) -> str:
-        return f"{op_id(self.op)} {self.dtype} sample {self.index}"
+        return f"{op_id(self.op)} {self.dtype}{' fuse' if self.fuse else ''} sample {self.index}"
 
     def to_dict(self) -> dict[str, Any]:
         graphs = (self.report or {}).get("graphs", [])
-        return {"op": op_id(self.op), "dtype": self.dtype, "sample": self.index, "category": self.category,
+        return {"op": op_id(self.op), "dtype": self.dtype, "column": self.dtype + (" fuse" if self.fuse else ""),
+                "sample": self.index, "category": self.category,
                 "seconds": round(self.seconds, 3), "redrawn": sum(d is not None for d in self.draws) - 1,
                 "outcomes": [dataclasses.asdict(o) for o in self.outcomes],
                 "graphs": [{k: g[k] for k in ("calls", "kind", "lowering_check", "contract_mismatches")}
@@ -406,13 +447,15 @@ class Case:
                            for g in graphs]}
 
 
-def cases(op: OpInfo, dtype_name: str, every_sample: bool, draws: int) -> Iterator[Case]:
-    """The OpInfo's cases (the cheapest one, or all), each with `draws` value sets."""
+def cases(op: OpInfo, dtype_name: str, every_sample: bool | int, draws: int) -> Iterator[Case]:
+    """The OpInfo's cases (the cheapest one, all, or the first N), each with `draws` value sets."""
     dtype = DTYPES[dtype_name]
     redraws = [[as_call(op, s) for s in draw(op, dtype, k)] for k in range(draws)]
     first = redraws[0]
-    if every_sample:
+    if every_sample is True:
         chosen = list(range(len(first)))
+    elif every_sample is not False:
+        chosen = list(range(min(every_sample, len(first))))
     else:
         second = redraws[1] if len(redraws) > 1 else []
         chosen = [min(range(len(first)), key=lambda i: cost(first[i], second[i] if i < len(second) else None, i))]
@@ -452,20 +495,26 @@ def _error(exc: BaseException) -> str:
 
 
 def run_case(case: Case, schedule: Sequence[tuple[str, int]]) -> None:
-    """Drive the schedule through graphdispatch; judge each call against eager; fill case."""
+    """Drive the schedule through graphdispatch; judge each call against eager; fill case.
+    How each call gets its tensors: "fresh" (new copies of draw d), "inplace" (draw d's
+    values written into the last call's), "same" (the last call's, untouched), "scale"
+    (the last call's floating values scaled in place by 15/16)."""
     start = time.perf_counter()
     values = case.op.name not in UNINITIALIZED
     eager = case.call.function(case.name)
     snapshots: list[list[torch.Tensor]] = []
     torch._dynamo.reset()
     graphdispatch_backend.reset()
-    compiled = torch.compile(case.call.function(case.name), backend="graphdispatch", options=OPTIONS)
+    options = {**OPTIONS, "fuse": True, "cache_dir": False} if case.fuse else OPTIONS
+    compiled = torch.compile(case.call.function(case.name), backend="graphdispatch", options=options)
     live: list[torch.Tensor] = []
     for k, (how, d) in enumerate(schedule):
         source = case.draws[d] if case.draws[d] is not None else case.draws[0]
         if how == "fresh" or not live:
             live = clone_world(source)
-        else:
+        elif how == "scale":
+            scale_values(live)
+        elif how == "inplace":
             write_values(live, source)
         snapshot = clone_world(live)
         snapshots.append(snapshot)
@@ -571,8 +620,8 @@ def unbalanced(case: Case) -> list[str]:
     return problems
 
 
-def sweep(op: OpInfo, dtype: str, every_sample: bool, schedule: Sequence[tuple[str, int]],
-          records: list[dict[str, Any]]) -> list[Case]:
+def sweep(op: OpInfo, dtype: str, every_sample: bool | int, schedule: Sequence[tuple[str, int]],
+          records: list[dict[str, Any]], fuse: bool = False) -> list[Case]:
     """Run the OpInfo's cases, record each (GD_OPDB_LOG appends JSON lines), fail on any
     crash, served mismatch or unbalanced report."""
     done = []
@@ -582,6 +631,7 @@ def sweep(op: OpInfo, dtype: str, every_sample: bool, schedule: Sequence[tuple[s
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         for case in cases(op, dtype, every_sample, 1 + max(d for _, d in schedule)):
+            case.fuse = fuse
             run_case(case, schedule)
             record = case.to_dict()
             records.append(record)
@@ -606,6 +656,51 @@ def test_opdb_ci(opdb_case, opdb_records):
 def test_opdb_full(opdb_case, opdb_records):
     op, dtype = opdb_case
     sweep(op, dtype, every_sample=True, schedule=FULL_SCHEDULE, records=opdb_records)
+
+
+@pytest.mark.slow
+def test_opdb_half(opdb_case, opdb_records):
+    """Issue 43: every OpInfo in bfloat16 and float16, its first 3 samples, with and
+    without fuse, the twelve-call protocol."""
+    op, dtype, fuse = opdb_case
+    sweep(op, dtype, every_sample=HALF_SAMPLES, schedule=TWELVE_SCHEDULE, records=opdb_records, fuse=fuse)
+
+
+# The half-precision smoke CI runs: an op of each kind the sweep meets (a custom op with
+# Python inside, matmuls, reductions, normalizations, pointwise, indexing, in-place writes).
+HALF_SMOKE = ("nn.functional.linear", "addmm", "matmul", "nn.functional.conv2d", "softmax", "logsumexp", "sum",
+              "var_mean", "cumsum", "sort", "nn.functional.layer_norm", "nn.functional.rms_norm",
+              "nn.functional.group_norm", "_batch_norm_with_update", "nn.functional.gelu", "nn.functional.silu",
+              "erf", "sqrt", "exp", "where", "cat", "nn.functional.embedding", "index_put", "scatter_add",
+              "nn.functional.interpolate.bilinear", "nn.functional.scaled_dot_product_attention")
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("name", HALF_SMOKE)
+def test_opdb_half_smoke(name, dtype, fuse, opdb_records):
+    (op,) = (op for op in op_db if op_id(op) == name)
+    if DTYPES[dtype] not in op.supported_dtypes("cpu"):
+        pytest.skip(f"{name} does not support {dtype} on CPU")
+    sweep(op, dtype, every_sample=1, schedule=TWELVE_SCHEDULE, records=opdb_records, fuse=fuse)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse"])
+@pytest.mark.parametrize("variant", ["", "chunked", "chunked_none"])
+def test_linear_cross_entropy_bf16_every_sample_is_bitwise_on_all_twelve_calls(variant, fuse, opdb_records):
+    """Issue 43: the chunked variant's sample 0 replayed a stale float32 cast of its weight
+    after the weight was scaled in place (call 6, 0.25 off eager): the CPU model made the
+    cast once (runtime/cudagraph/tape_code.py). Every sample of every variant, in bf16, with
+    and without fuse: no call differs from eager, none excused, every graph accounted, and
+    each graph replays or names why it does not."""
+    (op,) = (op for op in op_db if op.name == "nn.functional.linear_cross_entropy" and op.variant_test_name == variant)
+    done = sweep(op, "bfloat16", every_sample=True, schedule=TWELVE_SCHEDULE, records=opdb_records, fuse=fuse)
+    assert done and not [(c.name, o) for c in done for o in c.outcomes], [c.outcomes for c in done]
+    for case in done:
+        for graph in (case.report or {}).get("graphs", []):  # no report: eager raises on the sample
+            cg = graph["cuda_graph"]
+            served = cg["replays"] > 0 or cg["declines"] or graph["lowering_check"]["status"] != "bitwise"
+            assert served, (case.name, cg)
 
 
 @pytest.mark.parametrize("name", LINALG_WITH_ERROR_CHECKS)

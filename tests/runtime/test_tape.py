@@ -150,6 +150,58 @@ def test_a_view_reshaped_in_place_is_made_at_every_replay():
         assert torch.equal(graph.outputs[0], w.sum(0) + x)
 
 
+@torch.library.custom_op("gdtest::maybe_alias", mutates_args=())
+def maybe_alias(x: torch.Tensor, w: torch.Tensor, how: str) -> torch.Tensor:
+    """A custom op's Python runs below autograd, so the ops whose schema only allows
+    aliasing (`Tensor(a)`) reach the recorder as themselves, and copy when they must (`w`
+    is not contiguous)."""
+    made = {"to": lambda: w.to(torch.float64),
+            "reshape": lambda: w.reshape(-1),
+            "contiguous": lambda: w.contiguous(),
+            "flatten": lambda: w.flatten(),
+            "_autocast_to_reduced_precision": lambda: torch.ops.aten._autocast_to_reduced_precision(
+                w, False, True, torch.half, torch.bfloat16)}[how]()
+    return x + made.sum().to(x.dtype)
+
+
+@maybe_alias.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, how: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("how", ["to", "reshape", "contiguous", "flatten", "_autocast_to_reduced_precision"])
+def test_an_op_that_may_alias_but_copied_is_run_at_every_replay(how):
+    """Issue 43: `linear_cross_entropy`'s chunked op casts its weight to float32 with `to`,
+    whose schema says it may return a view of its input. Folded as a view of held tensors
+    (runtime/cudagraph/tape_code.py), the cast was made once, at the first replay, and every
+    later replay read the capture's weight: after the weight changed in place, a replay was
+    0.25 off eager, where a CUDA graph launches the copy again. Folded only where the op
+    made a view, a replay reads the live values."""
+    w = torch.randn(4, 3).t()  # made before the capture (held), and not contiguous
+    x = torch.randn(3, 4)
+    graph = _capture(lambda t: (maybe_alias(t, w, how),), x)
+    assert [str(step[0]) for step in graph._tape.steps][0].split(".")[1] == how, graph._tape.steps
+    graph.replay()
+    w.mul_(15 / 16)  # the held tensor written in place: a new value for the op to copy
+    graph.replay()
+    assert torch.equal(graph.outputs[0], maybe_alias(x, w, how))
+
+
+def test_an_op_that_may_alias_and_made_a_view_is_still_folded():
+    """The same ops on a tensor they can view (contiguous already): one view for every
+    replay, no op run for it, the live values read."""
+    w = torch.randn(3, 4)
+    x = torch.randn(3, 4)
+    graph = _capture(lambda t: (maybe_alias(t, w, "reshape"),), x)
+    graph.replay()
+    with _Ops() as ops:
+        graph.replay()
+    assert "reshape.default" not in ops.seen, ops.seen
+    w.mul_(15 / 16)
+    graph.replay()
+    assert torch.equal(graph.outputs[0], maybe_alias(x, w, "reshape"))
+
+
 def test_a_rebound_tape_runs_its_origins_code_on_the_moved_tensor_and_holds_no_old_one():
     """A relocation's tape (Tape.rebound) is the same generated code, its constants rebound
     (a folded view of the moved tensor too); it keeps nothing of the tensor that moved, so a

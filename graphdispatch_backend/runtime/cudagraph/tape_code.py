@@ -22,9 +22,11 @@ bookkeeping is compiled away.
 One step runs no op at replay: a view of held tensors only (a weight's `t`, a slice of a
 pinned cache) is made once, here, and is a constant of the function, as a CUDA graph
 holds the strided address and launches nothing for a view (15 of a decode step's 200
-ops: 4% of its replay). Not in a tape that reshapes a tensor in place (`unsqueeze_`,
-`set_`: `torch.Tag.inplace_view`), where a view made once would carry the change into the
-next replay.
+ops: 4% of its replay). Only a view that shares its storage with what it was made of: an
+op whose schema merely allows aliasing (`to`, `reshape`, `contiguous`) copies when it
+must, and a copy made once would serve the capture's values forever. Not in a tape that
+reshapes a tensor in place (`unsqueeze_`, `set_`: `torch.Tag.inplace_view`), where a view
+made once would carry the change into the next replay.
 """
 
 from __future__ import annotations
@@ -75,10 +77,8 @@ def straight_line(steps: Sequence[tuple[Any, ...]], outputs: Sequence[tuple[int 
     # change into the next replay if it were made once: then every view is made per replay
     fold = not any(torch.Tag.inplace_view in getattr(op, "tags", ()) for op, *_ in steps)
     for op, args, kwargs, lists, fills, outs, form, free in steps:
-        if fold and not fills and outs and form != NESTED and getattr(op, "is_view", False):
-            with torch.inference_mode():  # as every replay runs (cudagraph/host.py): no autograd record
-                made = op(*args, **kwargs)  # of held tensors only: the same view at every replay
-            views = [made] if form == TENSOR else list(made)
+        views = _folded(op, args, kwargs, form) if fold and not fills and outs and form != NESTED else None
+        if views is not None:
             w.lines.append("; ".join(f"s{slot} = {w.const(views[i])}" for i, slot in outs))
         else:
             w.lines.append(_call(w, op, args, kwargs, lists, fills, outs, form))
@@ -90,6 +90,24 @@ def straight_line(steps: Sequence[tuple[Any, ...]], outputs: Sequence[tuple[int 
     namespace = dict(w.names)
     exec(_compiled(source), namespace)  # our own generated code
     return namespace.pop("replay")  # its globals do not hold it (Tape.rebound copies them)
+
+
+def _folded(op: Any, args: Sequence[Any], kwargs: dict[str, Any], form: int) -> list[torch.Tensor] | None:
+    """A step of held tensors only that makes views of them, run once: its outputs, the
+    same views at every replay. None where it must run at every replay: an op that is no
+    view, or one whose schema only allows aliasing (`Tensor(a)`: `to`, `reshape`,
+    `contiguous`, `flatten`, `type_as`) and made a copy this time (a weight cast to float32
+    inside a custom op: made once, it was the capture's values forever, and a replay after
+    the weight changed in place returned a stale result; a CUDA graph launches the copy)."""
+    if not getattr(op, "is_view", False):
+        return None
+    with torch.inference_mode():  # as every replay runs (cudagraph/host.py): no autograd record
+        made = op(*args, **kwargs)
+    views = [made] if form == TENSOR else list(made)
+    held = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    if not all(isinstance(v, torch.Tensor) and v.untyped_storage()._cdata in held for v in views):
+        return None
+    return views
 
 
 def _call(w: _Writer, op: Any, args: Sequence[Any], kwargs: dict[str, Any], lists: Sequence[Any],
