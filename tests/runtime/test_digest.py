@@ -58,6 +58,17 @@ def test_an_expanded_tensor_is_read_in_bounded_pieces(monkeypatch):
     assert torch.equal(digest(x), digest(x.contiguous()))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_element_with_stride_zero_is_read_as_one_element(dtype):
+    """A size-1 dimension's stride is anything (contiguity ignores it): `expand_as` to a
+    single element gives stride 0, and a view across element sizes of such a flat tensor
+    raised (the op_db bf16 sweep: `expand_as` sample 2 declined check_failed)."""
+    one = _values(dtype).reshape(-1)[:1]
+    expanded = one.as_strided((1,), (0,))
+    assert torch.equal(digest(expanded), digest(one.clone()))
+    assert torch.equal(digest(one.reshape(1, 1).as_strided((1, 1), (0, 0))), digest(one.clone().reshape(1, 1)))
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
 def test_bytes_past_the_last_whole_word_count(dtype):
     """Read as 64-bit words: a tensor whose bytes end inside a word, or whose rows do,

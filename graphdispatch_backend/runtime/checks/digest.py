@@ -140,6 +140,8 @@ def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
+    if flat.numel() <= 1 and flat.dim() and flat.stride(-1) != 1:  # one element expanded (stride 0): no
+        flat = flat.as_strided(flat.shape, (1,))  # view across element sizes takes it; it is one element
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.is_complex():
