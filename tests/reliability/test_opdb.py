@@ -292,8 +292,8 @@ def scale_values(live: Sequence[torch.Tensor], factor: float = 15 / 16) -> None:
     for t in live:
         if not (t.is_floating_point() or t.is_complex()):
             continue
-        if t.layout != torch.strided:
-            t.values().mul_(factor) if t.is_coalesced() else t._values().mul_(factor)
+        if t.layout != torch.strided:  # COO keeps its values in _values(); compressed layouts in values()
+            (t._values() if t.layout == torch.sparse_coo else t.values()).mul_(factor)
             continue
         n = t.untyped_storage().nbytes() // t.element_size()
         if n:
