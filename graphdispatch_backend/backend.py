@@ -35,10 +35,10 @@ from graphdispatch_backend.errors import (
     SplitReason,
     StrictModeError,
 )
-from graphdispatch_backend.fusion.recipe import recipe_for
+from graphdispatch_backend.fusion.recipe import recipe_for, with_inductor_keys
 from graphdispatch_backend.fusion.verdicts import device_identity
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
-from graphdispatch_backend.options import Options
+from graphdispatch_backend.options import Options, reported
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
@@ -413,7 +413,13 @@ class _Builder:
             return None
         record.fusion = {"status": "pending"}
         session = self.session
-        self.fusion = Fusion(recipe_for(kind), device_identity(kind), session.verdicts, record.fusion,
+        # Inductor settings given in `options` (a framework's): applied unless the recipe sets them
+        recipe, keys = with_inductor_keys(recipe_for(kind), session.options.inductor.items)
+        if session.options.inductor:
+            record.fusion["inductor_keys"] = {
+                "applied": {k: reported(v) for k, v in keys["applied"].items()},
+                "overridden": {k: {w: reported(v) for w, v in both.items()} for k, both in keys["overridden"].items()}}
+        self.fusion = Fusion(recipe, device_identity(kind), session.verdicts, record.fusion,
                              session.contain, lambda key, message: session.events.warn_once(key, "%s", message),
                              session.options.strict)
         return self.fusion
