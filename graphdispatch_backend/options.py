@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, get_origin
 
 from graphdispatch_backend.errors import OptionsError
@@ -44,29 +44,28 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 class InductorKeys:
-    """Inductor config keys given in `options` (sorted `(key, value)` pairs), kept apart from
-    graphdispatch's own: hashable by their text, so Options stays a compile identity even
-    where a value (a list) is not."""
+    """Inductor config keys for the fusion compile (sorted `(key, value)` pairs), kept apart
+    from graphdispatch's own: hashable by their text, so Options stays a compile identity
+    even where a value (a list) is not. `given`: the ones the caller wrote in `options` (the
+    rest are a mode's own settings, MODES)."""
 
-    __slots__ = ("items",)
+    __slots__ = ("given", "items")
 
-    def __init__(self, items: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, items: Mapping[str, Any] | None = None, given: Iterable[str] | None = None) -> None:
         self.items: tuple[tuple[str, Any], ...] = tuple(sorted((items or {}).items()))
+        self.given: tuple[str, ...] = tuple(sorted(given if given is not None else (items or {})))
 
     def __bool__(self) -> bool:
         return bool(self.items)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, InductorKeys) and repr(self.items) == repr(other.items)
+        return isinstance(other, InductorKeys) and repr((self.items, self.given)) == repr((other.items, other.given))
 
     def __hash__(self) -> int:
-        return hash(repr(self.items))
+        return hash(repr((self.items, self.given)))
 
     def __repr__(self) -> str:
         return f"InductorKeys({dict(self.items)!r})"
-
-    def names(self) -> list[str]:
-        return [k for k, _ in self.items]
 
     def to_dict(self) -> dict[str, Any]:
         return {k: reported(v) for k, v in self.items}
@@ -195,6 +194,7 @@ class Options:
                 merged[key] = _validate(key, value)
             except OptionsError as exc:
                 raise OptionsError(f"{name}={text!r}: {exc}") from None
+        written = list(inductor)
         if mode is not None:
             if mode not in MODES:
                 raise OptionsError(f"mode {mode!r} is not one of torch.compile's: {', '.join(map(repr, MODES))}")
@@ -202,7 +202,7 @@ class Options:
             merged.update(own)
             inductor = {**settings, **inductor}
         merged.update(given)
-        return cls(**{k: _validate(k, v) for k, v in merged.items()}, inductor=InductorKeys(inductor))
+        return cls(**{k: _validate(k, v) for k, v in merged.items()}, inductor=InductorKeys(inductor, written))
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.names()}

@@ -66,9 +66,9 @@ class Session:
                 f"bundle:{error['bundle']}", "graphdispatch: artifacts: %s rejected (%s): %s",
                 error["bundle"], error["reason"], error["message"],
             )
-        if options.inductor:  # a framework passes them to every backend: said once, never an error
+        if options.inductor.given:  # a framework passes them to every backend: said once, never an error
             self.events.warn_once("inductor_keys", "graphdispatch: options hold Inductor settings (%s): %s",
-                                  ", ".join(options.inductor.names()), _inductor_keys_fate(options.fuse))
+                                  ", ".join(options.inductor.given), _inductor_keys_fate(options.fuse))
         if self.registry.errors and options.strict:
             # an author's CI must fail on a root or bundle that would silently serve nothing
             raise StrictModeError("artifact bundles rejected: " + "; ".join(

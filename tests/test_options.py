@@ -343,13 +343,13 @@ def test_reduce_overhead_through_torch_compile():
         assert report["graphs"][0]["cuda_graph"]["eager_by_reason"] == {"no_cuda_device": 1}
 
 
-def test_max_autotune_no_cudagraphs_fuses_bitwise(tmp_path):
+def test_max_autotune_no_cudagraphs_fuses_bitwise(caplog):
     """The mode a user switches to from Inductor: the graphs are fused (Inductor under the
     eager-numerics recipe, checked bit for bit), no CUDA graphs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval()
     compiled = torch.compile(model, backend="graphdispatch", mode="max-autotune-no-cudagraphs")
-    with torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="graphdispatch_backend"), torch.no_grad():
         for i in range(4):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
             assert torch.equal(compiled(x), model(x))
@@ -360,6 +360,7 @@ def test_max_autotune_no_cudagraphs_fuses_bitwise(tmp_path):
     assert graph["fusion"]["inductor_keys"]["applied"] == {"max_autotune": True, "coordinate_descent_tuning": True}
     assert graph["lowering_check"]["status"] == "bitwise"
     assert graph["cuda_graph"]["eager_by_reason"] == {"not_cuda": 4}  # "auto": no CUDA graph for CPU tensors
+    assert not [r for r in caplog.records if "Inductor settings" in r.getMessage()]  # the mode's own: not warned
 
 
 # -- Inductor's keys, as frameworks pass them --------------------------------------------
