@@ -80,6 +80,20 @@ def test_an_op_reading_memory_nobody_wrote_is_named_with_the_allocation():
            "Tensor.new_empty)" in detail, detail
 
 
+def test_a_view_of_a_buffer_before_its_write_is_not_named():
+    """The view is made before the buffer is written: its bytes are nobody's then, and
+    only what is computed from the buffer is printed (the noisy op, named)."""
+    def fills_then_noise(x: torch.Tensor) -> torch.Tensor:
+        buf = x.new_empty(x.shape)
+        flat = buf.view(-1)
+        flat.copy_(x.reshape(-1))
+        return torch.ops.gd_suspects.noisy(buf * 2)
+
+    with uninitialized_memory():
+        detail = _lowering_detail(fills_then_noise, torch.randn(4), torch.randn(4))
+    assert "suspects: gd_suspects::noisy (its output bits differed between two runs)" in detail, detail
+
+
 def test_a_piece_names_the_op_of_its_own_graph():
     """Verification (runtime/runner/verify.py) of a piece: its graph, run op by op."""
     gm = fx.symbolic_trace(lambda x: torch.ops.gd_suspects.steady(torch.ops.gd_suspects.noisy(x * 3)) + 1)

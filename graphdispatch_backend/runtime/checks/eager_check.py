@@ -273,9 +273,14 @@ class EagerCheck:
                detail: str) -> tuple[Decline, str]:
         """Run eager once more from the world before: if eager disagrees with itself, the
         mismatch is eager's nondeterminism, not the lowering's fault."""
+        output = [-1]  # the output that differed (-1: none, the written inputs did)
+
         def again() -> Any:
             before.restore()
-            return ref.again(flat(ref.extra(self._eager)(*args))) or after.compare()
+            found = ref.again(flat(ref.extra(self._eager)(*args)))
+            if found is not None:
+                output[0] = found.output
+            return found or after.compare()
 
         def run(fn: Callable[..., Any]) -> Any:  # the suspects' runs, op by op (runtime/checks/suspects.py)
             before.restore()
@@ -283,7 +288,7 @@ class EagerCheck:
 
         differs, exc = self._contain(again)
         if exc is None and differs is not None:
-            named, _ = self._contain(lambda: self._suspects.name(differs.output, run))
+            named, _ = self._contain(lambda: self._suspects.name(output[0], run))
             if self._suspects.reruns:
                 ref.forget_second()
             return (Decline.EAGER_NONDETERMINISTIC,

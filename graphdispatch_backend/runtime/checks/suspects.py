@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.passes.ops import (
-    alias_root,
     allocates_uninitialized,
     is_collective,
     nondeterministic_ops,
@@ -45,21 +45,37 @@ def _made_uninitialized(node: fx.Node) -> bool:
     return allocates_uninitialized(node) or torch_allocation(node)
 
 
-def _print(value: Any) -> list[Any]:
-    return [digest(t) if t.numel() else None for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 class _Printer(fx.Interpreter):
-    """Runs a graph op by op and keeps a print of every op's outputs, in node order."""
+    """Runs a graph op by op and keeps a print of every op's outputs, in node order, with
+    the allocations (made uninitialized) whose memory each op read. An output over such
+    memory (the allocation, a view of it, a write into it) is not printed: what it holds
+    may still be unwritten; what an op computes from it is."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        self.prints: list[tuple[fx.Node, list[Any]]] = []
+        self.prints: list[tuple[fx.Node, list[Any], list[fx.Node]]] = []
+        self._made: dict[int, tuple[StorageWeakRef, fx.Node]] = {}  # storage -> the allocation that made it
+
+    def _allocation(self, t: torch.Tensor) -> fx.Node | None:
+        found = self._made.get(t.untyped_storage().data_ptr())
+        return found[1] if found is not None and not found[0].expired() else None
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        if n.op in ("call_function", "call_method", "call_module") and not _made_uninitialized(n):
-            self.prints.append((n, _print(out)))
+        if n.op not in ("call_function", "call_method", "call_module"):
+            return out
+        if _made_uninitialized(n):
+            for t in _tensors(out):
+                self._made[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), n)
+            return out
+        inputs = _tensors(self.fetch_args_kwargs_from_env(n))
+        read = [a for a in map(self._allocation, inputs) if a is not None]
+        printed = [None if self._allocation(t) is not None or not t.numel() else digest(t) for t in _tensors(out)]
+        self.prints.append((n, printed, read))
         return out
 
 
@@ -99,12 +115,11 @@ class Suspects:
             printer = _Printer(self._gm)
             run(printer.run)
             runs.append(printer.prints)
-        for (node, first), (_, second) in zip(*runs):
+        for (node, first, read), (_, second, _) in zip(*runs):
             if not _same(first, second):
-                read = [op_label(alias_root(a)) for a in node.all_input_nodes if _made_uninitialized(alias_root(a))]
                 said = f"{op_label(node)} (its output bits differed between two runs"
                 if read:
-                    said += f"; it reads memory made uninitialized by {', '.join(dict.fromkeys(read))}"
+                    said += f"; it reads memory made uninitialized by {', '.join(dict.fromkeys(map(op_label, read)))}"
                 return said + ")"
         return None
 

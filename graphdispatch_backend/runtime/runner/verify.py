@@ -74,25 +74,30 @@ class Verifier:
         if mismatch is None:
             return None
 
+        output = [-1]  # the output that differed (-1: none, the written inputs did)
+
         def again() -> Any:
             before.restore()
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
                     second = self.fn(*args)
-                return outputs_differ(expected, second, args, self.skip) or eager_after.compare()
+                found = outputs_differ(expected, second, args, self.skip)
+                if found is not None:
+                    output[0] = found.output
+                return found or eager_after.compare()
             finally:
                 eager_after.restore()
 
         nondeterministic, exc = self.contain(again)
         if exc is None and nondeterministic is not None:
-            named, _ = self.contain(lambda: self._name(nondeterministic, args, before, eager_after))
+            named, _ = self.contain(lambda: self._name(output[0], args, before, eager_after))
             return (Decline.EAGER_NONDETERMINISTIC,
                     f"eager disagrees with itself ({nondeterministic}); suspects: {named or NONE_KNOWN}")
         if mismatch is PRINTED and serve is not None:
             mismatch = self._replayed_again(args, expected, serve, before, eager_after) or mismatch
         return Decline.VERIFY_MISMATCH, str(mismatch)
 
-    def _name(self, mismatch: Any, args: Sequence[Any], before: World, eager_after: World) -> str:
+    def _name(self, output: int, args: Sequence[Any], before: World, eager_after: World) -> str:
         """The op whose bits differed (runtime/checks/suspects.py), the piece run op by op from
         the world before; the world is left as eager left it."""
         def run(fn: Callable[..., Any]) -> Any:
@@ -101,7 +106,7 @@ class Verifier:
                 return fn(*args)
 
         try:
-            return self._suspects.name(getattr(mismatch, "output", -1), run)
+            return self._suspects.name(output, run)
         finally:
             eager_after.restore()
 
