@@ -67,38 +67,18 @@ def _extra(parser: argparse.ArgumentParser) -> None:
 # -- one rank -------------------------------------------------------------------------------
 
 def _model(dist: Any, world: int, group: Any) -> Any:
-    import torch.nn.functional as F
-    from torch import nn
+    """A block class of the shared sequence-parallel DiT (graphdispatch_backend/examples/
+    sequence_parallel.py), its Ulysses all-to-all written as yunchang and FastVideo write it."""
+    from graphdispatch_backend.examples.sequence_parallel import SPBlock
 
     def all_to_all(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
         return out
 
-    def seq_to_heads(x: torch.Tensor) -> torch.Tensor:  # [B, S/P, H, D] -> [B, S, H/P, D]
-        b, s, h, d = x.shape
-        y = all_to_all(x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous())
-        return y.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
-
-    def heads_to_seq(x: torch.Tensor) -> torch.Tensor:  # [B, S, H/P, D] -> [B, S/P, H, D]
-        b, s, h, d = x.shape
-        y = all_to_all(x.reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous())
-        return y.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
-
-    class Block(nn.Module):
+    class Block(SPBlock):
         def __init__(self) -> None:
-            super().__init__()
-            self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-            self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-            self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, s, _ = x.shape
-            q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, DIM // HEADS).unbind(2)
-            q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            x = x + self.proj(heads_to_seq(y.transpose(1, 2).contiguous()).reshape(b, s, DIM))
-            return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+            super().__init__(DIM, HEADS, world, all_to_all, mlp_ratio=4, gelu="tanh")
 
     return Block
 

@@ -68,6 +68,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 import graphdispatch_backend as gd  # noqa: E402
 from graphdispatch_backend import testing  # noqa: E402
+from graphdispatch_backend.examples.sequence_parallel import SPBlock  # noqa: E402
 
 DIM, HEADS, BLOCKS, CALLS = 32, 4, 3, 8
 GROUP = dist.group.WORLD
@@ -103,22 +104,6 @@ def all_to_all(x: torch.Tensor) -> torch.Tensor:
     else:
         dist.all_to_all_single(out, x, group=GROUP)
     return out
-
-
-def seq_to_heads(x: torch.Tensor) -> torch.Tensor:
-    """Ulysses: [B, S/P, H, D] -> [B, S, H/P, D]."""
-    b, s, h, d = x.shape
-    x = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
-    y = all_to_all(x)  # [P, B, S/P, H/P, D]: chunk p from rank p
-    return y.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
-
-
-def heads_to_seq(x: torch.Tensor) -> torch.Tensor:
-    """Ulysses back: [B, S, H/P, D] -> [B, S/P, H, D]."""
-    b, s, h, d = x.shape
-    x = x.reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous()
-    y = all_to_all(x)  # [P, B, S/P, H/P, D]: the heads of rank p
-    return y.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
 
 
 class AllToAll4D(torch.autograd.Function):
@@ -185,42 +170,35 @@ def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 # -- the model -------------------------------------------------------------------------------
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+class Block(SPBlock):
+    """Ulysses through `all_to_all` (sp_worker's idioms), or another parallel form."""
 
-    def attend(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, DIM // HEADS).unbind(2)
+    def __init__(self) -> None:
+        super().__init__(DIM, HEADS, world, all_to_all, mlp_ratio=2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s = q.shape[:2]
         if IDIOM == "allgather":
             k, v = gather_seq(k), gather_seq(v)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return y.transpose(1, 2).reshape(b, s, DIM)
-        if IDIOM == "ring":
+        elif IDIOM == "ring":
             q, k, v = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
             return ring(q, k, v).transpose(1, 2).reshape(b, s, DIM)
-        if IDIOM == "gloo":  # attention on this rank's own sequence
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return y.transpose(1, 2).reshape(b, s, DIM)
-        if IDIOM == "fastvideo":
+        elif IDIOM == "fastvideo":
             q = AllToAll4D.apply(GROUP, q, world, 2, 1)
             k = AllToAll4D.apply(GROUP, k, world, 2, 1)
             v = AllToAll4D.apply(GROUP, v, world, 2, 1)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return AllToAll4D.apply(GROUP, y.transpose(1, 2), world, 1, 2).reshape(b, s, DIM)
-        q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+        elif IDIOM != "gloo":  # Ulysses (gloo: attention on this rank's own sequence)
+            return super().attend(q, k, v)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return heads_to_seq(y.transpose(1, 2).contiguous()).reshape(b, s, DIM)
+        return y.transpose(1, 2).reshape(b, s, DIM)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.proj(self.attend(x))
-        h = self.down(F.gelu(self.up(self.norm2(x))))
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().mlp(x)
         if IDIOM == "gloo":  # a row-parallel layer's all-reduce, on a gloo group over CUDA tensors
             h = funcol.all_reduce(h, "sum", GLOO)
-        return x + h
+        return h
 
 
 def run() -> dict:
