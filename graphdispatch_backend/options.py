@@ -41,6 +41,7 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "max-autotune": ({"fuse": True, "cuda_graphs": True}, {"max_autotune": True, "coordinate_descent_tuning": True}),
 }
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 class InductorKeys:
@@ -97,7 +98,6 @@ def inductor_keys(given: dict[str, Any], own: tuple[str, ...]) -> dict[str, Any]
             raise OptionsError(f"Inductor option {key!r} must be of type {kind.__name__}, got {value!r}")
         taken[name] = value
     return taken
-_FALSE = ("0", "false", "no", "off")
 
 
 @dataclasses.dataclass(frozen=True)
