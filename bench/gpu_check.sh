@@ -12,14 +12,18 @@
 #      tokens, bf16; fewer tokens on a card with too little free memory), eager against
 #      graphdispatch cuda_graphs=True: peak memory, time of the first calls (capture +
 #      verification), replay vs eager time, bitwise equality, graphdispatch's counts
-#   4. bench/scale.py --device cuda --quick --only decode,dit  (150 s): a decode step on caches
+#   4. bench/sequence_parallel.py --device cuda --quick  (75 s): a Ulysses DiT on one NCCL rank
+#      per GPU, the all-to-alls (`all_to_all_single` into `empty_like`) captured inside the
+#      pieces: bitwise, replays per graph, time against eager and aot_eager; only when 60 s or
+#      more are left, else skipped
+#   5. bench/scale.py --device cuda --quick --only decode,dit  (150 s): a decode step on caches
 #      up to 1 GiB, DiT blocks at long sequences; only when 90 s or more are left, else skipped
-#   5. gpu_check.json in $OUT when set, else in bench/results/: torch version, device, per step
+#   6. gpu_check.json in $OUT when set, else in bench/results/: torch version, device, per step
 #      {exit code, seconds, limit}, the junit counts (tests, failures, errors, skipped, the
-#      failing tests' names) and the JSON of gpu_bench.json, gpu_realsize.json, scale_cuda.json
-#      (null for a step that wrote none). With $OUT set, those files and the junit xml are
-#      copied there too.
-# Steps 2-4 print their tables only; their full JSON is in the files.
+#      failing tests' names) and the JSON of gpu_bench.json, gpu_realsize.json,
+#      sequence_parallel_cuda.json, scale_cuda.json (null for a step that wrote none). With
+#      $OUT set, those files and the junit xml are copied there too.
+# Steps 2-5 print their tables only; their full JSON is in the files.
 # Without a CUDA device it prints "gpu_check: no CUDA device: skipping" and exits 0, writing nothing.
 #
 # Usage: bench/gpu_check.sh            (PYTHON=... to pick the interpreter)
@@ -35,11 +39,13 @@ fi
 TESTS_S=110       # step limits; each is also cut to what is left before DEADLINE_S (the start and
 BENCH_S=130       # the install take about 30 s, at most 150)
 REALSIZE_S=120
-SCALE_MIN_S=90    # step 4 runs only with this much left, and for at most SCALE_S
+SP_MIN_S=60       # step 4 runs only with this much left, and for at most SP_S
+SP_S=75
+SCALE_MIN_S=90    # step 5 runs only with this much left, and for at most SCALE_S
 SCALE_S=150
 DEADLINE_S=460    # every step (its 10 s kill grace included) ends by then; step 5 takes a few seconds
 RESULTS=bench/results
-NAMES="gpu_bench gpu_realsize scale_cuda"
+NAMES="gpu_bench gpu_realsize sequence_parallel_cuda scale_cuda"
 
 info=$(timeout 60 "$PY" -c 'import sys, torch
 if not torch.cuda.is_available(): sys.exit(1)
@@ -90,11 +96,11 @@ step() {
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$limit" >>"$STEPS"
 }
 
-step 1/4 pytest "$TESTS_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$JUNIT" tests
+step 1/5 pytest "$TESTS_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$JUNIT" tests
 if [ -f bench/gpu_bench.py ]; then
-    step 2/4 gpu_bench "$BENCH_S" "$PY" bench/gpu_bench.py --table-only
+    step 2/5 gpu_bench "$BENCH_S" "$PY" bench/gpu_bench.py --table-only
 else
-    echo "gpu_check: [2/4] bench/gpu_bench.py not present: skipping the benchmark"
+    echo "gpu_check: [2/5] bench/gpu_bench.py not present: skipping the benchmark"
     printf '%s\tskipped\t0\t0\n' gpu_bench >>"$STEPS"
 fi
 # the realsize script stops its steady rounds in time to write its results within the limit
@@ -102,16 +108,23 @@ realsize_budget=$((REALSIZE_S - 30))
 left=$((DEADLINE_S - SECONDS - 10 - 30))
 [ "$left" -lt "$realsize_budget" ] && realsize_budget=$left
 [ "$realsize_budget" -lt 10 ] && realsize_budget=10
-step 3/4 gpu_realsize "$REALSIZE_S" "$PY" bench/gpu_realsize.py --table-only --budget-s "$realsize_budget"
+step 3/5 gpu_realsize "$REALSIZE_S" "$PY" bench/gpu_realsize.py --table-only --budget-s "$realsize_budget"
+left=$((DEADLINE_S - SECONDS - 10))
+if [ "$left" -ge "$SP_MIN_S" ]; then
+    step 4/5 sequence_parallel_cuda "$SP_S" "$PY" bench/sequence_parallel.py --device cuda --quick --table-only
+else
+    echo "gpu_check: [4/5] sequence_parallel.py: skipped, ${left}s left (needs ${SP_MIN_S}s)"
+    printf '%s\tskipped\t0\t%s\n' sequence_parallel_cuda "$left" >>"$STEPS"
+fi
 left=$((DEADLINE_S - SECONDS - 10))
 if [ "$left" -ge "$SCALE_MIN_S" ]; then
-    step 4/4 scale_cuda "$SCALE_S" "$PY" bench/scale.py --device cuda --quick --only decode,dit --table-only
+    step 5/5 scale_cuda "$SCALE_S" "$PY" bench/scale.py --device cuda --quick --only decode,dit --table-only
 else
-    echo "gpu_check: [4/4] scale.py: skipped, ${left}s left (needs ${SCALE_MIN_S}s)"
+    echo "gpu_check: [5/5] scale.py: skipped, ${left}s left (needs ${SCALE_MIN_S}s)"
     printf '%s\tskipped\t0\t%s\n' scale_cuda "$left" >>"$STEPS"
 fi
 
-# 5: one file with everything
+# 6: one file with everything
 DEST="${OUT:-$RESULTS}"
 mkdir -p "$DEST"
 if [ -n "${OUT:-}" ]; then

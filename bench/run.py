@@ -34,7 +34,8 @@ from common import Target, machine, results_dir, target_table
 from graphdispatch_backend.table import table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("overhead", "scaling", "memory", "kv_cache", "compile_time", "recheck", "emulate", "scale", "fusion")
+BENCHMARKS = ("overhead", "scaling", "memory", "kv_cache", "compile_time", "recheck", "emulate", "scale", "fusion",
+              "sequence_parallel")
 TIMEOUT_S = {"quick": 300, "full": 1800}
 # scale.py's quick run lasts 3-4 minutes while the per-call copies it measures are there
 QUICK_TIMEOUT_S = {"scale": 600, "fusion": 900}

@@ -35,19 +35,25 @@ from graphdispatch_backend.errors import (
     SplitReason,
     StrictModeError,
 )
-from graphdispatch_backend.fusion.recipe import recipe_for
+from graphdispatch_backend.fusion.recipe import recipe_for, with_inductor_keys
 from graphdispatch_backend.fusion.verdicts import device_identity
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
-from graphdispatch_backend.options import Options
+from graphdispatch_backend.options import Options, reported
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
-from graphdispatch_backend.passes.ops import collective_groups, draws_random, effect_tokens, nondeterministic_suspects
+from graphdispatch_backend.passes.ops import (
+    collective_groups,
+    draws_random,
+    effect_tokens,
+    unwritten_outputs,
+)
 from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
 from graphdispatch_backend.runtime.checks.schedule import graph_schedule
+from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region, Writes
 from graphdispatch_backend.runtime.program.autograd import backward_fallback, without_history
 from graphdispatch_backend.runtime.program.fused import Fusion
@@ -85,6 +91,9 @@ def _detail(reason: Decline, split_reasons: dict[str, int]) -> str | None:
     if SplitReason.MADE_BUFFER.value in split_reasons:
         detail += ("; it makes and returns a buffer (a new cache): pass one in (a transformers StaticCache per "
                    "slot, reused) and the graph is captured, writing into it")
+    if SplitReason.UNWRITTEN_BUFFER.value in split_reasons:
+        detail += ("; it returns memory it made and never wrote, for its caller to fill (a collective after a "
+                   "graph break): made at each call, as eager makes it")
     return detail
 
 
@@ -215,12 +224,16 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
             if record.kind == "autograd" else None
         compiled = EagerCheck(generated_forward(gm), compiled, record, session.events, session.contain,
-                              session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
+                              session.options.strict, keyed, locate, dynamic, session.timing,
+                              # eager's own nondeterminism is named by running the Dynamo graph op
+                              # by op, where this rank may run it alone (runtime/checks/suspects.py)
+                              Suspects(gm, rerun=builder.agreement is None and gradients is None),
                               builder.agreement, gradients,
                               recheck="every" if session.options.timing == "shadow" else graph_schedule(
                                   session.options.recheck, session.options.artifact_recheck,
                                   bool(record.substitutions) and record.cuda_graph_mode != "off"),
-                              runners=builder.runners, draws=builder.draws, fusion=builder.fusion)
+                              runners=builder.runners, draws=builder.draws, fusion=builder.fusion,
+                              unwritten=unwritten_outputs(gm))
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)
@@ -248,7 +261,6 @@ class _Builder:
         self.write_plan: WritePlan | None = None  # where the forward writes them (passes/locate_writes.py)
         self.placeholders = 0  # the forward's placeholders
         self.runners: list[GraphRunner] = []  # the forward's, in the order of its record's piece_stats
-        self.suspects: list[str] = []  # ops that may make eager disagree with itself
         self.draws = False  # the lowered forward draws random numbers
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
@@ -300,11 +312,10 @@ class _Builder:
         native = generated_forward(gm)  # the original, before the passes: for contract fallbacks
         tokens = frozenset(effect_tokens(gm))
         contract = PlaceholderContract.of(gm, tokens)
-        suspects = nondeterministic_suspects(gm)
         # a graph with collectives: verdicts are agreed over the ranks of its groups
         agreement = agreement_for(collective_groups(gm))
         if role != "backward":
-            self.suspects, self.agreement = suspects, agreement
+            self.agreement = agreement
             self.draws = any(map(draws_random, gm.graph.nodes))  # the eager check's extra runs draw privately
             self.placeholders = len(placeholders)
         engine, reason, device = self._engine_for([p for i, p in enumerate(placeholders) if i not in tokens])
@@ -318,7 +329,7 @@ class _Builder:
             matcher=self.artifacts.match if role == "inference" else self.artifacts.match_autograd,
             make_call=self.artifacts.make_call,
             pieces_spec=PieceSpec(torch.device(device).type, lambda piece, info: self._runner(
-                scope, piece, info, device, record, suspects, agreement, fusion), role == "inference")
+                scope, piece, info, device, record, agreement, fusion), role == "inference")
             if scope else None,
         )
         if role == "backward":
@@ -344,7 +355,7 @@ class _Builder:
             run = fusion.unit(gm, run)
         if scope is not None:
             if not ctx.split_reasons and ctx.pieces:
-                run = self._runner(scope, gm, ctx.pieces[0], device, record, suspects, agreement, fusion)
+                run = self._runner(scope, gm, ctx.pieces[0], device, record, agreement, fusion)
             elif not any(p.capturable for p in ctx.pieces):
                 reason = Decline.NO_CAPTURABLE_PIECE
                 if fusion is not None:  # not captured, still fused, as under cuda_graphs=False
@@ -413,13 +424,19 @@ class _Builder:
             return None
         record.fusion = {"status": "pending"}
         session = self.session
-        self.fusion = Fusion(recipe_for(kind), device_identity(kind), session.verdicts, record.fusion,
+        # Inductor settings given in `options` (a framework's): applied unless the recipe sets them
+        recipe, keys = with_inductor_keys(recipe_for(kind), session.options.inductor.items)
+        if session.options.inductor:
+            record.fusion["inductor_keys"] = {
+                "applied": {k: reported(v) for k, v in keys["applied"].items()},
+                "overridden": {k: {w: reported(v) for w, v in both.items()} for k, both in keys["overridden"].items()}}
+        self.fusion = Fusion(recipe, device_identity(kind), session.verdicts, record.fusion,
                              session.contain, lambda key, message: session.events.warn_once(key, "%s", message),
                              session.options.strict)
         return self.fusion
 
     def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str, record: GraphRecord,
-                suspects: Sequence[str], agreement: Agreement | None, fusion: Fusion | None = None) -> GraphRunner:
+                agreement: Agreement | None, fusion: Fusion | None = None) -> GraphRunner:
         opts = self.session.options
         stats = CudaGraphStats()
         record.piece_stats.append(stats)
@@ -435,12 +452,13 @@ class _Builder:
                              warmup=opts.warmup, max_captures=opts.max_captures,
                              verify_inputs=opts.verify_inputs, state_names=state,
                              input_names=[o.name if o is not None else "" for o in info.input_origins], gates=gates,
-                             suspects=suspects, device=device,
+                             # a piece holding collectives may not run again on this rank alone
+                             suspects=Suspects(piece, rerun=not info.collectives), device=device,
                              writes=Writes(info.mutated, info.write_plan, opts.max_snapshot_bytes,
                                            [o.name if o is not None else "" for o in info.input_origins]),
                              wide=info.wide,
                              guarded=guarded, static_shapes=guarded and _fixed_shapes(piece),
-                             agreement=agreement if info.collectives else None)
+                             agreement=agreement if info.collectives else None, unwritten=info.unwritten)
         if record is self.record:
             self.runners.append(runner)
         if fusion is not None:

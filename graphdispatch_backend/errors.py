@@ -125,12 +125,16 @@ class SplitReason(str, enum.Enum):
     ARTIFACT_NOT_CAPTURABLE = "artifact_not_capturable"
     EFFECTFUL_OP = "effectful_op"  # with_effects: a side effect (linalg error checks, prints) on every call
     DYNAMIC_OUTPUT_SHAPE = "dynamic_output_shape"  # nonzero, masked_select, unique: sizes known after the kernel
-    COLLECTIVE = "collective"  # a collective a CUDA graph cannot hold (gloo, CPU): it runs between pieces
+    # a collective whose process group's backend a CUDA graph cannot hold (gloo, any but NCCL): it runs between pieces
+    COLLECTIVE = "collective"
     # a tensor made from a Python-number input, made before the piece: one capture serves every value
     SCALAR_INPUT = "scalar_input"
     # a buffer the graph makes and returns (a new KV cache): its piece runs eager, never a
     # pool copy of it and a copy out per call (passes/split_pieces.py)
     MADE_BUFFER = "made_buffer"
+    # a buffer the graph makes uninitialized and returns unwritten (its caller fills it: a
+    # collective after a graph break): made at each call, as eager makes it, never captured
+    UNWRITTEN_BUFFER = "unwritten_buffer"
 
 
 class Rejection(str, enum.Enum):

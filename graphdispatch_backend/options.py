@@ -3,14 +3,21 @@
 `Options.resolve(options, mode)` copies the caller's dict, merges the environment (an
 explicit option wins), validates every value once and freezes the result. Equal options
 are one compile identity: they share a session (report, registry, static buffers).
+
+Frameworks pass `torch.compile` arguments meant for Inductor to whatever backend they are
+given (FastVideo's regional compile always adds `emulate_precision_casts` to `options`):
+a key of Inductor's config (`torch._inductor.config`, dotted keys included) is accepted
+and kept apart (`Options.inductor`, typed as Inductor types it); the fusion compile applies
+it unless the eager-numerics recipe sets the key (fusion/recipe.py `with_inductor_keys`).
+`mode` maps torch.compile's modes onto graphdispatch's own options (MODES).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, get_origin
 
 from graphdispatch_backend.errors import OptionsError
 
@@ -23,8 +30,74 @@ def is_recheck_mode(value: object) -> bool:
     """A value `recheck` and `artifact_recheck` take: a named schedule, or every Nth call."""
     return value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 TIMING_MODES = ("off", "host", "sync", "shadow")
+# torch.compile's modes (torch._inductor.list_mode_options()) and what each means here: the
+# options it sets (an explicit option wins) and the Inductor settings it hands the fusion
+# compile, as Inductor's own mode would set them (an explicit Inductor key wins)
+MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "default": ({}, {}),
+    "lite": ({}, {}),  # Inductor's lite mode runs ATen kernels: what graphdispatch runs without fuse
+    "reduce-overhead": ({"cuda_graphs": True}, {}),
+    "max-autotune-no-cudagraphs": ({"fuse": True}, {"max_autotune": True, "coordinate_descent_tuning": True}),
+    "max-autotune": ({"fuse": True, "cuda_graphs": True}, {"max_autotune": True, "coordinate_descent_tuning": True}),
+}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+
+
+class InductorKeys:
+    """Inductor config keys for the fusion compile (sorted `(key, value)` pairs), kept apart
+    from graphdispatch's own: hashable by their text, so Options stays a compile identity
+    even where a value (a list) is not. `given`: the ones the caller wrote in `options` (the
+    rest are a mode's own settings, MODES)."""
+
+    __slots__ = ("given", "items")
+
+    def __init__(self, items: Mapping[str, Any] | None = None, given: Iterable[str] | None = None) -> None:
+        self.items: tuple[tuple[str, Any], ...] = tuple(sorted((items or {}).items()))
+        self.given: tuple[str, ...] = tuple(sorted(given if given is not None else (items or {})))
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InductorKeys) and repr((self.items, self.given)) == repr((other.items, other.given))
+
+    def __hash__(self) -> int:
+        return hash(repr((self.items, self.given)))
+
+    def __repr__(self) -> str:
+        return f"InductorKeys({dict(self.items)!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: reported(v) for k, v in self.items}
+
+
+def reported(value: Any) -> Any:
+    """An Inductor setting as the report holds it: a JSON scalar as it is, else its repr."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+
+
+def inductor_keys(given: dict[str, Any], own: tuple[str, ...]) -> dict[str, Any]:
+    """Take the keys of Inductor's config out of `given` (not graphdispatch's own), checked
+    as torch.compile checks them for Inductor (`-` read as `_`, the value's type as the
+    config types it); any other key stays in `given`, for the unknown-key error."""
+    candidates = [k for k in given if k not in own and isinstance(k, str)]
+    if not candidates:
+        return {}
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    taken: dict[str, Any] = {}
+    for key in candidates:
+        name = key.replace("-", "_")
+        if name not in known:
+            continue
+        value = given.pop(key)
+        kind = config.get_type(name)  # type: ignore[attr-defined]
+        if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
+            raise OptionsError(f"Inductor option {key!r} must be of type {kind.__name__}, got {value!r}")
+        taken[name] = value
+    return taken
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +133,9 @@ class Options:
         (runtime/program/fused.py).
     cache_dir: where fused graphs keep what they learned (fusion/verdicts.py); None: the
         user's cache directory; False: nothing is kept on disk.
+    inductor: keys of Inductor's config given in `options` (a framework's, or a mode's
+        Inductor settings); under `fuse` the fusion compile applies them unless the
+        eager-numerics recipe sets the key (fusion/recipe.py `with_inductor_keys`).
     """
 
     artifacts: tuple[str, ...] = ()
@@ -78,10 +154,12 @@ class Options:
     max_snapshot_bytes: int = 256 * 2**20
     fuse: bool = False
     cache_dir: str | bool | None = None
+    # Inductor config keys given in `options` (not a key of its own: `names()` leaves it out)
+    inductor: InductorKeys = dataclasses.field(default_factory=InductorKeys)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "inductor")
 
     @classmethod
     def resolve(
@@ -92,6 +170,7 @@ class Options:
     ) -> Options:
         """Copy, merge with the environment, validate and freeze."""
         given = dict(options or {})  # a copy: torch.compile mutates the caller's dict
+        inductor = inductor_keys(given, cls.names())
         unknown = sorted(k for k in given if k not in cls.names())
         if unknown:
             raise OptionsError(
@@ -115,20 +194,20 @@ class Options:
                 merged[key] = _validate(key, value)
             except OptionsError as exc:
                 raise OptionsError(f"{name}={text!r}: {exc}") from None
-        if mode not in (None, "default"):
-            if mode != "reduce-overhead":
-                raise OptionsError(
-                    f"mode {mode!r} is not supported; use 'default' or 'reduce-overhead'"
-                )
-            merged["cuda_graphs"] = True
+        written = list(inductor)
+        if mode is not None:
+            if mode not in MODES:
+                raise OptionsError(f"mode {mode!r} is not one of torch.compile's: {', '.join(map(repr, MODES))}")
+            own, settings = MODES[mode]
+            merged.update(own)
+            inductor = {**settings, **inductor}
         merged.update(given)
-        return cls(**{k: _validate(k, v) for k, v in merged.items()})
+        return cls(**{k: _validate(k, v) for k, v in merged.items()}, inductor=InductorKeys(inductor, written))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-            for f in dataclasses.fields(self)
-        }
+        out = {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.names()}
+        out["inductor"] = self.inductor.to_dict()
+        return out
 
 
 def _from_env(key: str, text: str) -> Any:

@@ -66,6 +66,9 @@ class Session:
                 f"bundle:{error['bundle']}", "graphdispatch: artifacts: %s rejected (%s): %s",
                 error["bundle"], error["reason"], error["message"],
             )
+        if options.inductor.given:  # a framework passes them to every backend: said once, never an error
+            self.events.warn_once("inductor_keys", "graphdispatch: options hold Inductor settings (%s): %s",
+                                  ", ".join(options.inductor.given), _inductor_keys_fate(options.fuse))
         if self.registry.errors and options.strict:
             # an author's CI must fail on a root or bundle that would silently serve nothing
             raise StrictModeError("artifact bundles rejected: " + "; ".join(
@@ -105,6 +108,15 @@ class Session:
         if self.exporter is not None:
             self.exporter.finalize(self.events, self.contain)
         self.write()
+
+
+def _inductor_keys_fate(fuse: bool) -> str:
+    if fuse:
+        return ("the fusion compile applies each one the eager-numerics recipe does not set (the recipe's "
+                "settings keep eager's bits); each graph's fusion.inductor_keys says which were applied and which "
+                "overridden")
+    return ("graphdispatch compiles nothing with Inductor without fuse=True (or mode='max-autotune-no-cudagraphs'): "
+            "they change nothing here")
 
 
 _SESSIONS: dict[Options, Session] = {}

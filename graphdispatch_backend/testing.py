@@ -1,5 +1,8 @@
 """Helpers for tests (ours and artifact authors'): graphs to golden-test, bundles to write.
 
+A little over 400 lines: every helper here may import from every layer of the package
+(tests/test_layout.py), and a second module of helpers would only split that one role.
+
 - `aten_graph(fn, *args)`: the lowered ATen inference graph graphdispatch's passes see,
   with the input origins, through Dynamo and aot (no passes run).
 - `regions(lowered)`: `tag_regions` run on it, as {region name: Region}.
@@ -11,6 +14,8 @@
 - `manifest_from_region(region, ...)`: a manifest signature copied from a region report
   entry, exactly as a new user would write it.
 - `only_graph()`: the latest report's one graph, its calls checked as accounted for.
+- `uninitialized_memory()`: while it is entered, every CPU `new_empty` and `empty_like`
+  returns memory holding a new value each time, as uninitialized memory may.
 - `region_entry(fn, *args, name=..., **options)`: a region's report entry from one call
   compiled in a fresh session (reset before and after), to write a manifest from.
 
@@ -28,15 +33,17 @@ Small models the tests share (seed before building them; class names show in rep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +391,38 @@ def perturbed(op: str, above: float | None = None) -> Any:
         return chosen
 
     return inductor, "rewrite", rewrite
+
+
+@contextlib.contextmanager
+def uninitialized_memory() -> Iterator[None]:
+    """Every CPU `new_empty` and `empty_like` holds other values, as uninitialized memory
+    may (not what the allocator happened to reuse). Kernels registered for the block's
+    span, not a dispatch mode: a mode puts the Python dispatch key in the key set Dynamo's
+    guards compare (one recompile per call, so no graph reached its capture)."""
+    values = itertools.count(1)
+
+    def filled(out: torch.Tensor) -> torch.Tensor:
+        return out.fill_(next(values) % (2 if out.dtype == torch.bool else 251))
+
+    def new_empty(self: torch.Tensor, size: Sequence[int], *, dtype: torch.dtype | None = None,
+                  layout: Any = None, device: Any = None, pin_memory: bool | None = None) -> torch.Tensor:
+        return filled(torch.empty(size, dtype=self.dtype if dtype is None else dtype,
+                                  device=self.device if device is None else device))
+
+    def empty_like(self: torch.Tensor, *, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+                   pin_memory: bool | None = None, memory_format: Any = None) -> torch.Tensor:
+        dtype = self.dtype if dtype is None else dtype
+        device = self.device if device is None else device
+        # the strides ATen gives (kernels lay their outputs out by them), from its meta kernel
+        like = torch.empty_strided(self.shape, self.stride(), dtype=dtype, device="meta")
+        strides = torch.empty_like(like, memory_format=memory_format or torch.preserve_format).stride()
+        return filled(torch.empty_strided(self.shape, strides, dtype=dtype, device=device))
+
+    lib = torch.library.Library("aten", "IMPL")  # scoped: destroyed when the block ends
+    try:
+        lib.impl("new_empty", new_empty, "CPU")
+        lib.impl("empty_like", empty_like, "CPU")
+        yield
+    finally:
+        lib._destroy()
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 
 import pytest
@@ -46,7 +47,7 @@ def test_defaults():
         "verify_inputs": 2, "speed_gate": False, "timing": "off", "report_dir": None,
         "export_regions": False, "strict": False, "recheck": "doubling", "artifact_recheck": "dense",
         "max_snapshot_bytes": 256 * 2**20,
-        "fuse": False, "cache_dir": None,
+        "fuse": False, "cache_dir": None, "inductor": {},
     }
 
 
@@ -291,11 +292,44 @@ def test_reduce_overhead_means_cuda_graphs_true():
     assert Options.resolve(mode=None, environ={}).cuda_graphs == "auto"
 
 
-@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs", "reduce_overhead"])
-def test_other_modes_are_rejected(mode):
+# what each of torch.compile's modes means here: (fuse, cuda_graphs, Inductor settings for the fusion compile)
+MEANINGS = {
+    "default": (False, "auto", {}),
+    "lite": (False, "auto", {}),
+    "reduce-overhead": (False, True, {}),
+    "max-autotune-no-cudagraphs": (True, "auto", {"max_autotune": True, "coordinate_descent_tuning": True}),
+    "max-autotune": (True, True, {"max_autotune": True, "coordinate_descent_tuning": True}),
+}
+
+
+def test_every_mode_torch_compile_takes_has_a_meaning():
+    from torch._inductor import list_mode_options
+
+    assert set(MEANINGS) == set(list_mode_options())  # a mode torch adds fails here until it means something
+    for mode, (fuse, cuda_graphs, inductor) in MEANINGS.items():
+        o = Options.resolve(mode=mode, environ={})
+        assert (o.fuse, o.cuda_graphs, o.to_dict()["inductor"]) == (fuse, cuda_graphs, inductor), mode
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes():
     with pytest.raises(OptionsError) as info:
-        Options.resolve(mode=mode, environ={})
-    assert repr(mode) in str(info.value) and "reduce-overhead" in str(info.value)
+        Options.resolve(mode="reduce_overhead", environ={})
+    assert "'reduce_overhead'" in str(info.value) and "'max-autotune-no-cudagraphs'" in str(info.value)
+
+
+def test_options_win_over_what_a_mode_sets():
+    """torch.compile itself refuses a mode with options (below); a framework that calls the
+    backend with both gets the mode's meaning with the explicit options over it."""
+    o = Options.resolve({"cuda_graphs": False, "max_autotune": False}, mode="max-autotune", environ={})
+    assert (o.fuse, o.cuda_graphs) == (True, False)
+    assert o.to_dict()["inductor"] == {"max_autotune": False, "coordinate_descent_tuning": True}
+    assert Options.resolve(mode="max-autotune", environ={"GRAPHDISPATCH_FUSE": "0"}).fuse is True  # env < mode
+
+
+def test_torch_compile_refuses_a_mode_with_options():
+    model, _ = _linear()
+    with pytest.raises(RuntimeError, match="Either mode or options"):
+        torch.compile(model, backend="graphdispatch", mode="max-autotune", options={"warmup": 2})
 
 
 def test_reduce_overhead_through_torch_compile():
@@ -309,12 +343,76 @@ def test_reduce_overhead_through_torch_compile():
         assert report["graphs"][0]["cuda_graph"]["eager_by_reason"] == {"no_cuda_device": 1}
 
 
-def test_unsupported_mode_through_torch_compile():
+def test_max_autotune_no_cudagraphs_fuses_bitwise(caplog):
+    """The mode a user switches to from Inductor: the graphs are fused (Inductor under the
+    eager-numerics recipe, checked bit for bit), no CUDA graphs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval()
+    compiled = torch.compile(model, backend="graphdispatch", mode="max-autotune-no-cudagraphs")
+    with caplog.at_level(logging.WARNING, logger="graphdispatch_backend"), torch.no_grad():
+        for i in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(compiled(x), model(x))
+    report = graphdispatch_backend.latest_report()
+    assert report["options"]["fuse"] is True and report["options"]["cuda_graphs"] == "auto"
+    (graph,) = report["graphs"]
+    assert graph["fusion"]["status"] == "fused" and graph["fusion"]["fused_ops"], graph["fusion"]
+    assert graph["fusion"]["inductor_keys"]["applied"] == {"max_autotune": True, "coordinate_descent_tuning": True}
+    assert graph["lowering_check"]["status"] == "bitwise"
+    assert graph["cuda_graph"]["eager_by_reason"] == {"not_cuda": 4}  # "auto": no CUDA graph for CPU tensors
+    assert not [r for r in caplog.records if "Inductor settings" in r.getMessage()]  # the mode's own: not warned
+
+
+# -- Inductor's keys, as frameworks pass them --------------------------------------------
+
+def test_inductor_keys_are_accepted_and_kept_apart():
+    o = Options.resolve({"emulate_precision_casts": True, "triton.cudagraphs": False, "fx-graph-cache": False,
+                         "warmup": 2}, environ={})
+    assert o.warmup == 2
+    assert o.to_dict()["inductor"] == {"emulate_precision_casts": True, "triton.cudagraphs": False,
+                                       "fx_graph_cache": False}  # `-` read as `_`, as torch.compile reads it
+    assert "inductor" not in Options.names()  # not a key of its own
+    with pytest.raises(OptionsError, match="unknown option 'inductor'"):
+        Options.resolve({"inductor": {}}, environ={})
+
+
+def test_a_key_neither_ours_nor_inductors_still_raises_naming_the_valid_keys():
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({"emulate_precision_casts": True, "emulate_precision_cast": True}, environ={})
+    assert "'emulate_precision_cast'" in str(info.value)
+    assert all(key in str(info.value) for key in VALID_KEYS)
+
+
+def test_an_inductor_key_of_the_wrong_type_says_what_inductor_takes():
+    with pytest.raises(OptionsError, match="Inductor option 'emulate_precision_casts' must be of type bool"):
+        Options.resolve({"emulate_precision_casts": "yes"}, environ={})
+
+
+def test_inductor_keys_are_part_of_the_compile_identity():
+    a = Options.resolve({"emulate_precision_casts": True}, environ={})
+    assert a == Options.resolve({"emulate_precision_casts": True}, environ={})
+    assert hash(a) == hash(Options.resolve({"emulate_precision_casts": True}, environ={}))
+    assert a != Options.resolve({"emulate_precision_casts": False}, environ={})
+    assert a != Options.resolve(environ={})
+    unhashable = {"pre_grad_fusion_options": {"batch_linear": {}}}  # a dict: Options still hash, by its text
+    assert hash(Options.resolve(unhashable, environ={})) == hash(Options.resolve(unhashable, environ={}))
+
+
+def test_inductor_keys_through_torch_compile_warn_once_and_are_reported(caplog):
     model, x = _linear()
-    with pytest.raises(BackendCompilerFailed) as info:
-        torch.compile(model, backend="graphdispatch", mode="max-autotune")(x)
-    assert isinstance(info.value.inner_exception, OptionsError)
-    assert "max-autotune" in str(info.value.inner_exception)
+    options = {"emulate_precision_casts": True, "triton.cudagraphs": False, "cuda_graphs": "emulate"}
+    with caplog.at_level(logging.WARNING, logger="graphdispatch_backend"), torch.no_grad():
+        compiled = torch.compile(model, backend="graphdispatch", options=options)
+        for i in range(4):
+            y = x + i
+            assert torch.equal(compiled(y), model(y))
+        torch.compile(lambda t: t * 2, backend="graphdispatch", options=options)(x)  # a second graph, one session
+    said = [r.getMessage() for r in caplog.records if "Inductor settings" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "emulate_precision_casts" in said[0] and "triton.cudagraphs" in said[0] and "fuse=True" in said[0]
+    report = graphdispatch_backend.latest_report()
+    assert report["options"]["inductor"] == {"emulate_precision_casts": True, "triton.cudagraphs": False}
+    assert report["graphs"][0]["cuda_graph"]["replays"] == 2  # the rest of the options took effect
 
 
 # -- identity ----------------------------------------------------------------------------

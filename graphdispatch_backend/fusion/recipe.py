@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 RECIPE_VERSION = 1
@@ -101,6 +102,23 @@ class Recipe:
         """16 hex naming the recipe (part of every verdict cache key)."""
         text = json.dumps([self.device, self.settings, sorted(self.fusable), self.version], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def with_inductor_keys(recipe: Recipe, keys: Sequence[tuple[str, Any]]) -> tuple[Recipe, dict[str, Any]]:
+    """The recipe with the Inductor settings a caller gave in `options` (Options.inductor)
+    added: the fusion compile applies each one the recipe does not set; where the recipe
+    sets the key, the recipe's value stays (it is what keeps eager's bits). Returns the
+    recipe (its id, part of every verdict cache key, names the settings it compiles with)
+    and what became of each key: `{"applied": {key: value}, "overridden": {key: {"given",
+    "recipe"}}}` (a key given the recipe's own value is applied)."""
+    own = recipe.patches
+    applied = {k: v for k, v in keys if k not in own or own[k] == v}
+    overridden = {k: {"given": v, "recipe": own[k]} for k, v in keys if k in own and own[k] != v}
+    if not applied:
+        return recipe, {"applied": {}, "overridden": overridden}
+    settings = {**applied, **own}
+    return (dataclasses.replace(recipe, settings=tuple(sorted(settings.items()))),
+            {"applied": applied, "overridden": overridden})
 
 
 def recipe_for(device_type: str) -> Recipe:

@@ -48,6 +48,9 @@ class PieceInfo:
     wide: tuple[int, ...] = ()  # input positions the piece reads with as_strided (whole storage)
     collectives: bool = False  # the piece holds collectives (captured inside: NCCL)
     write_plan: Any = None  # where the piece writes its inputs (passes/locate_writes.py)
+    # output positions that are memory the piece made uninitialized and never wrote: their
+    # values are nobody's, so checks compare their metadata only (passes/ops.py unwritten_outputs)
+    unwritten: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,6 +41,58 @@ def allocates_uninitialized(node: fx.Node) -> bool:
     """`empty` and its kin: memory whose values no two runs agree on."""
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.name in _UNINITIALIZED
+
+
+def unwritten_outputs(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the outputs that are memory the graph made uninitialized (`empty`,
+    `empty_like`, `new_empty`, ...; through views) and that no node of the graph writes:
+    the values no two runs agree on, which the caller fills (a collective after a graph
+    break, an `out=` write). Their metadata is the graph's; their values are nobody's.
+    In a Dynamo graph (torch-level calls) an allocation counts only when the output is
+    its one use: a call that takes it may write it."""
+    output = gm.graph.output_node()
+    outs = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    written = {alias_root(w) for node in gm.graph.nodes for w in writes(node)}
+    found = []
+    for i, out in enumerate(outs):
+        if not isinstance(out, fx.Node):
+            continue
+        root = alias_root(out)
+        if (allocates_uninitialized(root) and root not in written) or (
+                torch_allocation(out) and set(out.users) == {output}):
+            found.append(i)
+    return tuple(found)
+
+
+def op_label(node: fx.Node) -> str:
+    """How a report names a node's op: `aten::mul`, `mylib::noisy` (a schema's name), or a
+    Dynamo graph's `torch.empty_like` and `Tensor.add_`."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    if isinstance(node.target, torch._ops.OpOverloadPacket):  # a Dynamo graph's `torch.ops.ns.op`
+        return node.target._qualified_op_name
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if node.op == "call_module":
+        return str(node.target)
+    module = getattr(node.target, "__module__", None) or ""
+    name = getattr(node.target, "__name__", None) or str(node.target)
+    return f"{'torch' if module.startswith('torch') else module.lstrip('_')}.{name}".lstrip(".")
+
+
+_TORCH_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                                "new_empty_strided"})
+
+
+def torch_allocation(node: fx.Node) -> bool:
+    """A Dynamo graph's `torch.empty_like(x)` or `x.new_empty(...)`."""
+    if node.op == "call_method":
+        return node.target in _TORCH_ALLOCATIONS
+    if node.op != "call_function" or getattr(node.target, "_schema", None) is not None:
+        return False
+    return getattr(node.target, "__module__", None) in ("torch", "torch._C._VariableFunctions") and \
+        getattr(node.target, "__name__", None) in _TORCH_ALLOCATIONS
 
 
 def draws_random(node: fx.Node) -> bool:
@@ -84,12 +137,19 @@ _NONDETERMINISTIC = {
 def nondeterministic_suspects(gm: fx.GraphModule) -> list[str]:
     """Ops of `gm` that may make eager disagree with itself: known atomics-based aten ops,
     and every op outside aten (custom kernels), by schema name, first seen first."""
+    return nondeterministic_ops(gm.graph.nodes)
+
+
+def nondeterministic_ops(nodes: Iterable[fx.Node]) -> list[str]:
+    """nondeterministic_suspects of these nodes (a graph's, or the ones an output depends on)."""
     seen: dict[str, None] = {}
-    for node in gm.graph.nodes:
+    for node in nodes:
         if node.op != "call_function":
             continue
         schema = getattr(node.target, "_schema", None)
         name = schema.name if schema is not None else None
+        if isinstance(node.target, torch._ops.OpOverloadPacket):  # a Dynamo graph's `torch.ops.ns.op`
+            name = node.target._qualified_op_name
         if name is not None and (name in _NONDETERMINISTIC or not name.startswith(("aten::", "prims::"))):
             seen.setdefault(name)
     return list(seen)
@@ -173,18 +233,59 @@ def is_collective(node: fx.Node) -> bool:
         "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
+def _group_name(node: fx.Node) -> str | None:
+    """The process group (by name) a collective node runs on; a `wait_tensor`'s is its
+    collective's."""
+    for _ in range(8):  # wait_tensor(all_reduce(...)): one step back, a few at most
+        if not is_collective(node):
+            return None
+        value = _argument(node, "group_name")
+        if isinstance(value, str):
+            return value
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return None
+
+
 def collective_groups(gm: fx.GraphModule) -> list[str]:
     """The process groups (by name) the graph's collectives run on, sorted."""
-    names = set()
-    for node in gm.graph.nodes:
-        if is_collective(node):
-            schema = node.target._schema
-            for index, arg in enumerate(schema.arguments):
-                if arg.name == "group_name":
-                    value = node.kwargs.get("group_name", node.args[index] if index < len(node.args) else None)
-                    if isinstance(value, str):
-                        names.add(value)
-    return sorted(names)
+    return sorted({name for node in gm.graph.nodes if is_collective(node) and (name := _group_name(node))})
+
+
+# Process-group backends whose collectives a CUDA graph holds: ProcessGroupNCCL enqueues no
+# watchdog work while the stream captures (`collective()` in
+# torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp: `enqueue = ... && capture_status ==
+# CaptureStatus::None`), and torch's test/distributed/test_c10d_nccl.py
+# (`test_allreduce_in_cudagraph`) captures an all-reduce and replays it; vLLM captures its
+# all-reduce the same way (pynccl on the capture stream, vllm/distributed/device_communicators/
+# pynccl.py). gloo runs on the host: nothing a CUDA graph could record.
+CAPTURABLE_BACKENDS = frozenset({"nccl"})
+
+
+def group_backend(group_name: str, device_type: str) -> str | None:
+    """The name of the backend (`gloo`, `nccl`, ...) that process group `group_name` runs a
+    collective on `device_type` tensors with; None when it cannot be told (not
+    initialized, an unknown group)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        backend = _resolve_process_group(group_name)._get_backend(torch.device(device_type))
+        return str(backend.name()).lower()
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def captured_collective(node: fx.Node, device_type: str) -> bool:
+    """A collective a CUDA graph holds: its group runs it with a backend of
+    CAPTURABLE_BACKENDS on the graph's device type. Decided by the group, not the device,
+    so the CPU model (`cuda_graphs="emulate"`) splits and captures as a GPU would."""
+    name = _group_name(node)
+    return name is not None and group_backend(name, device_type) in CAPTURABLE_BACKENDS
 
 
 _UNKNOWN = object()  # a node without a recorded value

@@ -7,8 +7,9 @@ op (`with_effects`: a linalg error check must raise on every singular input), ha
 dynamic output shape (`nonzero`, `masked_select`, boolean indexing: its sizes are known only
 after it ran; indexing by integer indices, `repeat_interleave` given its `output_size` and
 `one_hot` given its classes are sized by their arguments and stay in: an MoE's
-`weights[expert_ids]`), is a collective on a graph that is not on CUDA (gloo work cannot be
-captured; NCCL collectives stay inside, as vLLM captures them), produces a tensor on
+`weights[expert_ids]`), is a collective whose process group's backend a CUDA graph cannot
+hold (gloo runs on the host; NCCL collectives stay inside, as vLLM captures them: decided by
+the group, so the CPU model splits where a GPU would), produces a tensor on
 another device than the graph's (a CPU tensor in a CUDA graph), is an artifact call
 whose manifest says `"capturable": false`, or makes a tensor out of a Python-number input
 (marked by lift_scalars.py, which moved it to the top: the piece then takes its tensor).
@@ -27,10 +28,16 @@ video decoded tile by tile into `zeros`) is a computed output, captured as any; 
 autograd graph's (`PieceSpec.made_buffers_eager`: the backward of `w[idx]` makes `w`'s
 gradient from `zeros` and the rows the index wrote).
 A graph with no such node is left alone: it is captured whole. An allocation of
-uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) whose every user stays
-inline goes inline with its first user (dropout2d's `new_empty` feeds `bernoulli`, rrelu's
-`empty_like` its noise): a piece would otherwise hand out uninitialized memory, which no
-two runs agree on, and its verification would fail.
+uninitialized memory (`empty`, `new_empty`, `empty_like`, ...) belongs to the piece that
+fills it: it moves right before its first user, and goes inline with it when that user
+stays inline (dropout2d's `new_empty` feeds `bernoulli`, rrelu's `empty_like` its noise).
+The form people write a collective in, `out = torch.empty_like(x);
+dist.all_to_all_single(out, x)`, traces to `empty_like`, the collective and a `copy` into
+the buffer after it: the buffer goes to the piece of the copy, not the piece before the
+collective, which would otherwise hand out memory no two runs agree on (its verification
+would fail, `eager_nondeterministic`). One the graph returns unwritten (its caller fills
+it: a collective after a graph break) stays inline (`unwritten_buffer`): made at each call
+as eager makes it, never a pool copy of nothing.
 
 Before::
 
@@ -62,12 +69,14 @@ from graphdispatch_backend.passes.lift_scalars import SCALAR_INPUT_META
 from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.passes.ops import (
     allocates_uninitialized,
+    captured_collective,
     draws_random,
     is_collective,
     is_effectful,
     nbytes,
     sized_by_arguments,
     storage_readers,
+    unwritten_outputs,
     written_inputs,
 )
 from graphdispatch_backend.passes.subgraph import boundary, extract, replace_with_call
@@ -92,7 +101,7 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return SplitReason.SCALAR_INPUT
     if is_effectful(node):
         return SplitReason.EFFECTFUL_OP
-    if is_collective(node) and graph_device != "cuda":
+    if is_collective(node) and not captured_collective(node, graph_device):
         return SplitReason.COLLECTIVE
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.name in _SCHEMA_REASONS:
@@ -125,18 +134,28 @@ def inline_nodes(gm: fx.GraphModule, graph_device: str) -> dict[fx.Node, SplitRe
     return reasons
 
 
-def _inline_companions(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) -> set[fx.Node]:
-    """Uninitialized allocations read only by inline nodes, moved right before their first
-    user and inline with it (see module docstring); their arguments (sizes, a template
-    tensor) are all defined earlier, so the move keeps the graph valid."""
+def _returned_unwritten(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) -> None:
+    """Uninitialized allocations the graph only returns: inline, made at each call (module
+    docstring)."""
+    output = gm.graph.output_node()
+    for node in gm.graph.nodes:
+        if node not in reasons and allocates_uninitialized(node) and set(node.users) == {output}:
+            reasons[node] = SplitReason.UNWRITTEN_BUFFER
+
+
+def _place_allocations(gm: fx.GraphModule, reasons: dict[fx.Node, SplitReason]) -> set[fx.Node]:
+    """Each uninitialized allocation moved right before its first user, so it belongs to the
+    piece that fills it, and inline with that user when it stays inline (see module
+    docstring); returns those inline ones (companions: not counted). Their arguments (sizes,
+    a template tensor) are all defined earlier, so the move keeps the graph valid."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     companions = set()
     for node in list(gm.graph.nodes):
         if node in reasons or not node.users or not allocates_uninitialized(node):
             continue
-        if all(user in reasons for user in node.users):
-            first = min(node.users, key=order.__getitem__)
-            first.prepend(node)
+        first = min(node.users, key=order.__getitem__)
+        first.prepend(node)
+        if first in reasons:
             reasons[node] = reasons[first]
             companions.add(node)
     return companions
@@ -163,7 +182,8 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
     if spec is None:
         return
     reasons = inline_nodes(gm, spec.graph_device)
-    companions = _inline_companions(gm, reasons) if reasons else set()
+    _returned_unwritten(gm, reasons)
+    companions = _place_allocations(gm, reasons) if reasons else set()
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # in the order the moves left
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     if not reasons:
@@ -175,7 +195,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         origins = tuple(_origin(ctx, placeholders, n) for n in placeholders)
         ctx.pieces = [PieceInfo(0, True, len(calls), {}, _ops(calls), origins, tuple(sorted(written_inputs(gm))),
                                 tuple(sorted(storage_readers(gm))), any(is_collective(n) for n in calls),
-                                plan_writes(gm))]
+                                plan_writes(gm), unwritten_outputs(gm))]
         return
     runs: list[tuple[bool, list[fx.Node]]] = []
     for node in calls:
@@ -212,6 +232,7 @@ def split_pieces(gm: fx.GraphModule, ctx: PassContext) -> None:
         info.write_plan = plan_writes(piece_gm)
         info.wide = tuple(sorted(storage_readers(piece_gm)))
         info.collectives = any(is_collective(n) for n in nodes)
+        info.unwritten = unwritten_outputs(piece_gm)
         target = spec.make_piece(piece_gm, info)
         replace_with_call(gm, nodes, inputs, outputs, target, {"gd_piece": info.index})
         pieces.append(info)

@@ -93,16 +93,10 @@ if scenario in ("capture_failed", "capture_failed_inside") and rank == 1:
 
     HostReplayEngine.capture = capture
 if scenario.endswith("_inside"):
-    # NCCL's case on CPU: the collectives stay inside the captured pieces (the host model
-    # re-runs them on every replay, as a CUDA graph launches captured NCCL kernels)
-    split_mod = importlib.import_module("graphdispatch_backend.passes.split_pieces")
-    real_reason = split_mod.split_reason
-
-    def split_reason(node, graph_device):
-        reason = real_reason(node, graph_device)
-        return None if reason is gd.errors.SplitReason.COLLECTIVE else reason
-
-    split_mod.split_reason = split_reason
+    # NCCL's case on CPU: the group taken for NCCL's (passes/ops.py group_backend), the
+    # collectives stay inside the captured pieces (the host model re-runs them on every
+    # replay, as a CUDA graph launches captured NCCL kernels)
+    importlib.import_module("graphdispatch_backend.passes.ops").group_backend = lambda name, device_type: "nccl"
 
 mesh = init_device_mesh("cpu", (world,))
 torch.manual_seed(0)

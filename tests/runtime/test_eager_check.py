@@ -19,6 +19,7 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.checks import reference as reference_mod
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks.suspects import Suspects
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -38,7 +39,7 @@ def checked(eager: Callable[..., Any], compiled: Callable[..., Any],
         return out
 
     check = EagerCheck(eager, counted, record, Events(), make_contain(False), strict=False, keyed=[0],
-                       locate=lambda args: [], dynamic=False, timing=Timing(), suspects=suspects)
+                       locate=lambda args: [], dynamic=False, timing=Timing(), suspects=Suspects(listed=suspects))
     return check, record
 
 

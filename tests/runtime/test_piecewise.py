@@ -9,20 +9,26 @@ only of such nodes runs eager as no_capturable_piece.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 from torch import nn
 
+from graphdispatch_backend.backend import make_contain
+from graphdispatch_backend.diagnostics.events import Events
+from graphdispatch_backend.diagnostics.report import CudaGraphStats
+from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import SplitReason
 from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.ops import draws_random
 from graphdispatch_backend.passes.split_pieces import split_pieces, split_reason
+from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
+from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.testing import (
     LinearBlock,
     accounted_graphs,
@@ -31,6 +37,7 @@ from graphdispatch_backend.testing import (
     manifest_from_region,
     only_graph,
     region_entry,
+    uninitialized_memory,
     write_bundle,
 )
 
@@ -168,41 +175,77 @@ def test_feature_dropout_keeps_its_uninitialized_mask_inline_and_replays():
 
 
 def test_without_the_move_the_uninitialized_mask_fails_verification(monkeypatch):
+    """Both rules removed: the allocation stays in the piece before the random op, which
+    returns it, and the piece's checks compare its values (the mask's memory, unwritten)."""
     # the module, not the function passes/__init__ hands out under its name
     module = sys.modules[split_pieces.__module__]
-    monkeypatch.setattr(module, "_inline_companions", lambda gm, reasons: set())
+    monkeypatch.setattr(module, "_place_allocations", lambda gm, reasons: set())
+    monkeypatch.setattr(module, "unwritten_outputs", lambda gm: ())
 
     def dropped(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout2d(x.sin(), 0.5, training=True) * 2
 
     torch.manual_seed(0)  # the inputs below: the same whatever ran before (the suite's order)
-    with _uninitialized():  # memory nobody wrote differs run to run (not by the allocator's chance)
+    with uninitialized_memory():  # memory nobody wrote differs run to run (not by the allocator's chance)
         run_checked(emulate(dropped), dropped, [(torch.randn(2, 3, 4, 4),) for _ in range(6)], seed=11)
     assert any("eager_nondeterministic" in g["cuda_graph"]["declines"] for g in accounted_graphs())
 
 
-@contextlib.contextmanager
-def _uninitialized() -> Iterator[None]:
-    """Every CPU `new_empty` holds other values, as uninitialized memory may: a test of what
-    reads it must not depend on what the allocator happened to reuse (pages of zeros). A
-    kernel registered for the test's span, not a dispatch mode around the compiled call:
-    a mode on the stack puts the Python dispatch key in the tensors' key set that Dynamo's
-    guards compare, and whether the compile saw it depended on the tests run before (one
-    recompile per call, so no graph reached its capture)."""
-    values = itertools.count(1)
+def returns_a_buffer_to_fill(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a graph ends with before `dist.all_to_all_single(out, x, async_op=True)` breaks
+    it: the buffer the collective fills, between this graph and the next."""
+    return x.sin() * 2, torch.empty_like(x)
 
-    def new_empty(self: torch.Tensor, size: Sequence[int], *, dtype: torch.dtype | None = None,
-                  layout: Any = None, device: Any = None, pin_memory: bool | None = None) -> torch.Tensor:
-        out = torch.empty(size, dtype=self.dtype if dtype is None else dtype,
-                          device=self.device if device is None else device)
-        return out.fill_(next(values))
 
-    lib = torch.library.Library("aten", "IMPL")  # scoped: destroyed when the block ends
-    try:
-        lib.impl("new_empty", new_empty, "CPU")
-        yield
-    finally:
-        lib._destroy()
+def _returned_buffer_run() -> dict[str, Any]:
+    compiled = emulate(returns_a_buffer_to_fill)
+    with torch.no_grad(), uninitialized_memory():  # the buffer holds new values every call
+        for i in range(6):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
+            (got, buf), (want, ref) = compiled(x), returns_a_buffer_to_fill(x)
+            assert torch.equal(got, want), f"call {i}"
+            assert (buf.shape, buf.stride(), buf.dtype) == (ref.shape, ref.stride(), ref.dtype)
+    return only_graph()
+
+
+def test_a_buffer_returned_unwritten_is_made_at_each_call_and_never_compared():
+    graph = _returned_buffer_run()
+    assert graph["split_reasons"] == {"unwritten_buffer": 1}
+    assert summary(graph) == [(True, {}, ["aten::sin.default", "aten::mul.Tensor"]),
+                              (False, {"unwritten_buffer": 1}, ["aten::empty_like.default"])]
+    assert graph["lowering_check"]["status"] == "bitwise"
+    assert graph["cuda_graph"]["declines"] == {} and graph["cuda_graph"]["replays"] == 3
+
+
+def test_without_the_rule_the_eager_check_judges_the_buffer_nondeterministic(monkeypatch):
+    import graphdispatch_backend.backend as backend
+
+    monkeypatch.setattr(backend, "unwritten_outputs", lambda gm: ())
+    graph = _returned_buffer_run()
+    assert graph["lowering_check"]["status"] == "eager_nondeterministic"
+    assert "torch.empty_like (memory made uninitialized)" in graph["lowering_check"]["detail"]
+
+
+def _garbage_piece() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A piece returning memory it made and never wrote, holding new values every run."""
+    fills = itertools.count(1)
+    return lambda x: (x * 2, torch.empty(3).fill_(next(fills)))
+
+
+@pytest.mark.parametrize(("unwritten", "declines"), [((1,), set()), ((), {"eager_nondeterministic"})])
+def test_a_pieces_unwritten_output_is_compared_but_for_its_values(unwritten, declines):
+    """Verification (runtime/runner/verify.py) compares such an output's metadata only;
+    without the rule, two eager runs disagree on it."""
+    scope = RuntimeScope(HostReplayEngine(), Timing(), Events(), make_contain(False))
+    stats = CudaGraphStats()
+    runner = GraphRunner(_garbage_piece(), "piece", scope, stats, warmup=1, max_captures=8, verify_inputs=2,
+                         state_names={}, unwritten=unwritten)
+    for i in range(5):
+        x = torch.randn(3, generator=torch.Generator().manual_seed(i))
+        got, buf = runner(x)
+        assert torch.equal(got, x * 2) and buf.shape == (3,)
+    assert set(stats.declines) == declines, stats.decline_details
+    assert (stats.replays > 0) == (not declines)
 
 
 def test_cudagraph_unsafe_tag_splits():

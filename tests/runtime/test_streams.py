@@ -22,6 +22,7 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner import inputs as inputs_mod
@@ -276,7 +277,7 @@ def test_a_verification_mismatch_from_eager_itself_is_eager_nondeterministic():
     scope = RuntimeScope(HostReplayEngine(), Timing(), Events(), make_contain(False))
     stats = CudaGraphStats()
     runner = GraphRunner(noisy_index_add, "piece", scope, stats, warmup=2, max_captures=8, verify_inputs=2,
-                         state_names={}, suspects=["aten::index_add"])
+                         state_names={}, suspects=Suspects(listed=["aten::index_add"]))
     index = torch.tensor([0, 2])
     for _ in range(5):
         runner(torch.randn(4, 3), index, torch.randn(2, 3))

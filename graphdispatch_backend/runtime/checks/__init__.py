@@ -2,5 +2,6 @@
 prints.py, digest.py), the world a check snapshots and puts back (world.py), private random
 draws (draws.py), when to check (schedule.py), ranks agreeing on a verdict (agree.py), the
 eager and gradient checks of a served call (eager_check.py, autograd_check.py), culprit
-isolation (isolate.py) and the modes it sets for the gates (modes.py). May import
+isolation (isolate.py) and the modes it sets for the gates (modes.py), the op named when
+eager disagrees with itself (suspects.py). May import
 runtime/cudagraph and runtime/call; never the gates, the runner or the program."""

@@ -50,6 +50,7 @@ from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import Due, KeyedDue
+from graphdispatch_backend.runtime.checks.suspects import NONE_KNOWN, Suspects
 from graphdispatch_backend.runtime.checks.world import Region, World
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 
@@ -78,13 +79,14 @@ class EagerCheck:
         locate: Callable[[Sequence[Any]], list[Region]],
         dynamic: bool,
         timing: Timing,
-        suspects: Sequence[str] = (),
+        suspects: Suspects | None = None,
         agreement: Agreement | None = None,
         gradients: GradientCheck | None = None,
         recheck: str | int = "doubling",
         runners: Sequence[Any] = (),
         draws: bool = False,
         fusion: Any = None,
+        unwritten: Sequence[int] = (),
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -94,7 +96,7 @@ class EagerCheck:
         self._strict = strict
         self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
         self._locate = locate  # where in its inputs this call will write (runtime/checks/world.py)
-        self._suspects = tuple(suspects)  # ops that may make eager disagree with itself
+        self._suspects = suspects if suspects is not None else Suspects()  # who to name when eager disagrees
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         self._dynamic = dynamic
         # which calls are checked (runtime/checks/schedule.py); dynamic graphs: per shape key
@@ -111,6 +113,9 @@ class EagerCheck:
         self._draws = draws  # the graph draws random numbers: the extra runs draw privately
         self._fusion = fusion  # the graph's runtime/program/fused.py Fusion: a party isolation may blame
         self._n = self._previous = 0  # the checked call's number in its shape key, and the last check's
+        # outputs the Dynamo graph makes uninitialized and returns unwritten (its caller fills
+        # them: a collective after a graph break): compared but for their values
+        self._unwritten = frozenset(unwritten)
 
     def __call__(self, *args: Any) -> Any:
         if self._timing is not None:
@@ -154,7 +159,7 @@ class EagerCheck:
         # their history, nor where ranks must run every eager run in step (collectives).
         # Printed now, before the world goes back: an output may be a view of a written input.
         lean = self._gradients is None and self._agreement is None
-        ref = Reference(raw, args, lean, self._contain, start)
+        ref = Reference(raw, args, lean, self._contain, start, self._unwritten)
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
         if exc is not None:
@@ -268,14 +273,26 @@ class EagerCheck:
                detail: str) -> tuple[Decline, str]:
         """Run eager once more from the world before: if eager disagrees with itself, the
         mismatch is eager's nondeterminism, not the lowering's fault."""
+        output = [-1]  # the output that differed (-1: none, the written inputs did)
+
         def again() -> Any:
             before.restore()
-            return ref.again(flat(ref.extra(self._eager)(*args))) or after.compare()
+            found = ref.again(flat(ref.extra(self._eager)(*args)))
+            if found is not None:
+                output[0] = found.output
+            return found or after.compare()
+
+        def run(fn: Callable[..., Any]) -> Any:  # the suspects' runs, op by op (runtime/checks/suspects.py)
+            before.restore()
+            return ref.extra(fn)(*args)
 
         differs, exc = self._contain(again)
         if exc is None and differs is not None:
-            suspects = ", ".join(self._suspects) or "no known nondeterministic op (a custom op?)"
-            return Decline.EAGER_NONDETERMINISTIC, f"eager disagrees with itself ({differs}); suspects: {suspects}"
+            named, _ = self._contain(lambda: self._suspects.name(output[0], run))
+            if self._suspects.reruns:
+                ref.forget_second()
+            return (Decline.EAGER_NONDETERMINISTIC,
+                    f"eager disagrees with itself ({differs}); suspects: {named or NONE_KNOWN}")
         return Decline.LOWERING_MISMATCH, ref.detail(detail)
 
     # -- verdicts -----------------------------------------------------------------------

@@ -26,15 +26,17 @@ class Reference:
     """Eager's side of one check: its outputs, or (`lean`) their print and, once a mismatch
     made eager run again, that second run's outputs (see `_check`)."""
 
-    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain, start: Start | None) -> None:
+    def __init__(self, raw: Any, args: Sequence[Any], lean: bool, contain: Contain, start: Start | None,
+                 skip: frozenset[int] = frozenset()) -> None:
         self._args = args
+        self._skip = skip  # outputs made uninitialized and never written: their values are nobody's
         self._start = start  # the graph draws: every extra run draws from private copies (runtime/checks/draws.py)
         self._raw: Any = raw
         self._printed: Printed | None = None
         self._second: list[Any] | None = None  # eager's second run (lean): answers and details
         self._got: list[Any] | None = None
         if lean:  # printed at once: an output may view an input the world puts back
-            printed, exc = contain(lambda: take_print(flat(raw), args))
+            printed, exc = contain(lambda: take_print(flat(raw), args, skip))
             if exc is None:  # else the outputs stay: a print is a saving, never a requirement
                 self._printed = printed
 
@@ -55,21 +57,27 @@ class Reference:
         if self._raw is None and self._printed is not None:
             return differs(self._printed, got, self._args)
         expected = flat(self._raw)
-        return compare(expected, got) or compare_aliasing(expected, got, self._args)
+        return compare(expected, got, skip=self._skip) or compare_aliasing(expected, got, self._args)
 
     def again(self, second: list[Any]) -> Mismatch | None:
         """Eager's second run against its first."""
         if self._raw is None and self._printed is not None:
             self._second = second
             return differs(self._printed, second, self._args)
-        return compare(flat(self._raw), second)
+        return compare(flat(self._raw), second, skip=self._skip)
+
+    def forget_second(self) -> None:
+        """Eager ran again after its second run (the suspects' runs): the world is no longer
+        the second run's, so the answer runs eager once more (`answer`)."""
+        self._second = None
 
     def detail(self, detail: str) -> str:
         """A lean mismatch's detail, with values (max abs diff, first index) from eager's
         second run, which agreed with its first."""
         if self._second is None or self._got is None:
             return detail
-        full = compare(self._second, self._got) or compare_aliasing(self._second, self._got, self._args)
+        full = compare(self._second, self._got, skip=self._skip) or compare_aliasing(self._second, self._got,
+                                                                                      self._args)
         return f"differs from eager: {full}" if full is not None else detail
 
     def answer(self, eager: Callable[..., Any], before: World, after: World,

@@ -52,6 +52,7 @@ from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
 from graphdispatch_backend.runtime.runner.entry import Entry, State
@@ -85,7 +86,7 @@ class GraphRunner:
         state_names: dict[int, str],
         input_names: Sequence[str] = (),
         gates: Sequence[Any] = (),
-        suspects: Sequence[str] = (),
+        suspects: Suspects | None = None,
         device: Any = "cpu",
         mutated: Sequence[int] = (),
         writes: Writes | None = None,
@@ -93,6 +94,7 @@ class GraphRunner:
         guarded: bool = False,
         static_shapes: bool = False,
         agreement: Agreement | None = None,
+        unwritten: Sequence[int] = (),
     ) -> None:
         self._fn = fn
         self.name = name
@@ -117,8 +119,9 @@ class GraphRunner:
         self._recorder = recorder = Recorder(
             fn, scope, self._device, stats, book, lookup, transitions, warmup=warmup, gates=gates,
             writes=writes, wide=wide, guarded=guarded, agreement=agreement, names=self._names)
-        self._publisher = Publisher(fn, Verifier(fn, scope.contain, writes, suspects, wide), verify_inputs, scope,
-                                    self._device, stats, gates, transitions, agreement)
+        verifier = Verifier(fn, scope.contain, writes, suspects, wide, unwritten)
+        self._publisher = Publisher(fn, verifier, verify_inputs, scope, self._device, stats, gates, transitions,
+                                    agreement)
         self._relocator = Relocator(self._device, stats, book, lookup, recorder, transitions, writes, gates,
                                     verify_inputs)
         # the hot path (runtime/program/program.py): none where every call counts toward an agreement

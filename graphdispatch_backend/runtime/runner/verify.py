@@ -30,6 +30,7 @@ from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.checks.digest import same_values
 from graphdispatch_backend.runtime.checks.parity import Mismatch, differ
 from graphdispatch_backend.runtime.checks.prints import PRINTED, Printed, differs, outputs_differ, take_print
+from graphdispatch_backend.runtime.checks.suspects import NONE_KNOWN, Suspects
 from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
 from graphdispatch_backend.runtime.runner.derive import derive
@@ -44,12 +45,14 @@ class Verifier:
     disagree with itself); each verifying call is a Trial of it."""
 
     def __init__(self, fn: Callable[..., Sequence[Any]], contain: Contain, writes: Writes | None = None,
-                 suspects: Sequence[str] = (), wide: Sequence[int] = ()) -> None:
+                 suspects: Suspects | None = None, wide: Sequence[int] = (), unwritten: Sequence[int] = ()) -> None:
         self.fn = fn  # the piece, run eagerly
         self.contain = contain
         self._writes = writes if writes is not None else Writes(())  # where the piece writes its inputs
-        self._suspects = ", ".join(suspects) or "no known nondeterministic op (a custom op?)"
+        self._suspects = suspects if suspects is not None else Suspects()  # who to name when eager disagrees
         self.wide = frozenset(wide)  # inputs read with as_strided: derived over their whole storage
+        # outputs that are memory the piece made uninitialized and never wrote: metadata only
+        self.skip = frozenset(unwritten)
 
     def live(self, args: Sequence[Any], serve: Serve, eager: Serve) -> tuple[Sequence[Any], Verdict]:
         """A call's live set alone, without the publisher's other steps (Trial.live)."""
@@ -64,29 +67,48 @@ class Verifier:
         """Eager's outputs against the replay's (either side may be a print, runtime/checks/prints.py),
         and eager's world (`eager_after`) against the replay's (`replay_state`); on a mismatch,
         eager again from `before`. The world is left as eager left it."""
-        mismatch, exc = self.contain(lambda: outputs_differ(expected, replayed, args)
+        mismatch, exc = self.contain(lambda: outputs_differ(expected, replayed, args, self.skip)
                                      or _states(eager_after, replay_state))
         if exc is not None:
             return Decline.CHECK_FAILED, f"comparing the replay raised {type(exc).__name__}: {exc}"
         if mismatch is None:
             return None
 
+        output = [-1]  # the output that differed (-1: none, the written inputs did)
+
         def again() -> Any:
             before.restore()
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
                     second = self.fn(*args)
-                return outputs_differ(expected, second, args) or eager_after.compare()
+                found = outputs_differ(expected, second, args, self.skip)
+                if found is not None:
+                    output[0] = found.output
+                return found or eager_after.compare()
             finally:
                 eager_after.restore()
 
         nondeterministic, exc = self.contain(again)
         if exc is None and nondeterministic is not None:
+            named, _ = self.contain(lambda: self._name(output[0], args, before, eager_after))
             return (Decline.EAGER_NONDETERMINISTIC,
-                    f"eager disagrees with itself ({nondeterministic}); suspects: {self._suspects}")
+                    f"eager disagrees with itself ({nondeterministic}); suspects: {named or NONE_KNOWN}")
         if mismatch is PRINTED and serve is not None:
             mismatch = self._replayed_again(args, expected, serve, before, eager_after) or mismatch
         return Decline.VERIFY_MISMATCH, str(mismatch)
+
+    def _name(self, output: int, args: Sequence[Any], before: World, eager_after: World) -> str:
+        """The op whose bits differed (runtime/checks/suspects.py), the piece run op by op from
+        the world before; the world is left as eager left it."""
+        def run(fn: Callable[..., Any]) -> Any:
+            before.restore()
+            with recording():  # extra runs: gates neither count nor re-check them
+                return fn(*args)
+
+        try:
+            return self._suspects.name(output, run)
+        finally:
+            eager_after.restore()
 
     def _replayed_again(self, args: Sequence[Any], expected: Sequence[Any] | Printed,
                         serve: Serve, before: World,
@@ -96,7 +118,7 @@ class Verifier:
         def replay() -> Mismatch | None:
             before.restore()
             try:
-                return outputs_differ(expected, serve(args), args)
+                return outputs_differ(expected, serve(args), args, self.skip)
             finally:
                 eager_after.restore()
 
@@ -140,7 +162,7 @@ class Trial:
         replayed, failed = self._contain(lambda: self._serve(args))
         if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
             # (printed before the world goes back: an output may view an input it puts back)
-            printed, oops = self._contain(lambda: take_print(replayed, args))
+            printed, oops = self._contain(lambda: take_print(replayed, args, verifier.skip))
             replayed = printed if oops is None else replayed
         replay_state, exc = self._contain(before.swap)
         try:  # the user's own run: it must not fail for the memory the replay's outputs hold
@@ -188,12 +210,13 @@ class Trial:
                     expected, exc = self._contain(lambda: verifier.fn(*derived))  # noqa: B023 (run at once)
                 if exc is not None:  # eager rejects these values (a data-dependent check)
                     return NO_SET
-                if live is not None and not differ(expected, live):  # outputs ignore the change: a stale read hides
+                # outputs that ignore the change: a stale read hides
+                if live is not None and not differ(expected, live, verifier.skip):
                     following = next(candidates, None)
                     if following is not None:
                         values = following
                         continue
-                expected = take_print(expected, derived)  # freed before the replay runs
+                expected = take_print(expected, derived, verifier.skip)  # freed before the replay runs
                 if printed is not None:
                     printed.append(expected)
                 eager_after = before.swap()
