@@ -108,7 +108,6 @@ class Decline(str, enum.Enum):
     EAGER_NONDETERMINISTIC = "eager_nondeterministic"  # eager disagrees with itself on the same inputs
     OUT_OF_MEMORY = "out_of_memory"  # an allocation failed: eager this call, tried again later
     MULTI_DEVICE = "multi_device"  # the graph's tensors span several CUDA devices
-    RANK_DISAGREEMENT = "rank_disagreement"  # another rank of the graph's process groups reached a verdict
     # the graph writes an input where graphdispatch cannot locate, and a whole snapshot of it
     # is larger than max_snapshot_bytes: nothing that needs the snapshot (a check, a capture) runs
     SNAPSHOT_TOO_LARGE = "snapshot_too_large"

@@ -10,7 +10,10 @@ decision is a small integer, all-reduced (MAX) over the graph's process groups a
 point every rank reaches on the same call, and acted on as agreed.
 
 A graph without collectives has no Agreement and pays nothing. Verdict codes are ordered:
-the worst one wins.
+the worst one wins. A verdict is agreed with its reason (`agreed_verdict`): every rank
+declines with the same reason, the one the rank at fault found, so two ranks never report
+one piece differently (one `verify_mismatch`, the other `eager_nondeterministic`); a rank
+with no fault of its own says so in the detail.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from graphdispatch_backend.errors import Decline
+
+# Verdict codes for agreement: 0 is no verdict; an out-of-memory (a retry, not a judgement)
+# ranks below every other reason, the rest in Decline's order.
+_ORDER: tuple[Decline, ...] = (Decline.OUT_OF_MEMORY, *(d for d in Decline if d is not Decline.OUT_OF_MEMORY))
+Verdict = tuple[Decline, str] | None
 
 
 class Agreement:
@@ -55,3 +65,19 @@ def agreement_for(group_names: Sequence[str]) -> Agreement | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     return Agreement([_resolve_process_group(name) for name in group_names])
+
+
+def agreed_verdict(agreement: Agreement | None, verdict: Verdict) -> Verdict:
+    """The verdict every rank takes: the worst reason any rank reached (one all-reduce), with
+    this rank's detail where it reached that reason itself, else a detail naming it as
+    another rank's; `verdict` itself without an agreement."""
+    if agreement is None:
+        return verdict
+    code = agreement.agree(0 if verdict is None else _ORDER.index(verdict[0]) + 1)
+    if code == 0:
+        return None
+    reason = _ORDER[code - 1]
+    if verdict is not None and verdict[0] is reason:
+        return verdict
+    mine = f" (this rank found {verdict[0].value}: {verdict[1]})" if verdict is not None else ""
+    return reason, f"{reason.value} on another rank of the graph's process groups{mine}"

@@ -42,7 +42,7 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused, StrictModeError
 from graphdispatch_backend.runtime.call.calls import mark_entry
 from graphdispatch_backend.runtime.call.keys import layout_key
-from graphdispatch_backend.runtime.checks.agree import Agreement
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
 from graphdispatch_backend.runtime.checks.isolate import ARTIFACT, CAPTURE, FUSION, culprit
@@ -58,14 +58,6 @@ MAX_KEYS = KEPT_KEYS  # shape keys whose schedules are kept (schedule.KeyedDue);
 
 Verdict = tuple[Decline, str] | None
 # agreement codes, the worst last: the largest code over the ranks is the agreed verdict
-_CODES: tuple[Decline | None, ...] = (None, Decline.OUT_OF_MEMORY, Decline.LOWERING_MISMATCH,
-                                      Decline.EAGER_NONDETERMINISTIC, Decline.LOWERING_FAILED, Decline.CHECK_FAILED)
-
-
-def _code(verdict: Verdict) -> int:
-    return _CODES.index(verdict[0]) if verdict is not None else 0
-
-
 class EagerCheck:
     def __init__(
         self,
@@ -249,25 +241,19 @@ class EagerCheck:
         itself (`forward`: it compared the forward's results; a gradient verdict is blamed by
         the gradient check), and agreed with every other rank of the graph's groups: the
         eager runs a verdict adds happen on every rank, and a rank that found nothing itself
-        takes `rank_disagreement` when another found something."""
+        takes the reason another found (checks/agree.py's `agreed_verdict`)."""
         agreement = self._agreement
         if agreement is None:
             if local is not None and forward:
                 return self._blame(args, before, after, ref, local[1])
             return local
-        worst = _CODES[agreement.agree(_code(local))]
-        if worst is None:
-            return None
-        if worst is Decline.LOWERING_MISMATCH:  # every rank runs the second eager run
-            blamed = self._blame(args, before, after, ref, local[1] if local else "")
-            if local is not None and forward:
-                local = blamed
-        worst = _CODES[agreement.agree(_code(local))]
-        if local is None or (worst is Decline.OUT_OF_MEMORY and local[0] is not worst):
-            if worst is Decline.OUT_OF_MEMORY:
-                return worst, "another rank ran out of memory in this check"
-            return Decline.RANK_DISAGREEMENT, f"another rank of the graph's process groups found {worst.value}"
-        return local
+        worst = agreed_verdict(agreement, local)
+        if worst is None or worst[0] is not Decline.LOWERING_MISMATCH:
+            return worst
+        blamed = self._blame(args, before, after, ref, local[1] if local else "")  # every rank runs eager again
+        if local is not None and forward:
+            local = blamed
+        return agreed_verdict(agreement, local)  # the blame agreed: one reason on every rank
 
     def _blame(self, args: Sequence[Any], before: World, after: World, ref: Reference,
                detail: str) -> tuple[Decline, str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
-from graphdispatch_backend.runtime.checks.agree import Agreement, agreed
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreed, agreed_verdict
 from graphdispatch_backend.runtime.checks.digest import digest
 from graphdispatch_backend.runtime.runner.entry import Entry, State
 from graphdispatch_backend.runtime.runner.serve import serve
@@ -109,8 +109,7 @@ class Publisher:
                 return expected
             if changed and verdict is None:
                 verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
-            if agreed(self._agreement, int(verdict is not None)) and verdict is None:
-                verdict = Decline.RANK_DISAGREEMENT, "another rank's verification failed"
+            verdict = agreed_verdict(self._agreement, verdict)  # every rank, one reason
             if verdict is not None:
                 if verdict[0] is not Decline.OUT_OF_MEMORY:
                     self._transitions.decline(entry, *verdict)

@@ -42,7 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.call.contract import LayoutIdentity, layout_identity
-from graphdispatch_backend.runtime.checks.agree import Agreement, agreed
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
@@ -105,9 +105,11 @@ class Recorder:
             self.capture(entry, args)
         except CudaGraphUnavailable as exc:
             refusal = exc
-        if agreed(self._agreement, int(refusal is not None)) and refusal is None:  # another rank failed to capture
-            self._transitions.decline(entry, Decline.RANK_DISAGREEMENT, "another rank's capture failed")
-            return Decline.RANK_DISAGREEMENT
+        own = (refusal.reason, refusal.detail) if refusal is not None else None
+        verdict = agreed_verdict(self._agreement, own)  # every rank, one reason: the rank at fault's
+        if verdict != own:  # another rank failed to capture
+            self._transitions.decline(entry, *verdict)
+            return verdict[0]
         if refusal is None:
             return None
         if refusal.reason is Decline.OUT_OF_MEMORY and self._agreement is None:

@@ -50,7 +50,7 @@ import torch
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
-from graphdispatch_backend.runtime.checks.agree import Agreement, agreed
+from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Writes
@@ -296,7 +296,7 @@ class LockstepGraphRunner(GraphRunner):
     `agreed`); a rank that finds a problem in steady state (a moved input, a failed replay)
     answers eagerly, which runs the same collectives, and raises it at the next agreement
     point, the runner's 1st, 2nd, 4th, 8th, ... call: then every rank declines the piece
-    (the rank at fault with its reason, the others `rank_disagreement`). No hot path:
+    (every rank with the reason the rank at fault found: checks/agree.py's `agreed_verdict`). No hot path:
     every call counts toward the agreement schedule."""
 
     def __call__(self, *args: Any) -> Sequence[Any]:
@@ -308,10 +308,11 @@ class LockstepGraphRunner(GraphRunner):
     def _settle_pending(self) -> None:
         transitions = self._transitions
         pending, transitions.pending = transitions.pending, None
-        if not agreed(self._agreement, int(pending is not None)):
+        verdict = agreed_verdict(self._agreement, pending)  # every rank, one reason: the rank at fault's
+        if verdict is None:
             return
         self._replayer.hot = None
-        reason, detail = pending or (Decline.RANK_DISAGREEMENT, "another rank could not replay")
+        reason, detail = verdict
         for entry in list(self._book.entries.values()):
             if entry.state is not State.EAGER:
                 transitions.decline(entry, reason, detail)
