@@ -74,6 +74,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from graphdispatch_backend.diagnostics.report_dir import ReportError, load_report
     from graphdispatch_backend.errors import (
         CudaGraphUnavailable,
         CudaGraphWarmingUp,
@@ -86,6 +87,5 @@ if TYPE_CHECKING:
         Rejection,
         StrictModeError,
     )
-    from graphdispatch_backend.diagnostics.report_dir import ReportError, load_report
     from graphdispatch_backend.options import Options
     from graphdispatch_backend.session import flush, latest_report, reset
