@@ -66,9 +66,12 @@ class GraphArtifacts:
 
     def make_call(self, region: Region, outcome: MatchOutcome, native: fx.GraphModule) -> Callable[..., Any] | None:
         session, artifact = self.session, outcome.selected
-        try:
-            fn = artifact.load(session.contain)
+        try:  # what its code raises comes back even under strict, to be said with its name
+            fn = artifact.load(session.contain_artifact)
         except ArtifactLoadError as exc:
+            if session.options.strict:
+                raise StrictModeError(f"artifact {artifact.id} (bundle {artifact.bundle.folder}) did not "
+                                      f"load for region {region.name}: {exc}") from exc
             outcome.reject(artifact.id, Rejection.LOAD_FAILED, str(exc))
             session.events.warn_once(f"load:{artifact.id}", "graphdispatch: artifact %s did not load: %s",
                                      artifact.id, exc)
@@ -81,7 +84,8 @@ class GraphArtifacts:
         writes = Writes(written, plan_writes(native) if written else None, session.options.max_snapshot_bytes,
                         region.input_names)
         gate = ArtifactGate(artifact=fn, native=native, record=sub, parity=artifact.manifest.parity,
-                            contain=session.contain, events=session.events, timing=session.timing,
+                            contain=session.contain, contain_artifact=session.contain_artifact,
+                            events=session.events, timing=session.timing,
                             speed_gate=session.options.speed_gate, strict=session.options.strict,
                             kernel_inputs=region.kernel_positions, writes=writes,
                             snapshot_limit=session.options.max_snapshot_bytes, input_names=region.input_names,

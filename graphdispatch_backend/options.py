@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from graphdispatch_backend.errors import OptionsError
+from graphdispatch_backend.errors import OptionsError, did_you_mean
 
 ENV_PREFIX = "GRAPHDISPATCH_"
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
@@ -94,9 +94,8 @@ class Options:
         given = dict(options or {})  # a copy: torch.compile mutates the caller's dict
         unknown = sorted(k for k in given if k not in cls.names())
         if unknown:
-            raise OptionsError(
-                f"unknown option {unknown[0]!r}; valid keys: {', '.join(cls.names())}"
-            )
+            raise OptionsError(f"unknown option {unknown[0]!r}{did_you_mean(unknown[0], cls.names())}; "
+                               f"valid keys: {', '.join(cls.names())}")
         merged: dict[str, Any] = {}
         env = os.environ if environ is None else environ
         for name, text in env.items():
@@ -106,10 +105,9 @@ class Options:
             if not text.strip():  # `export GRAPHDISPATCH_ENABLE=` means unset, not "enable nothing"
                 continue
             if key not in cls.names():
-                raise OptionsError(
-                    f"unknown environment variable {name!r}; valid: "
-                    + ", ".join(ENV_PREFIX + k.upper() for k in cls.names())
-                )
+                near = did_you_mean(key.upper(), [k.upper() for k in cls.names()], ENV_PREFIX)
+                raise OptionsError(f"unknown environment variable {name!r}{near}; valid: "
+                                   + ", ".join(ENV_PREFIX + k.upper() for k in cls.names()))
             value = _from_env(key, text)
             try:  # validated here too, so the error names the variable, not only the key
                 merged[key] = _validate(key, value)

@@ -561,3 +561,47 @@ def test_strict_mode_raises_instead_of_demoting(tmp_path, counts):
     chain = [info.value, getattr(info.value, "inner_exception", None), info.value.__cause__]
     assert any(isinstance(e, GraphDispatchError) for e in chain), info.value
     counts["injected_faults"] += 1
+
+
+@pytest.mark.parametrize("k", [1, 3])  # at the parity gate; on a later, served call
+@pytest.mark.parametrize("mode", ["emulate", "off"])
+def test_strict_error_names_the_artifact_region_and_call(tmp_path, counts, k, mode):
+    """A kernel that raises under strict: the error names the artifact, the region, the call
+    and its inputs, and chains what the kernel raised (its own traceback), instead of
+    `StrictModeError: RuntimeError: mat1 and mat2 shapes ...` with the artifact's name only
+    higher in the traceback."""
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    options = dict(EMULATE) if mode == "emulate" else {"cuda_graphs": False}
+    source = kernel("return F.linear(input0.t(), weight, bias)", k)
+    compiled = torch.compile(make(), backend="graphdispatch",
+                             options={**options, "strict": True, "artifacts": str(bundle(tmp_path, source))})
+    with pytest.raises(GraphDispatchError) as info, torch.no_grad():
+        for _ in range(k):
+            compiled(torch.randn(4, 8))
+    message = str(info.value)
+    assert message.startswith("strict: artifact fault failed for region blk (raised)"), message
+    if mode == "emulate" and k == 3:  # its 3rd run is the recording of the capture, in the 2nd call
+        assert "the region's call 2, while a CUDA graph was recorded" in message, message
+    else:
+        assert f"the region's call {k} (inputs input0 [4, 8] float32" in message, message
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in message, message
+    assert isinstance(info.value.__cause__, RuntimeError)  # the kernel's own error, with its traceback
+    sub = substitution(graphdispatch_backend.latest_report())
+    assert sub["demoted"] and sub["reason"] == "raised", sub  # the report says it too
+    counts["injected_faults"] += 1
+
+
+def test_strict_error_for_a_kernel_that_does_not_load_names_it(tmp_path, counts):
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    source = kernel(prelude="raise ImportError('no such kernel library')")
+    compiled = torch.compile(make(), backend="graphdispatch",
+                             options={"cuda_graphs": False, "strict": True, "artifacts": str(bundle(tmp_path, source))})
+    with pytest.raises(Exception) as info, torch.no_grad():
+        compiled(torch.randn(4, 8))
+    inner = getattr(info.value, "inner_exception", info.value)  # through Dynamo: BackendCompilerFailed
+    assert isinstance(inner, GraphDispatchError), info.value
+    assert f"artifact fault (bundle {tmp_path / 'fault'}) did not load for region blk: " in str(inner), inner
+    assert "ImportError: no such kernel library" in str(inner)
+    counts["injected_faults"] += 1

@@ -87,6 +87,7 @@ class ArtifactGate:
         record: SubstitutionRecord,
         parity: Any,  # manifest Parity: mode, rtol, atol
         contain: Contain,
+        contain_artifact: Contain,
         events: Events,
         timing: Timing,
         speed_gate: bool = False,
@@ -109,7 +110,10 @@ class ArtifactGate:
         self._native = native
         self._record = record
         self._parity = parity
-        self._contain = contain
+        self._contain = contain  # graphdispatch's own steps (a snapshot, a comparison)
+        # the kernel's runs: what it raises comes back even under strict, so that it is demoted
+        # here, and under strict the demotion raises, naming the artifact, region and call
+        self._contain_artifact = contain_artifact
         self._events = events
         self._timing = timing
         self._speed_gate = speed_gate
@@ -122,8 +126,8 @@ class ArtifactGate:
         record.parity_mode = parity.mode
         # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
-        self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain)
-        self._speed = SpeedTrial(self._artifact, native, self._beside, contain)  # with speed_gate only
+        self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain, contain_artifact)
+        self._speed = SpeedTrial(self._artifact, native, self._beside, contain, contain_artifact)  # speed_gate only
         self._names = tuple(input_names)  # the region's input names (for what a demotion says)
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
@@ -167,17 +171,18 @@ class ArtifactGate:
 
     def _outputs(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The artifact's outputs, or None after demoting it for raising or a bad output."""
-        result, exc = self._contain(lambda: self._artifact(*inputs))
+        result, exc = self._contain_artifact(lambda: self._artifact(*inputs))
         if exc is not None and in_recording() and refused_by_capture(exc):
             # not the artifact's fault as an eager kernel: the capture fails, naming it, and
             # the graph's eager calls go on serving it (a demotion would lose it for good)
             raise CaptureRefused(f"{exc} in artifact {self._record.artifact}") from exc
         if exc is not None:
-            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
+            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}", cause=exc, counted=False, inputs=inputs)
             return None
         outs = _as_tuple(result)
         if _meta(outs) != expected:
-            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
+            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}",
+                         counted=False, inputs=inputs)
             return None
         return outs
 
@@ -198,7 +203,8 @@ class ArtifactGate:
                 reason, detail, mismatch = verdict
                 if not self._tolerant:  # its serving in this check counted as checked: it failed the check
                     self._checks.reopen()
-                self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch)
+                self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch,
+                             cause=o.raised, at="")
             return o.native
 
     def _inputs(self, inputs: Sequence[Any]) -> str:
@@ -269,7 +275,7 @@ class ArtifactGate:
                 detail += f"; {self._beyond(o)}"
             if recheck:
                 detail += self._checks.caught(key)
-            self._demote(reason, detail, mismatch)
+            self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
         p = self._parity
@@ -330,7 +336,7 @@ class ArtifactGate:
         if speed is not None:
             self._record.speed = speed
         if demotion is not None:
-            self._demote(*demotion)
+            self._demote(*demotion, inputs=inputs)
         return demotion is None
 
     def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
@@ -349,15 +355,24 @@ class ArtifactGate:
         p = self._parity
         mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
         if mismatch is not None:  # native ran anyway: every call is a parity check
-            self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch)
+            self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch, inputs=inputs)
             return native
         with self._record.lock:
             self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
         self._checks.served(checked=True)
         return outs
 
-    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None) -> None:
+    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None, *,
+                cause: BaseException | None = None, counted: bool = True, at: str | None = None,
+                inputs: Sequence[Any] | None = None) -> None:
+        """Demote the artifact for this region, recorded and said (a WARNING per region);
+        under strict, raise that instead, naming the artifact, the region, the call (`at`;
+        by default the region's call: `counted`, it is in the record's counts already) and
+        its inputs, from what the kernel raised (`cause`)."""
         record = self._record
+        if at is None:  # the inputs' values are not read inside a capture (a host sync)
+            at = self._at(counted) + (f" (inputs {self._inputs(inputs)})" if inputs is not None
+                                      and not in_recording() else "")
         with record.lock:
             record.demoted, record.reason, record.detail = True, reason.value, detail
             if reason in (Demotion.PARITY, Demotion.MUTATED_INPUT) or record.parity == "pending":
@@ -367,16 +382,26 @@ class ArtifactGate:
                 # `is not None`: a 0-d output's first mismatch index is [] (falsy), not unknown
                 record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index is not None else None
         self.demoted = True
-        message = f"artifact {record.artifact} demoted to native for region {record.region} ({reason.value}): {detail}"
+        where = f"for region {record.region} ({reason.value}){' ' + at if at else ''}"
+        message = f"artifact {record.artifact} demoted to native {where}: {detail}"
         self._timing.note(message)
         self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
                                            "reason": reason.value, "detail": detail})
         if self._strict:
-            raise ArtifactDemoted(message)
-        # once per artifact and kind of region (`layers.*.mlp`): 28 layers demoted for one
-        # reason are one line; the report lists every region
-        self._events.warn_once(f"demote:{record.artifact}:{record.kind or record.region}:{reason.value}",
+            raise ArtifactDemoted(f"strict: artifact {record.artifact} failed {where}: {detail}") from cause
+        # once per region: every demoted region is named (the report has the detail of each)
+        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}",
                                "graphdispatch: %s; the run goes on", message)
+
+    def _at(self, counted: bool) -> str:
+        """The call a demotion happened at: the region's call (eager or replayed), counted
+        in its record already or not yet; or the recording of a CUDA graph."""
+        r = self._record
+        with r.lock:
+            n = r.calls + r.replays + r.native_calls
+        if in_recording():  # inside a call not counted yet, and no call of the region's own
+            return f"at the region's call {n + 1}, while a CUDA graph was recorded"
+        return f"at the region's call {n + (0 if counted else 1)}"
 
 
 def _describe(outs: Sequence[Any] | None) -> str:
