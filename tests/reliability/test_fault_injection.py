@@ -605,3 +605,41 @@ def test_strict_error_for_a_kernel_that_does_not_load_names_it(tmp_path, counts)
     assert f"artifact fault (bundle {tmp_path / 'fault'}) did not load for region blk: " in str(inner), inner
     assert "ImportError: no such kernel library" in str(inner)
     counts["injected_faults"] += 1
+
+
+# -- every region call counted once, whatever demoted the artifact ----------------------------
+
+# the kernel one ulp off where its input holds a value above 10 (ATen ops only: a replay runs it too)
+LARGE_WRONG = ("out = torch.where(input0.abs().amax() > 10, torch.nextafter(out, torch.full_like(out, float('inf'))), "
+               "out)\nreturn out")
+# path -> (options, kernel, the calls (0-based) whose inputs are 100 times larger)
+DEMOTIONS = {
+    "gate_failure": ({}, kernel("return out + 1e-3"), ()),
+    "raise": ({}, kernel("raise RuntimeError('injected fault')", 3), ()),
+    "bad_output": ({}, kernel("return out[:2]", 3), ()),
+    "mutated_input": ({}, kernel("input0.mul_(2)"), ()),
+    "recheck_on_an_eager_call": ({"cuda_graphs": False}, kernel("return out + 1e-3", 2), ()),
+    "graph_check_on_an_eager_call": ({"cuda_graphs": False, "recheck": "every", "artifact_recheck": 10**9},
+                                     kernel(LARGE_WRONG), (13,)),
+    "graph_check_on_a_replayed_call": ({"recheck": 10**9}, kernel(LARGE_WRONG), (11,)),  # dense: call 12
+    "speed_gate": ({"speed_gate": True}, kernel("time.sleep(0.002)"), ()),
+}
+
+
+@pytest.mark.parametrize("path", sorted(DEMOTIONS))
+def test_every_region_call_is_counted_once_after_every_kind_of_demotion(tmp_path, counts, path):
+    """calls + replays + native_calls is every call of the region, however the artifact was
+    demoted. A check that caught the kernel on a replayed call counted the region's call
+    twice: once as the replay that served it, once as the native run of the culprit search,
+    which answers no call (the issue's 100 region calls counted where 96 were made)."""
+    extra, source, large = DEMOTIONS[path]
+    options = {**EMULATE, **extra}
+    report = run(make(), {**options, "artifacts": str(bundle(tmp_path, source))}, calls=20,
+                 inputs=lambda i: (torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+                                   * (100 if i in large else 1),))
+    sub = substitution(report)
+    assert sub["demoted"], sub
+    assert sub["calls"] + sub["replays"] + sub["native_calls"] == 20, sub
+    assert report["artifacts"]["fault"]["calls"] + report["artifacts"]["fault"]["replays"] \
+        + report["artifacts"]["fault"]["native_calls"] == 20, report["artifacts"]["fault"]
+    counts["injected_faults"] += 1

@@ -238,8 +238,9 @@ class ArtifactGate:
     def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
         # counted once per call it answers: a run inside a capture, a verification or an
         # emulated replay answers no call (a replay is counted by the runner, replayed()),
-        # so the count is the same under emulate as on a GPU
-        if not in_recording():
+        # so the count is the same under emulate as on a GPU; nor does a check's culprit
+        # run (`judging`: the call it judges was counted when it was served)
+        if not in_recording() and judging_call() is None:
             with self._record.lock:
                 self._record.native_calls += 1
         return self._native(*inputs)
