@@ -523,6 +523,23 @@ def test_a_cache_replaced_for_every_request_is_relocated_at_its_new_address():
     assert_stats_accounted(stats, requests * 24)
 
 
+def test_a_relocation_keeps_the_static_buffers_its_verified_capture_read():
+    """A moving input arrives at another alignment than at the capture (a row of a bigger
+    tensor: a timestep taken from the schedule's tensor, a token from the prompt's): its
+    static buffer for this call's alignment is another one. The relocated graph reads the
+    buffer the verified capture read (the graph's own memory); re-derived from the call's
+    inputs, the rebound capture read the old buffer's view over the new one: wrong values."""
+    runner, stats = make_runner(_cache_step, warmup=2, verify_inputs=1, mutated=(0,))
+    flat = torch.randn(256)  # k is 4 floats from element i on: its alignment mod 16 bytes turns with i
+    for request in range(3):
+        cache, ref = torch.zeros(64, 4), torch.zeros(64, 4)
+        for i in range(request, request + 6):  # each request starts at another row
+            pos, k = torch.tensor([i]), flat[i:i + 4].view(1, 4)
+            assert same(runner(cache, pos, k), _cache_step(ref, pos, k)) and torch.equal(cache, ref), (request, i)
+    assert stats.relocations == 2 and stats.declines == {}
+    assert_stats_accounted(stats, 18)
+
+
 def test_short_requests_replay_every_call_after_the_first_request():
     """Requests of 3 calls, a new cache each: every call of a later request replays, the
     first of them in the call that captures; the caches the caller dropped are released."""
