@@ -47,6 +47,7 @@ from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty
 from graphdispatch_backend.runtime.checks.schedule import graph_schedule
 from graphdispatch_backend.runtime.checks.world import Region, Writes
 from graphdispatch_backend.runtime.program.autograd import backward_fallback, without_history
@@ -211,6 +212,12 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
 
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
         dynamic = any(o.kind == "symbol" for o in origins)
+        # calls whose inputs leave what the checked calls saw are checked too: the inputs it
+        # only reads (not parameters, not written); not where ranks must check the same calls
+        written = {p - n_lifted for p in builder.mutated}
+        novelty = None if builder.agreement is not None else Novelty(
+            [j for j in keyed if j not in written], [o.name for o in origins[n_lifted:]],
+            Arrival.NEXT_CALL if record.cuda_graph_mode == "host" else Arrival.NOW)
         # an autograd graph's check also compares the gradients of one backward
         gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
             if record.kind == "autograd" else None
@@ -220,7 +227,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                               recheck="every" if session.options.timing == "shadow" else graph_schedule(
                                   session.options.recheck, session.options.artifact_recheck,
                                   bool(record.substitutions) and record.cuda_graph_mode != "off"),
-                              runners=builder.runners, draws=builder.draws, fusion=builder.fusion)
+                              runners=builder.runners, draws=builder.draws, fusion=builder.fusion, novelty=novelty)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)

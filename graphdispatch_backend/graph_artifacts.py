@@ -24,6 +24,7 @@ from graphdispatch_backend.errors import AuthoringFailure, Rejection, StrictMode
 from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.patterns import generalize
 from graphdispatch_backend.region import Region
+from graphdispatch_backend.runtime.checks.novelty import Arrival
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.gates.gate import ArtifactGate
 from graphdispatch_backend.session import Session
@@ -89,7 +90,9 @@ class GraphArtifacts:
                             speed_gate=session.options.speed_gate, strict=session.options.strict,
                             kernel_inputs=region.kernel_positions, writes=writes,
                             snapshot_limit=session.options.max_snapshot_bytes, input_names=region.input_names,
-                            recheck=session.options.artifact_recheck)
+                            recheck=session.options.artifact_recheck,
+                            # under emulate, a region's statistics come a call late, as a GPU's would
+                            novelty=Arrival.NEXT_CALL if session.options.cuda_graphs == "emulate" else Arrival.NOW)
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return call_target(gate, f"gd_artifact_{artifact.id}")

@@ -20,7 +20,7 @@ import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts import registry
 from graphdispatch_backend.errors import StrictModeError
-from graphdispatch_backend.runtime.gates.gate import ArtifactDemoted
+from graphdispatch_backend.runtime.gates.demote import ArtifactDemoted
 from graphdispatch_backend.testing import MLP_OUTPUTS, MLP_SOURCE, Stack, mlp_inputs, write_bundle
 
 

@@ -46,24 +46,22 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion, StrictModeError
+from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion
 from graphdispatch_backend.runtime.call.keys import layout_key
 from graphdispatch_backend.runtime.checks.modes import judging_call, natively
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty, Observation
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 from graphdispatch_backend.runtime.gates.checked import CheckBook
+from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
 # what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
 # failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
 _STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
-
-
-class ArtifactDemoted(StrictModeError):
-    """Raised instead of demoting when `strict` is set."""
 
 
 def _meta(outs: Sequence[Any]) -> tuple[Any, ...]:
@@ -97,6 +95,7 @@ class ArtifactGate:
         snapshot_limit: int | None = None,
         input_names: Sequence[str] = (),
         recheck: str | int = "dense",
+        novelty: Arrival = Arrival.NOW,
     ) -> None:
         if kernel_inputs is None:
             self._artifact = artifact
@@ -119,7 +118,11 @@ class ArtifactGate:
         self._speed_gate = speed_gate
         self._strict = strict
         self._passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._checks = CheckBook(recheck, record)  # which eager calls are checked; what it served unchecked
+        # the region's inputs that are no parameters and that it does not write: watched for new values
+        watched = [i for i, name in enumerate(input_names) if re.fullmatch(r"input\d+", name or "")
+                   and i not in (writes.positions if writes is not None else ())]
+        # which eager calls are checked (its schedule, and calls with new inputs); what it served unchecked
+        self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty))
         self._lock = threading.Lock()
         self.demoted = False
         self._tolerant = parity.mode != "bitwise"
@@ -128,7 +131,7 @@ class ArtifactGate:
         # inputs the manifest says the kernel writes (signature.mutates), and where
         self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain, contain_artifact)
         self._speed = SpeedTrial(self._artifact, native, self._beside, contain, contain_artifact)  # speed_gate only
-        self._names = tuple(input_names)  # the region's input names (for what a demotion says)
+        self._demoter = Demoter(record, events, timing, strict, input_names)  # what a demotion records and says
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:
@@ -148,19 +151,27 @@ class ArtifactGate:
                     return self._gate(key, inputs)
                 expected = self._passed[key]
         replaying = in_recording()
-        if not replaying and self._checks.due(key):  # unlocked: a lost call under threads only shifts a re-check
-            with self._lock:
-                return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
+        seen = None  # what this call's inputs hold (runtime/checks/novelty.py); none read inside a capture
+        if not replaying:
+            due, seen, novel = self._checks.take(key, inputs)
+            if due:  # unlocked: a lost call under threads only shifts a re-check
+                with self._lock:
+                    return (self._judge(key, inputs, recheck=True, seen=seen, novel=novel) if not self.demoted
+                            else self._run_native(inputs))
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
             if self._beside.mutates:  # both would write: every call is judged side by side instead
                 with self._lock:
-                    return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
-            return self._shadow(inputs, expected)
+                    return (self._judge(key, inputs, recheck=True, seen=seen) if not self.demoted
+                            else self._run_native(inputs))
+            return self._shadow(inputs, expected, seen)
         outs = self._outputs(inputs, expected)
         if outs is None:
             return self._run_native(inputs)
         if not replaying:  # a replay is counted once, by the runner (replayed())
-            self._checks.served(checked=self._in_graph_check())
+            checked = self._in_graph_check()
+            self._checks.served(checked=checked)
+            if checked and seen is not None:
+                seen.checked()
         return outs
 
     def _in_graph_check(self) -> bool:
@@ -181,7 +192,7 @@ class ArtifactGate:
             return None
         outs = _as_tuple(result)
         if _meta(outs) != expected:
-            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}",
+            self._demote(Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {describe_meta(expected)}",
                          counted=False, inputs=inputs)
             return None
         return outs
@@ -203,19 +214,9 @@ class ArtifactGate:
                 reason, detail, mismatch = verdict
                 if not self._tolerant:  # its serving in this check counted as checked: it failed the check
                     self._checks.reopen()
-                self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch,
+                self._demote(reason, f"{detail}; caught at {call}, inputs {self._demoter.inputs(inputs)}", mismatch,
                              cause=o.raised, at="")
             return o.native
-
-    def _inputs(self, inputs: Sequence[Any]) -> str:
-        """The call's tensor inputs that are no parameters: name, shape, dtype, max |x|."""
-        said = []
-        for name, t in zip(self._names, inputs):
-            if isinstance(t, torch.Tensor) and re.fullmatch(r"input\d+", name or "input0"):
-                peak = f"{t.detach().abs().max().item():.4g}" if t.numel() and (
-                    t.is_floating_point() or t.is_complex()) else "-"
-                said.append(f"{name or '?'} {list(t.shape)} {str(t.dtype).replace('torch.', '')} max|x| {peak}")
-        return "; ".join(said) or "(parameters only)"
 
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded
@@ -247,16 +248,19 @@ class ArtifactGate:
 
     def _gate(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
         start = self._timing.now() if self._timing.enabled else 0.0
-        if not in_recording():
-            self._checks.due(key)  # the key's first call (checked, whatever the schedule): its schedule starts here
+        # the key's first call (checked, whatever the schedule): its schedule starts here
+        seen = self._checks.first(key, inputs) if not in_recording() else None
         try:
-            return self._judge(key, inputs)
+            return self._judge(key, inputs, seen=seen)
         finally:
             if self._timing.enabled:
                 self._timing.add("artifact_gate", self._timing.now() - start)
 
     def _judge(self, key: tuple[Any, ...], inputs: Sequence[Any], recheck: bool = False,
-               native_answer: bool = False) -> Sequence[Any]:
+               native_answer: bool = False, seen: Observation | None = None,
+               novel: str | None = None) -> Sequence[Any]:
+        """The artifact judged beside its native region on this call's inputs; `seen`: what
+        the inputs hold (seen, once judged), `novel`: why they made the call due."""
         with self._record.lock:
             self._record.gates += 1
         # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
@@ -269,13 +273,17 @@ class ArtifactGate:
         native = o.native
         assert native is not None
         verdict = self._verdict(key, o, recheck)
+        if seen is not None:  # judged: what this call's inputs hold counts as seen
+            seen.checked()
+        if novel is not None:
+            self._checks.novel_check()
         if verdict is not None:
             self._contain(o.keep_native)
             reason, detail, mismatch = verdict
             if o.outside and "beyond the rows" not in detail:
                 detail += f"; {self._beyond(o)}"
             if recheck:
-                detail += self._checks.caught(key)
+                detail += self._checks.caught(key, novel)
             self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
@@ -309,10 +317,10 @@ class ArtifactGate:
             return Demotion.RAISED, f"{type(o.raised).__name__}: {o.raised}", None
         outs = _as_tuple(o.result)
         if recheck and _meta(outs) != self._passed.get(key, _meta(outs)):  # what a later call would call bad
-            expected = _describe_meta(self._passed[key])
-            return Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {expected}", None
+            expected = describe_meta(self._passed[key])
+            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {expected}", None
         if not all(isinstance(out, torch.Tensor) for out in outs):
-            return Demotion.BAD_OUTPUT, f"returned {_describe(outs)}; tensors expected", None
+            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}; tensors expected", None
         p = self._parity
         assert o.native is not None
         mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
@@ -340,7 +348,8 @@ class ArtifactGate:
             self._demote(*demotion, inputs=inputs)
         return demotion is None
 
-    def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
+    def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...],
+                seen: Observation | None = None) -> Sequence[Any]:
         t0 = self._timing.now()
         outs = self._outputs(inputs, expected)
         t1 = self._timing.now()
@@ -355,7 +364,11 @@ class ArtifactGate:
             return native
         p = self._parity
         mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
+        if seen is not None:
+            seen.checked()
         if mismatch is not None:  # native ran anyway: every call is a parity check
+            with self._record.lock:
+                self._record.caught_by = "shadow"
             self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch, inputs=inputs)
             return native
         with self._record.lock:
@@ -363,59 +376,8 @@ class ArtifactGate:
         self._checks.served(checked=True)
         return outs
 
-    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None, *,
-                cause: BaseException | None = None, counted: bool = True, at: str | None = None,
-                inputs: Sequence[Any] | None = None) -> None:
-        """Demote the artifact for this region, recorded and said (a WARNING per region);
-        under strict, raise that instead, naming the artifact, the region, the call (`at`;
-        by default the region's call: `counted`, it is in the record's counts already) and
-        its inputs, from what the kernel raised (`cause`)."""
-        record = self._record
-        if at is None:  # the inputs' values are not read inside a capture (a host sync)
-            at = self._at(counted) + (f" (inputs {self._inputs(inputs)})" if inputs is not None
-                                      and not in_recording() else "")
-        with record.lock:
-            record.demoted, record.reason, record.detail = True, reason.value, detail
-            if reason in (Demotion.PARITY, Demotion.MUTATED_INPUT) or record.parity == "pending":
-                record.parity = "failed"
-            if mismatch is not None:
-                record.max_abs_diff = mismatch.max_abs_diff
-                # `is not None`: a 0-d output's first mismatch index is [] (falsy), not unknown
-                record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index is not None else None
+    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None, **how: Any) -> None:
+        """Serve native from now on, the demotion recorded and said (runtime/gates/demote.py;
+        under strict it raises instead)."""
         self.demoted = True
-        where = f"for region {record.region} ({reason.value}){' ' + at if at else ''}"
-        message = f"artifact {record.artifact} demoted to native {where}: {detail}"
-        self._timing.note(message)
-        self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
-                                           "reason": reason.value, "detail": detail})
-        if self._strict:
-            raise ArtifactDemoted(f"strict: artifact {record.artifact} failed {where}: {detail}") from cause
-        # once per region: every demoted region is named (the report has the detail of each)
-        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}",
-                               "graphdispatch: %s; the run goes on", message)
-
-    def _at(self, counted: bool) -> str:
-        """The call a demotion happened at: the region's call (eager or replayed), counted
-        in its record already or not yet; or the recording of a CUDA graph."""
-        r = self._record
-        with r.lock:
-            n = r.calls + r.replays + r.native_calls
-        if in_recording():  # inside a call not counted yet, and no call of the region's own
-            return f"at the region's call {n + 1}, while a CUDA graph was recorded"
-        return f"at the region's call {n + (0 if counted else 1)}"
-
-
-def _describe(outs: Sequence[Any] | None) -> str:
-    if outs is None:
-        return "nothing"
-    return ", ".join(
-        f"Tensor{list(o.shape)} {o.dtype} stride {o.stride()}" if isinstance(o, torch.Tensor) else type(o).__name__
-        for o in outs
-    ) or "an empty tuple"
-
-
-def _describe_meta(meta: tuple[Any, ...]) -> str:
-    return ", ".join(
-        f"Tensor{list(m[0])} {m[2]} stride {m[1]}" if isinstance(m, tuple) else getattr(m, "__name__", str(m))
-        for m in meta
-    )
+        self._demoter(reason, detail, mismatch, **how)
