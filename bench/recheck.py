@@ -47,10 +47,12 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    (emulate, no artifact: every steady call replays), and with every block an artifact,
    eager (`cuda_graphs=False`: the graph's and each of the 8 gates') and replaying. Per
    place, the same options with the statistics (the default) and without, and the
-   schedule at "every" (for what a check costs), timed as in 2. Figure, judged from its
-   parts as in 2: the sites' statistics per call (`observe` timed alone on the stack's
-   input in the same run, times the sites a call passes) plus the novelty checks made in
-   the window times what a check costs, over the window's time. Target: <= 1.02.
+   schedule at "every" (for what a check costs), timed as in 2. Figure, judged on its
+   timed ratio (with / without, median of paired ratios: the effect is larger than the
+   noise), beside the same from its parts: the sites' statistics per call (`observe` timed
+   alone on the stack's input in the same run, times the sites a call passes; alone it
+   runs faster than inside a call) plus the novelty checks made in the window times what
+   a check costs, over the window's time. Target: <= 1.02.
 
 `--smoke` (CI): every part at tiny sizes (a 2-block stack; 3 batch sizes, 6 rounds; one
 steady repeat of 48 calls after 16, windows of 16): the script's plumbing, no figure.
@@ -260,6 +262,7 @@ def observe_us(repeats: int = 5, calls: int = 20000) -> float:
     the fastest of `repeats` windows of `calls`."""
     watch = novelty.Novelty([0], ["x"])
     inputs = [torch.randn(4, DIM)]
+    watch.observe(inputs).checked()  # seen: the steady state's calls are not new
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -380,10 +383,12 @@ def main() -> None:
                                  f"{statistics.median(got['novelty_checks']):g}" if name == "watched" else "-"])
         targets.append(Target(
             f"novelty checks, {mode}: with them / without over {STEADY_CALLS} calls", f"<= {NOVELTY_MAX}",
-            f"{got['modeled_ratio']:.4f}x from its parts ({got['sites_per_call']} site(s) x "
-            f"{watched['observe_us']:.2f} us per call, {statistics.median(got['novelty_checks']):g} novelty checks x "
-            f"{got['per_check_us']:.0f} us); timed directly {got['timed_ratio']:.3f}x",
-            got["modeled_ratio"] <= NOVELTY_MAX, "statistics per watched input per call, and the checks they add"))
+            f"timed {got['timed_ratio']:.3f}x; from its parts {got['modeled_ratio']:.4f}x ({got['sites_per_call']} "
+            f"site(s) x {watched['observe_us']:.2f} us per call, {statistics.median(got['novelty_checks']):g} novelty "
+            f"checks x {got['per_check_us']:.0f} us)",
+            got["timed_ratio"] <= NOVELTY_MAX,
+            "judged on the timed ratio (the effect is larger than the noise); the parts' figure times `observe` "
+            "alone, which runs faster than inside a call"))
     emit("recheck", {"server": servers, "steady_us": samples, "checks_in_window": checks, "repeats": repeats,
                      "per_check_us": per_check, "modeled_ratio": modeled, "timed_ratio": ratio,
                      "artifact_steady": artifacts, "dense_cap": DENSE_CAP, "novelty": watched},

@@ -97,7 +97,10 @@ class _InFlight:
         return self.event is None or bool(self.event.query())
 
     def values(self) -> list[float]:
-        return (self.host if isinstance(self.host, list) else self.host.tolist()) + self.known
+        if isinstance(self.host, list):
+            return self.host + self.known
+        read = self.host.tolist()
+        return (read if isinstance(read, list) else [read]) + self.known
 
 
 class Observation:
@@ -125,27 +128,64 @@ class Novelty:
         self._pending: deque[_InFlight] = deque()  # in flight (CUDA) or waiting for the next call (the model)
         self._due: str | None = None  # an earlier call's statistics were novel: this call is checked
         self.on = bool(self._positions) and ENABLED
+        # one watched input (most sites: an activation), on the CPU: the lean path
+        self._one = self._positions[0] if len(self._positions) == 1 else None
+        self._one_names = self._positions[:1]
 
     def observe(self, inputs: Sequence[Any]) -> Observation:
-        """This call's statistics, taken now, and whether it is checked for novelty."""
-        watched = [(p, inputs[p]) for p in self._positions if _watchable(inputs[p])]
-        if not watched:
-            return Observation(self, None, self._arrived())
-        if any(t.is_cuda for _, t in watched):
+        """This call's statistics, taken now, and whether it is checked for novelty. Lean on
+        purpose: it runs on every call (one `aminmax` and two reads per watched input;
+        bench/recheck.py part 4 measures it)."""
+        if self._one is not None:
+            t = inputs[self._one]
+            if type(t) is torch.Tensor and t.is_cpu and t.dtype in _WATCHED and t.layout is _STRIDED and t.numel():
+                lo, hi = _aminmax(t.detach() if t.requires_grad else t)
+                high, low = hi.item(), -lo.item()
+                m = high if high >= low else low  # NaN: neither comparison holds, and low is NaN
+                values = [m]
+                if self._arrival is Arrival.NEXT_CALL:  # as a GPU's would, they decide a later call
+                    why = self._arrived()
+                    flight = _InFlight(values, None, self._one_names)
+                    self._pending.append(flight)
+                    return Observation(self, flight, why)
+                return Observation(self, (self._one_names, values),
+                                   None if m < self._seen[self._one].limit else self._novel(self._one_names, values))
+        names: list[int] = []
+        values: list[float] = []
+        cuda = False
+        for p in self._positions:
+            t = inputs[p]
+            if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+                continue
+            if t.dtype not in _WATCHED or t.layout is not torch.strided or not t.numel():
+                continue
+            if not t.is_cpu:
+                cuda = t.is_cuda  # another device: not watched (its reads would synchronize)
+                if cuda:
+                    break
+                continue
+            lo, hi = _aminmax(t.detach() if t.requires_grad else t)
+            low, high = lo.item(), hi.item()
+            names.append(p)
+            values.append(high if high >= -low else -low)  # NaN: neither comparison holds, -low is NaN
+        if cuda:
             why = self._arrived()
+            watched = [(p, inputs[p]) for p in self._positions if _watchable(inputs[p])]
             if len(self._pending) >= MAX_IN_FLIGHT:  # the device runs far behind: this call goes unwatched
                 return Observation(self, None, why)
             flight = _launch(watched)
             self._pending.append(flight)
             return Observation(self, flight, why)
-        values = [_magnitude(t) for _, t in watched]
-        names = tuple(p for p, _ in watched)
         if self._arrival is Arrival.NEXT_CALL:  # as a GPU's would, they decide a later call
             why = self._arrived()
-            flight = _InFlight(values, None, names)
+            flight = _InFlight(values, None, tuple(names))
             self._pending.append(flight)
             return Observation(self, flight, why)
-        return Observation(self, (names, values), self._novel(names, values))
+        seen = self._seen
+        for p, m in zip(names, values):
+            if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
+                return Observation(self, (names, values), self._novel(names, values))
+        return Observation(self, (names, values), None)
 
     def checked(self, stats: Any) -> None:
         if isinstance(stats, _InFlight):
@@ -192,33 +232,40 @@ class Novelty:
         return f"{name} {what}" + (" (in an earlier call: statistics read without a sync)" if late else "")
 
 
+_aminmax = torch.aminmax
+_STRIDED = torch.strided
+# floating and integer dtypes: a largest magnitude (bool has none; complex, float8, quantized: not watched)
+_WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                      torch.int16, torch.int8, torch.uint8})
+
+
 def _watchable(t: Any) -> bool:
-    return (isinstance(t, torch.Tensor) and t.numel() > 0 and not t.is_complex() and t.dtype is not torch.bool
-            and t.layout is torch.strided)
+    return (isinstance(t, torch.Tensor) and t.dtype in _WATCHED and t.layout is torch.strided and t.numel() > 0
+            and (t.is_cpu or t.is_cuda))
 
 
 def _magnitude(t: torch.Tensor) -> float:
     """Largest magnitude, NaN if any is NaN, inf if any is infinite (and none is NaN)."""
-    lo, hi = torch.aminmax(t.detach())
-    lo_f, hi_f = lo.item(), hi.item()
-    if lo_f != lo_f or hi_f != hi_f:
-        return math.nan
-    return float(max(-lo_f, hi_f))
+    lo, hi = _aminmax(t.detach())
+    low, high = lo.item(), hi.item()
+    return high if high >= -low else -low  # NaN: neither comparison holds, and -low is NaN
 
 
 def _launch(watched: list[tuple[int, torch.Tensor]]) -> _InFlight:
     """The statistics of CUDA tensors reduced on the device, on their way to pinned host
     memory, with the event that says when they are there: no host sync. One reduction per
     input (`vector_norm(inf)` is the largest magnitude, NaN where one is NaN: `amax`
-    propagates it; an integer input's `abs().amax()`), one stack, one copy, one event. A
-    host tensor among them (a CPU timestep) is read now: moved to the device it would
-    synchronize."""
+    propagates it; an integer input's `abs().amax()`), a stack where there are several,
+    one copy, one event: three launches for one input. A host tensor among them (a CPU
+    timestep) is read now: moved to the device it would synchronize."""
     cuda = [(p, t) for p, t in watched if t.is_cuda]
     host_side = [(p, t) for p, t in watched if not t.is_cuda]
     with torch.no_grad():
-        parts = [(torch.linalg.vector_norm(t.detach(), math.inf) if t.is_floating_point()
-                  else t.detach().abs().amax()).to(torch.float64) for _, t in cuda]
-        stats = torch.stack(parts)
+        parts = [torch.linalg.vector_norm(t.detach(), math.inf) if t.is_floating_point()
+                 else t.detach().abs().amax() for _, t in cuda]
+        if len({p.dtype for p in parts}) > 1:  # one dtype to stack (a binade survives float32)
+            parts = [p.float() for p in parts]
+        stats = parts[0] if len(parts) == 1 else torch.stack(parts)  # a launch fewer for the usual one
         host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)  # torch's caching host allocator
         host.copy_(stats, non_blocking=True)
         event = torch.cuda.Event()
