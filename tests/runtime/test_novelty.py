@@ -129,3 +129,33 @@ def test_cuda_statistics_reach_the_host_without_a_sync():
     torch.cuda.synchronize()  # the event has completed
     later = watch.observe([x])
     assert later.why is not None and "x max|x| 100" in later.why
+
+
+def test_a_written_cache_and_a_static_input_are_not_watched():
+    """A decode step's cache (written in place) and a table marked with
+    `mark_static_address` are state, read whole they would cost their size per call: a
+    call whose cache or table holds a value a hundred binades above is not checked for it;
+    the token's row, which the step only reads, is."""
+    import graphdispatch_backend
+
+    class Step(torch.nn.Module):
+        def forward(self, cache, table, pos, k):
+            cache.index_copy_(0, pos, k)
+            return cache.sum(0) + table[pos].sum(0) + k[0]
+
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    compiled = torch.compile(Step(), backend="graphdispatch", options={"cuda_graphs": False})
+    cache, table = torch.zeros(64, 4), torch.randn(64, 4)
+    torch._dynamo.mark_static_address(table)
+    novel = []
+    with torch.no_grad():
+        for i in range(40):
+            if i == 37:
+                cache[60] = 1e30
+                table[61] = 1e30
+            k = torch.randn(1, 4) * (1e6 if i == 39 else 1)
+            compiled(cache, table, torch.tensor([i % 4]), k)
+            (graph,) = graphdispatch_backend.latest_report()["graphs"]
+            novel.append(graph["lowering_check"].get("novelty", 0))
+    assert novel[37] == novel[36] and novel[39] == novel[38] + 1, novel  # call 38: the cache, the table; 40: k

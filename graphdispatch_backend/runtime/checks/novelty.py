@@ -13,8 +13,9 @@ doubling, not per step), or holds NaN, or inf, where no checked call's did. A no
 checked as a scheduled one is, and counted as a check made for novelty.
 
 Watched: inputs that are not parameters or buffers, not written by the graph (a KV cache
-is judged by its written rows, and reading it whole per call would cost its size), floating
-or integer, not empty. The statistic is one reduction per input (`aminmax`), so its cost
+is judged by its written rows, and reading it whole per call would cost its size), not
+marked with `torch._dynamo.mark_static_address` (state at a fixed address), floating or
+integer, on the CPU or CUDA, not empty. The statistic is one reduction per input (`aminmax`), so its cost
 is a read of what the graph reads anyway.
 
 When the values are known. On the CPU (`Arrival.NOW`) the statistics are read in the call
@@ -138,7 +139,8 @@ class Novelty:
         bench/recheck.py part 4 measures it)."""
         if self._one is not None:
             t = inputs[self._one]
-            if type(t) is torch.Tensor and t.is_cpu and t.dtype in _WATCHED and t.layout is _STRIDED and t.numel():
+            if (type(t) is torch.Tensor and t.is_cpu and t.dtype in _WATCHED and t.layout is _STRIDED and t.numel()
+                    and not hasattr(t, _STATIC)):
                 lo, hi = _aminmax(t.detach() if t.requires_grad else t)
                 high, low = hi.item(), -lo.item()
                 m = high if high >= low else low  # NaN: neither comparison holds, and low is NaN
@@ -157,7 +159,7 @@ class Novelty:
             t = inputs[p]
             if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
                 continue
-            if t.dtype not in _WATCHED or t.layout is not torch.strided or not t.numel():
+            if t.dtype not in _WATCHED or t.layout is not torch.strided or not t.numel() or hasattr(t, _STATIC):
                 continue
             if not t.is_cpu:
                 cuda = t.is_cuda  # another device: not watched (its reads would synchronize)
@@ -234,6 +236,9 @@ class Novelty:
 
 _aminmax = torch.aminmax
 _STRIDED = torch.strided
+# set by `torch._dynamo.mark_static_address`: its owner's state at a fixed address (a static
+# KV cache, a table), not an input that varies per call: read whole per call, it would cost its size
+_STATIC = "_dynamo_static_input_type"
 # floating and integer dtypes: a largest magnitude (bool has none; complex, float8, quantized: not watched)
 _WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                       torch.int16, torch.int8, torch.uint8})
@@ -241,7 +246,7 @@ _WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat1
 
 def _watchable(t: Any) -> bool:
     return (isinstance(t, torch.Tensor) and t.dtype in _WATCHED and t.layout is torch.strided and t.numel() > 0
-            and (t.is_cpu or t.is_cuda))
+            and (t.is_cpu or t.is_cuda) and not hasattr(t, _STATIC))
 
 
 def _magnitude(t: torch.Tensor) -> float:
