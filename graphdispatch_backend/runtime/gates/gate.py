@@ -15,7 +15,9 @@ An artifact can also go wrong after its gate (state, a cache, values only some i
 have): it is checked again on the calls of each shape key its own schedule picks (the
 `artifact_recheck` option, runtime/checks/schedule.py: by default "dense", denser than the
 lowering's, since a hand-written kernel is far likelier to be wrong on some inputs than
-torch's lowering), and on every call under `timing="shadow"`, which runs native anyway. A
+torch's lowering), on the eager calls whose region inputs leave what its checked calls saw
+(runtime/checks/novelty.py: a largest magnitude a binade above, NaN or inf), and on every
+call under `timing="shadow"`, which runs native anyway. A
 re-check judges the outputs, the undeclared inputs and the declared ones where the region
 writes them (a KV cache's new rows): what the kernel writes beyond those rows is judged at
 the first call of each shape key, where the cache is read whole, not again on every
