@@ -41,6 +41,19 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    eager, where a check of all 8 regions costs 2.7 calls, and 1.006 replaying; 128 gave
    1.024 eager and 1.011 replaying).
 
+4. `novelty`: what the checks that follow the inputs cost (runtime/checks/novelty.py: per
+   call, the largest magnitude, NaN and inf of each watched input; a call whose inputs
+   leave what the checked calls saw is checked too). Where they run: the graph's check
+   (emulate, no artifact: every steady call replays), and with every block an artifact,
+   eager (`cuda_graphs=False`: the graph's and each of the 8 gates') and replaying. Per
+   place, the same options with the statistics (the default) and without, and the
+   schedule at "every" (for what a check costs), timed as in 2. Figure, judged on its
+   timed ratio (with / without, median of paired ratios: the effect is larger than the
+   noise), beside the same from its parts: the sites' statistics per call (`observe` timed
+   alone on the stack's input in the same run, times the sites a call passes; alone it
+   runs faster than inside a call) plus the novelty checks made in the window times what
+   a check costs, over the window's time. Target: <= 1.02.
+
 `--smoke` (CI): every part at tiny sizes (a 2-block stack; 3 batch sizes, 6 rounds; one
 steady repeat of 48 calls after 16, windows of 16): the script's plumbing, no figure.
 """
@@ -62,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Target, block_stack, emit, parse_args, raise_dynamo_limits
 
 import graphdispatch_backend
+from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.schedule import DENSE_CAP
 from graphdispatch_backend.testing import write_bundle
 
@@ -74,6 +88,13 @@ NO_RECHECK = 10**9
 VARIANTS = {"doubling": "doubling", "none": NO_RECHECK, "every": "every"}
 CHUNK = 256  # calls per timed window; windows of the three variants alternate
 SMOKE = {"SIZES": [2, 3, 4], "ROUNDS": 6, "DEPTH": 2, "STEADY_CALLS": 48, "STEADY_AFTER": 16, "CHUNK": 16}
+SMOKE_RUN = False
+NOVELTY_MAX = 1.02
+# where the novelty statistics are taken, per call: the graph's check (emulate: every steady call
+# replays), and with every block an artifact also each gate on an eager call
+NOVELTY_MODES = {"graph (emulate)": {"cuda_graphs": "emulate"},
+                 "artifact, eager (cuda_graphs=False)": {"cuda_graphs": False},
+                 "artifact, replay (emulate)": {"cuda_graphs": "emulate"}}
 ARTIFACT_MAX = 1.02
 ARTIFACT_VARIANTS = {"dense": "dense", "none": NO_RECHECK, "every": "every"}
 ARTIFACT_MODES = {"eager (cuda_graphs=False)": False, "replay (emulate)": "emulate"}
@@ -92,7 +113,8 @@ def forward(x, norm_weight, norm_bias, fc_weight, fc_bias):
 
 def smoke_sizes() -> None:
     """The tiny sizes of `--smoke` (module globals, read by every function at call time)."""
-    global SIZES, ROUNDS, DEPTH, STEADY_CALLS, STEADY_AFTER, CHUNK
+    global SIZES, ROUNDS, DEPTH, STEADY_CALLS, STEADY_AFTER, CHUNK, SMOKE_RUN
+    SMOKE_RUN = True
     SIZES, ROUNDS, DEPTH = SMOKE["SIZES"], SMOKE["ROUNDS"], SMOKE["DEPTH"]
     STEADY_CALLS, STEADY_AFTER, CHUNK = SMOKE["STEADY_CALLS"], SMOKE["STEADY_AFTER"], SMOKE["CHUNK"]
 
@@ -130,11 +152,14 @@ def server(options: dict[str, Any]) -> dict[str, Any]:
             "sizes_replaying": len(first_replay)}
 
 
-def steady(variants: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, float], dict[str, int]]:
+def steady(variants: dict[str, dict[str, Any]] | None = None,
+           unwatched: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
     """One repeat: the variants (name -> options) compiled side by side (one graph each),
     warmed for STEADY_AFTER calls, then STEADY_CALLS calls each in chunks of CHUNK, the
     variants' order rotated chunk by chunk; us per call, and the checks each made in the
-    window (the graph's, and its artifacts' gates' per region)."""
+    window (the graph's, and its artifacts' gates' per region), and those of them made for
+    novel inputs. `unwatched`: the variants compiled with the novelty checks off
+    (runtime/checks/novelty.py ENABLED, read when a graph compiles: at its first call)."""
     graphdispatch_backend.reset()
     torch._dynamo.reset()
     if variants is None:
@@ -143,13 +168,18 @@ def steady(variants: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str,
     compiled = {name: torch.compile(block_stack(depth=DEPTH, dim=DIM), backend="graphdispatch", options=options)
                 for name, options in variants.items()}
     xs = [torch.randn(4, DIM) for _ in range(8)]
-    before, after = {}, {}
+    before, after, novel_before, novel_after = {}, {}, {}, {}
     with torch.no_grad():
         for name, fn in compiled.items():
-            for i in range(STEADY_AFTER):
-                if not torch.equal(fn(xs[i % 8]), model(xs[i % 8])):
-                    raise SystemExit("recheck: not bitwise equal to eager")
+            novelty.ENABLED = name not in unwatched
+            try:
+                for i in range(STEADY_AFTER):
+                    if not torch.equal(fn(xs[i % 8]), model(xs[i % 8])):
+                        raise SystemExit("recheck: not bitwise equal to eager")
+            finally:
+                novelty.ENABLED = True
             before[name] = _checks(variants[name])
+            novel_before[name] = _checks(variants[name], novel=True)
         spent = dict.fromkeys(compiled, 0.0)
         names = list(compiled)
         for chunk in range(STEADY_CALLS // CHUNK):
@@ -161,25 +191,30 @@ def steady(variants: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str,
                     fn(xs[i % 8])
                 spent[name] += time.perf_counter() - start
                 after[name] = _checks(variants[name])  # untimed
+                novel_after[name] = _checks(variants[name], novel=True)
         for name, fn in compiled.items():  # still eager's bits after the window
             if not torch.equal(fn(xs[0]), model(xs[0])):
                 raise SystemExit(f"recheck: {name} not bitwise equal to eager after the window")
     return ({name: t / STEADY_CALLS * 1e6 for name, t in spent.items()},
-            {name: after[name] - before[name] for name in compiled})
+            {name: after[name] - before[name] for name in compiled},
+            {name: novel_after[name] - novel_before[name] for name in compiled})
 
 
-def _checks(options: dict[str, Any]) -> int:
+def _checks(options: dict[str, Any], novel: bool = False) -> int:
     """Checks so far in the session of those options (each variant's options make a session
     of their own; the bench reads the session table directly): the graphs' eager checks, and
-    the artifacts' gate judgments in units of one call (every region judged once)."""
+    the artifacts' gate judgments in units of one call (every region judged once); `novel`:
+    those made for novel inputs only."""
     from graphdispatch_backend import session as gd_session
 
     for session in list(gd_session._SESSIONS.values()):
         if all(getattr(session.options, k) == v for k, v in options.items() if k != "artifacts"):
             graphs = session.report.to_dict()["graphs"]
             subs = [s for g in graphs for s in g["substitutions"]]
-            gates = sum(s["gates"] for s in subs) / len(subs) if subs else 0
-            return round(sum(g["lowering_check"]["checked"] for g in graphs) + gates)
+            field = "novelty_checks" if novel else "gates"
+            gates = sum(s[field] for s in subs) / len(subs) if subs else 0
+            key = "novelty" if novel else "checked"
+            return round(sum(g["lowering_check"].get(key, 0) for g in graphs) + gates)
     return 0
 
 
@@ -205,7 +240,7 @@ def artifact_steady(root: str, repeats: int) -> dict[str, Any]:
         samples: dict[str, list[float]] = {name: [] for name in variants}
         checks: dict[str, list[int]] = {name: [] for name in variants}
         for _ in range(repeats):
-            us, made = steady(variants)
+            us, made, _ = steady(variants)
             for name in variants:
                 samples[name].append(us[name])
                 checks[name].append(made[name])
@@ -218,6 +253,52 @@ def artifact_steady(root: str, repeats: int) -> dict[str, Any]:
             "modeled_ratio": 1 + extra * per_check / (STEADY_CALLS * statistics.median(base)),
             "timed_ratio": statistics.median(d / n for d, n in zip(samples["dense"], base)),
         }
+    return out
+
+
+def observe_us(repeats: int = 5, calls: int = 20000) -> float:
+    """us one site's novelty statistics cost per call, alone (runtime/checks/novelty.py
+    `observe`, its Observation and `checked`) on the bench stack's input, [4, DIM] float32:
+    the fastest of `repeats` windows of `calls`."""
+    watch = novelty.Novelty([0], ["x"])
+    inputs = [torch.randn(4, DIM)]
+    watch.observe(inputs).checked()  # seen: the steady state's calls are not new
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            watch.observe(inputs)
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def novelty_steady(root: str, repeats: int) -> dict[str, Any]:
+    """Part 4, per place the checks run: us per call with the novelty checks (the default)
+    and without, side by side; the checks they made in the window; the cost from its parts:
+    the sites' statistics per call (the graph's check, and each gate on an eager call) plus
+    the novelty checks in the window at the cost of a check, over the window's time."""
+    per_observe = observe_us(1 if SMOKE_RUN else 5, 2000 if SMOKE_RUN else 20000)
+    out: dict[str, Any] = {"observe_us": per_observe}
+    for mode, options in NOVELTY_MODES.items():
+        options = {**options, **({"artifacts": root} if "artifact" in mode else {})}
+        # a session of its own for the variant compiled without them (cache_dir is read by fuse only)
+        variants = {"watched": options, "unwatched": {**options, "cache_dir": False},
+                    "every": {**options, "artifact_recheck" if "artifact" in mode else "recheck": "every"}}
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        novel: list[int] = []
+        for _ in range(repeats):
+            us, _, made_novel = steady(variants, unwatched=frozenset({"unwatched", "every"}))
+            for name in variants:
+                samples[name].append(us[name])
+            novel.append(made_novel["watched"])
+        base = samples["unwatched"]
+        sites = 1 + (DEPTH if mode.startswith("artifact, eager") else 0)  # the graph's; a gate per block
+        per_check = statistics.median(e - n for e, n in zip(samples["every"], base))
+        made = statistics.median(novel)
+        modeled = 1 + (sites * per_observe + made * per_check / STEADY_CALLS) / statistics.median(base)
+        out[mode] = {"steady_us": samples, "sites_per_call": sites, "novelty_checks": novel, "per_check_us": per_check,
+                     "modeled_ratio": modeled,
+                     "timed_ratio": statistics.median(w / n for w, n in zip(samples["watched"], base))}
     return out
 
 
@@ -256,7 +337,7 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     checks: dict[str, list[int]] = {name: [] for name in VARIANTS}
     for _ in range(repeats):
-        us, made = steady()
+        us, made, _ = steady()
         for name in VARIANTS:
             samples[name].append(us[name])
             checks[name].append(made[name])
@@ -276,7 +357,9 @@ def main() -> None:
                           "the direct ratio's spread across repeats is wider than the 1% it would show"))
     targets.append(Target("recheck steady: every / no re-checks (stated)", "(info)", f"{every:.2f}x", None))
     with tempfile.TemporaryDirectory(prefix="gd_recheck_") as folder:
-        artifacts = artifact_steady(artifact_bundle(Path(folder)), repeats)
+        root = artifact_bundle(Path(folder))
+        artifacts = artifact_steady(root, repeats)
+        watched = novelty_steady(root, repeats)
     artifact_rows = []
     for mode, got in artifacts.items():
         base = got["steady_us"]["none"]
@@ -290,9 +373,25 @@ def main() -> None:
             f"{got['modeled_ratio']:.4f}x from its parts ({got['extra_checks']:g} checks x "
             f"{got['per_check_us']:.0f} us); timed directly {got['timed_ratio']:.3f}x",
             got["modeled_ratio"] <= ARTIFACT_MAX, f"DENSE_CAP={DENSE_CAP}; every block is an artifact"))
+    novelty_rows = []
+    for mode, got in ((m, watched[m]) for m in NOVELTY_MODES):
+        base = got["steady_us"]["unwatched"]
+        for name in ("unwatched", "watched"):
+            samples_ = got["steady_us"][name]
+            novelty_rows.append([mode, name, f"{statistics.median(samples_):.1f}",
+                                 f"{statistics.median(a / b for a, b in zip(samples_, base)):.3f}",
+                                 f"{statistics.median(got['novelty_checks']):g}" if name == "watched" else "-"])
+        targets.append(Target(
+            f"novelty checks, {mode}: with them / without over {STEADY_CALLS} calls", f"<= {NOVELTY_MAX}",
+            f"timed {got['timed_ratio']:.3f}x; from its parts {got['modeled_ratio']:.4f}x ({got['sites_per_call']} "
+            f"site(s) x {watched['observe_us']:.2f} us per call, {statistics.median(got['novelty_checks']):g} novelty "
+            f"checks x {got['per_check_us']:.0f} us)",
+            got["timed_ratio"] <= NOVELTY_MAX,
+            "judged on the timed ratio (the effect is larger than the noise); the parts' figure times `observe` "
+            "alone, which runs faster than inside a call"))
     emit("recheck", {"server": servers, "steady_us": samples, "checks_in_window": checks, "repeats": repeats,
                      "per_check_us": per_check, "modeled_ratio": modeled, "timed_ratio": ratio,
-                     "artifact_steady": artifacts, "dense_cap": DENSE_CAP},
+                     "artifact_steady": artifacts, "dense_cap": DENSE_CAP, "novelty": watched},
          [(f"a server cycling through {len(SIZES)} batch sizes, {ROUNDS} rounds (emulate)",
            ["options", "sizes replaying", "eager calls before every size replays", "first replay at call"], rows),
           (f"steady state: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER} "
@@ -300,7 +399,10 @@ def main() -> None:
            ["recheck", "us/call", "x no re-checks", "checks in window"], steady_rows),
           (f"artifact steady: every block an artifact, us per call over {STEADY_CALLS} calls after the first "
            f"{STEADY_AFTER} ({repeats} repeats; checks: the graph's, and the gates' per call of all regions)",
-           ["mode", "artifact_recheck", "us/call", "x none", "checks in window"], artifact_rows)],
+           ["mode", "artifact_recheck", "us/call", "x none", "checks in window"], artifact_rows),
+          (f"novelty checks: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER}, with the "
+           f"statistics (watched, the default) and without ({repeats} repeats; x: median of paired ratios)",
+           ["where", "novelty", "us/call", "x without", "novelty checks in window"], novelty_rows)],
          targets, args)
 
 

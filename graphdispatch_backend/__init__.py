@@ -7,9 +7,10 @@ The backend is registered through the `torch_dynamo_backends` entry point; impor
 package is not needed to use it. The public API here is for reports and tooling.
 
 Importing the package imports nothing heavy: the names below are loaded on first use
-(`flush`, `latest_report` and `reset` bring in torch through the session), so the command
-line (`python -m graphdispatch_backend --help`, `report`, `artifacts verify`) starts in
-well under a second where `import torch` alone takes seconds.
+(`flush`, `latest_report` and `reset` bring in torch through the session; `load_report`,
+which reads a report directory, does not), so the command line (`python -m
+graphdispatch_backend --help`, `report`, `artifacts verify`) starts in well under a second
+where `import torch` alone takes seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _LAZY = {
     "RegistryError": "graphdispatch_backend.errors",
     "Rejection": "graphdispatch_backend.errors",
     "StrictModeError": "graphdispatch_backend.errors",
+    "ReportError": "graphdispatch_backend.diagnostics.report_dir",
+    "load_report": "graphdispatch_backend.diagnostics.report_dir",
     "Options": "graphdispatch_backend.options",
     "flush": "graphdispatch_backend.session",
     "latest_report": "graphdispatch_backend.session",
@@ -48,9 +51,11 @@ __all__ = [
     "OptionsError",
     "RegistryError",
     "Rejection",
+    "ReportError",
     "StrictModeError",
     "flush",
     "latest_report",
+    "load_report",
     "reset",
 ]
 
@@ -69,6 +74,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from graphdispatch_backend.diagnostics.report_dir import ReportError, load_report
     from graphdispatch_backend.errors import (
         CudaGraphUnavailable,
         CudaGraphWarmingUp,

@@ -52,6 +52,7 @@ from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty
 from graphdispatch_backend.runtime.checks.schedule import graph_schedule
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region, Writes
@@ -212,7 +213,8 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         # the lowered graph's inputs are aot's (parameters and buffers lifted first): its write
         # plan locates regions of those, when they are these one to one (no effect token, no
         # merged duplicate or synthetic base; else written inputs are snapshotted whole)
-        plan = builder.write_plan if builder.placeholders == n_lifted + len(example_inputs) else None
+        one_to_one = builder.placeholders == n_lifted + len(example_inputs)
+        plan = builder.write_plan if one_to_one else None
         writes = Writes(builder.mutated, plan, session.options.max_snapshot_bytes, [o.name for o in origins])
 
         def locate(args: Sequence[Any]) -> list[Region]:
@@ -220,6 +222,13 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
 
         keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
         dynamic = any(o.kind == "symbol" for o in origins)
+        # calls whose inputs leave what the checked calls saw are checked too: the inputs it
+        # only reads (not parameters, not written: aot's positions must map onto these one to
+        # one, as for the write plan); not where ranks must check the same calls
+        written = {p - n_lifted for p in builder.mutated}
+        novelty = None if builder.agreement is not None or not one_to_one and builder.mutated else Novelty(
+            [j for j in keyed if j not in written], [o.name for o in origins[n_lifted:]],
+            Arrival.NEXT_CALL if record.cuda_graph_mode == "host" else Arrival.NOW)
         # an autograd graph's check also compares the gradients of one backward
         gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
             if record.kind == "autograd" else None
@@ -233,7 +242,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                                   session.options.recheck, session.options.artifact_recheck,
                                   bool(record.substitutions) and record.cuda_graph_mode != "off"),
                               runners=builder.runners, draws=builder.draws, fusion=builder.fusion,
-                              unwritten=unwritten_outputs(gm))
+                              unwritten=unwritten_outputs(gm), novelty=novelty)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, n_lifted)

@@ -7,14 +7,29 @@ compares a message string to decide anything.
 
 from __future__ import annotations
 
+import difflib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 # How code outside backend.py runs something that may raise anything (artifact code,
 # capture): the callable is run and (result, None) or (None, exception) comes back.
 # backend.py supplies the implementation; under `strict` it raises StrictModeError.
 Contain: TypeAlias = Callable[[Callable[[], Any]], tuple[Any, Exception | None]]
+
+
+def did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: str = "") -> str:
+    """" (did you mean 'x'?)" (or "'x' or 'y'") for the choices closest to a mistyped
+    `word`, or "" when none is close: an error that names its fix (option keys, manifest
+    keys, artifact ids, bundle folders). Compared as given; said with `prefix` and `suffix`
+    around (`GRAPHDISPATCH_` and an option key; a parent folder, a missing path's rest)."""
+    choices = list(choices)
+    ratio = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in choices}
+    near = sorted((c for c in choices if ratio[c] >= 0.6), key=lambda c: -ratio[c])
+    near = [c for c in near[:2] if ratio[c] >= ratio[near[0]] - 0.1]  # a second only when as likely
+    if not near:  # a case slip: 'Cuda_Graphs'
+        near = [c for c in choices if c.lower() == word.lower()][:1]
+    return f" (did you mean {' or '.join(repr(prefix + c + suffix) for c in near)}?)" if near else ""
 
 
 class GraphDispatchError(Exception):

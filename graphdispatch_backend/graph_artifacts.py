@@ -24,6 +24,7 @@ from graphdispatch_backend.errors import AuthoringFailure, Rejection, StrictMode
 from graphdispatch_backend.passes.locate_writes import plan_writes
 from graphdispatch_backend.patterns import generalize
 from graphdispatch_backend.region import Region
+from graphdispatch_backend.runtime.checks.novelty import Arrival
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.gates.gate import ArtifactGate
 from graphdispatch_backend.session import Session
@@ -66,9 +67,12 @@ class GraphArtifacts:
 
     def make_call(self, region: Region, outcome: MatchOutcome, native: fx.GraphModule) -> Callable[..., Any] | None:
         session, artifact = self.session, outcome.selected
-        try:
-            fn = artifact.load(session.contain)
+        try:  # what its code raises comes back even under strict, to be said with its name
+            fn = artifact.load(session.contain_artifact)
         except ArtifactLoadError as exc:
+            if session.options.strict:
+                raise StrictModeError(f"artifact {artifact.id} (bundle {artifact.bundle.folder}) did not "
+                                      f"load for region {region.name}: {exc}") from exc
             outcome.reject(artifact.id, Rejection.LOAD_FAILED, str(exc))
             session.events.warn_once(f"load:{artifact.id}", "graphdispatch: artifact %s did not load: %s",
                                      artifact.id, exc)
@@ -81,11 +85,14 @@ class GraphArtifacts:
         writes = Writes(written, plan_writes(native) if written else None, session.options.max_snapshot_bytes,
                         region.input_names)
         gate = ArtifactGate(artifact=fn, native=native, record=sub, parity=artifact.manifest.parity,
-                            contain=session.contain, events=session.events, timing=session.timing,
+                            contain=session.contain, contain_artifact=session.contain_artifact,
+                            events=session.events, timing=session.timing,
                             speed_gate=session.options.speed_gate, strict=session.options.strict,
                             kernel_inputs=region.kernel_positions, writes=writes,
                             snapshot_limit=session.options.max_snapshot_bytes, input_names=region.input_names,
-                            recheck=session.options.artifact_recheck)
+                            recheck=session.options.artifact_recheck,
+                            # under emulate, a region's statistics come a call late, as a GPU's would
+                            novelty=Arrival.NEXT_CALL if session.options.cuda_graphs == "emulate" else Arrival.NOW)
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return call_target(gate, f"gd_artifact_{artifact.id}")

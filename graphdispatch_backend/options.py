@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, get_origin
 
-from graphdispatch_backend.errors import OptionsError
+from graphdispatch_backend.errors import OptionsError, did_you_mean
 
 ENV_PREFIX = "GRAPHDISPATCH_"
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
@@ -173,9 +173,8 @@ class Options:
         inductor = inductor_keys(given, cls.names())
         unknown = sorted(k for k in given if k not in cls.names())
         if unknown:
-            raise OptionsError(
-                f"unknown option {unknown[0]!r}; valid keys: {', '.join(cls.names())}"
-            )
+            raise OptionsError(f"unknown option {unknown[0]!r}{did_you_mean(unknown[0], cls.names())}; "
+                               f"valid keys: {', '.join(cls.names())}")
         merged: dict[str, Any] = {}
         env = os.environ if environ is None else environ
         for name, text in env.items():
@@ -185,10 +184,9 @@ class Options:
             if not text.strip():  # `export GRAPHDISPATCH_ENABLE=` means unset, not "enable nothing"
                 continue
             if key not in cls.names():
-                raise OptionsError(
-                    f"unknown environment variable {name!r}; valid: "
-                    + ", ".join(ENV_PREFIX + k.upper() for k in cls.names())
-                )
+                near = did_you_mean(key.upper(), [k.upper() for k in cls.names()], ENV_PREFIX)
+                raise OptionsError(f"unknown environment variable {name!r}{near}; valid: "
+                                   + ", ".join(ENV_PREFIX + k.upper() for k in cls.names()))
             value = _from_env(key, text)
             try:  # validated here too, so the error names the variable, not only the key
                 merged[key] = _validate(key, value)

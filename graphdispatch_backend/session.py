@@ -37,12 +37,15 @@ from graphdispatch_backend.runtime.runner import RuntimeScope
 
 
 class Session:
-    def __init__(self, options: Options, contain: Contain) -> None:
+    def __init__(self, options: Options, make_contain: Callable[[bool], Contain]) -> None:
         self.options = options
         self.registry = Registry.load(options.artifacts, options.enable)
         self.timing = Timing(options.timing)
         self.events = Events()
-        self.contain = contain
+        self.contain = make_contain(options.strict)
+        # artifact code: what it raises comes back even under strict, so the gate demotes it and
+        # (under strict) raises that, naming the artifact, region and call (runtime/gates/gate.py)
+        self.contain_artifact = make_contain(False)
         self.report = SessionReport(
             options=options.to_dict(),
             registry=self.registry.summary(),
@@ -128,7 +131,7 @@ def session_for(options: Options, make_contain: Callable[[bool], Contain]) -> Se
     with _GLOBAL:
         session = _SESSIONS.get(options)
         if session is None:
-            session = _SESSIONS[options] = Session(options, make_contain(options.strict))
+            session = _SESSIONS[options] = Session(options, make_contain)
         _LATEST[:] = [session]
         return session
 

@@ -60,6 +60,21 @@ def test_unknown_key_names_it_and_every_valid_key():
     assert all(key in message for key in VALID_KEYS), message
 
 
+@pytest.mark.parametrize(("typed", "meant"), [("cuda_graph", "cuda_graphs"), ("Cuda_Graphs", "cuda_graphs"),
+                                              ("recheks", "recheck"), ("artifact", "artifacts"),
+                                              ("report-dir", "report_dir")])
+def test_a_mistyped_key_gets_did_you_mean(typed, meant):
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({typed: 1}, environ={})
+    assert f"unknown option {typed!r} (did you mean {meant!r}?)" in str(info.value)
+
+
+def test_a_key_like_none_gets_no_suggestion():
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({"zzzz": 1}, environ={})
+    assert "did you mean" not in str(info.value) and "valid keys" in str(info.value)
+
+
 # -- values -------------------------------------------------------------------------
 
 # (key, bad value, a fragment of the message that says what is allowed)
@@ -264,6 +279,7 @@ def test_unknown_graphdispatch_variable_is_an_error_naming_it():
         Options.resolve(environ={"GRAPHDISPATCH_WARMUPS": "3"})
     message = str(info.value)
     assert "GRAPHDISPATCH_WARMUPS" in message
+    assert "(did you mean 'GRAPHDISPATCH_WARMUP'?)" in message  # compared without the shared prefix
     assert "GRAPHDISPATCH_WARMUP," in message  # and it lists the valid ones
 
 
@@ -448,6 +464,7 @@ def test_unknown_key_through_torch_compile_is_an_options_error():
     inner = info.value.inner_exception
     assert isinstance(inner, OptionsError) and isinstance(inner, ValueError)
     assert "warmups" in str(inner) and "verify_inputs" in str(inner)
+    assert "did you mean 'warmup'?" in str(inner)
 
 
 def test_bad_value_through_torch_compile_is_an_options_error():

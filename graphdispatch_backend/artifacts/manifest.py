@@ -15,7 +15,7 @@ import posixpath
 import re
 from typing import Any
 
-from graphdispatch_backend.errors import ManifestError
+from graphdispatch_backend.errors import ManifestError, did_you_mean
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "artifact.json"
@@ -89,7 +89,9 @@ def _keys(obj: Any, field: str, required: set[str], optional: set[str]) -> dict[
         raise ManifestError(field or "<root>", f"must be an object, got {type(obj).__name__}")
     for key in obj:
         if not isinstance(key, str) or key not in required | optional:
-            raise ManifestError(_join(field, str(key)), "unknown key")
+            known = sorted(required | optional)
+            raise ManifestError(_join(field, str(key)), f"unknown key{did_you_mean(str(key), known)}; keys here: "
+                                f"{', '.join(known) or 'none'}")
     for key in sorted(required):
         if key not in obj:
             raise ManifestError(_join(field, key), "missing required key")

@@ -9,6 +9,7 @@ is loaded lazily, the first time an artifact matches a region.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from graphdispatch_backend.artifacts.bundle import VerifiedBundle, load_entry, verify_bundle
 from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, Manifest
-from graphdispatch_backend.errors import BundleRejected, BundleRejection, Contain, RegistryError
+from graphdispatch_backend.errors import BundleRejected, BundleRejection, Contain, RegistryError, did_you_mean
 
 
 class ArtifactLoadError(Exception):
@@ -67,6 +68,32 @@ class Artifact:
             raise ArtifactLoadError(f"{exc.reason.value}: {exc.detail}") from exc
 
 
+def _nearby(path: Path) -> str:
+    """A missing root's closest existing names: the folders in its nearest existing parent
+    like the part of its path that is missing, as " (did you mean '...'?)", or ""."""
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    missing, *rest = path.relative_to(parent).parts or (path.name,)
+    return did_you_mean(missing, names, os.path.join(parent, ""), os.sep + os.path.join(*rest) if rest else "")
+
+
+def _deeper(root: Path) -> str:
+    """A root that holds bundles two levels down (`root/group/bundle/artifact.json`) was
+    given one level too high: say which folders to give instead."""
+    try:
+        groups = sorted({str(m.parent.parent) for m in root.glob(f"*/*/{MANIFEST_NAME}")})
+    except OSError:
+        return ""
+    if not groups:
+        return ""
+    return f"; bundles are two levels down: give {' or '.join(groups[:3])} (roots are searched one level deep)"
+
+
 def discover(root: Path) -> list[Path]:
     """Bundle folders under a root: the root itself if it holds a manifest, else its children."""
     if (root / MANIFEST_NAME).exists() or (root / MANIFEST_NAME).is_symlink():
@@ -90,8 +117,9 @@ class Registry:
         for root in reg.roots:
             path = Path(root)
             if not path.is_dir():
+                what = "is a file, not a folder" if path.exists() else "does not exist"
                 reg.errors.append({"bundle": root, "reason": BundleRejection.MISSING_ROOT.value,
-                                   "message": f"{root} is not a folder"})
+                                   "message": f"{root} {what}{_nearby(path)}"})
                 continue
             try:
                 folders = discover(path)
@@ -101,7 +129,7 @@ class Registry:
                 continue
             if not folders:  # a root with nothing in it is a wrong path, not "no artifacts wanted"
                 reg.errors.append({"bundle": root, "reason": BundleRejection.NO_BUNDLES.value,
-                                   "message": f"no artifact.json in {root} or its subfolders"})
+                                   "message": f"no artifact.json in {root} or its subfolders{_deeper(path)}"})
             for folder in folders:
                 try:
                     bundle = verify_bundle(folder)
@@ -130,7 +158,8 @@ class Registry:
         if missing:
             dup = sorted(duplicated.intersection(missing))
             raise RegistryError(
-                f"enable names {', '.join(repr(m) for m in missing)}, which no verified bundle provides; "
+                f"enable names {', '.join(repr(m) for m in missing)}{did_you_mean(missing[0], verified)}, which no "
+                "verified bundle provides; "
                 f"available: {', '.join(reg.verified_ids) or 'none'}"
                 + (f" ({', '.join(dup)}: provided by more than one folder, see errors)" if dup else "")
             )

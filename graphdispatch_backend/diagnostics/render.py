@@ -138,8 +138,10 @@ def _graphs(report: dict[str, Any]) -> list[str]:
     for g in _with_backwards(report["graphs"]):
         cg = g["cuda_graph"]
         lowering = g.get("lowering_check") or {}
+        checks = "-" if "checked" not in lowering else (
+            f"{lowering['checked']} ({lowering['novelty']} novel)" if lowering.get("novelty") else lowering["checked"])
         rows.append([g["name"], g["kind"], g["nodes"], len(g.get("substitutions", ())), g["calls"], cg["replays"],
-                     cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", lowering.get("status", "-"),
+                     cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", lowering.get("status", "-"), checks,
                      f"{cg['mode']}: {cg['state']}", cg["captures"], _counts(cg["eager_by_reason"]),
                      _counts(cg["declines"])])
         if lowering.get("detail"):
@@ -150,9 +152,11 @@ def _graphs(report: dict[str, Any]) -> list[str]:
             details.append(f"  {g['name']}: contract_mismatch (x{g['contract_mismatches']} calls ran the native "
                            f"graph): {g.get('contract_detail')}")
     out = ["", "Graphs (vs eager: the lowered graph checked against the Dynamo graph run eagerly, bit for bit, "
-               "an autograd graph's gradients too; <graph>.backward: its backward's runs, the check's among them; "
-               "cuda graph = engine: state; engine host is the CPU emulation, off means no capture)",
-           table(["graph", "kind", "nodes", "subst", "calls", "replays", "eager", "calls=r+e", "vs eager",
+               "an autograd graph's gradients too; checks: the calls compared, those made because the inputs "
+               "left what the checked calls had seen (novel) among them; <graph>.backward: its backward's runs, the "
+               "check's among them; cuda graph = engine: state; engine host is the CPU emulation, off means no "
+               "capture)",
+           table(["graph", "kind", "nodes", "subst", "calls", "replays", "eager", "calls=r+e", "vs eager", "checks",
                   "cuda graph", "captures", "eager calls by reason", "declines"], rows, max_width=CELL)]
     if details:
         out += ["", "Why calls ran eager (declines, lowering checks and contract mismatches)"] + details
@@ -303,6 +307,15 @@ def _authoring(report: dict[str, Any]) -> list[str]:
     return out
 
 
+# which check caught a demoted artifact (SubstitutionRecord.caught_by), as "Caught at a check" says it
+_CAUGHT_BY = {
+    "artifact_recheck": "its artifact_recheck schedule",
+    "novelty": "a check for novel inputs (they left what the checked calls had seen)",
+    "recheck": "the graph's check against eager, on its schedule",
+    "shadow": "timing='shadow'",
+}
+
+
 def _artifact_checks(report: dict[str, Any]) -> list[str]:
     """Per graph and per artifact: the calls its artifacts served since their last check and
     the largest gap (calls served unchecked in a row), from the substitution records; and
@@ -318,27 +331,32 @@ def _artifact_checks(report: dict[str, Any]) -> list[str]:
             served = sum(s["calls"] + s.get("replays", 0) for s in subs)
             unchecked = sum(s.get("served_since_check", 0) for s in subs)
             gap = max(s.get("largest_gap", 0) for s in subs)
-            rows.append([g["name"], aid, len(subs), served, unchecked, gap])
-            total = per_artifact.setdefault(aid, [0, 0, 0, 0, 0])
+            novel = sum(s.get("novelty_checks", 0) for s in subs)
+            rows.append([g["name"], aid, len(subs), served, unchecked, gap, novel])
+            total = per_artifact.setdefault(aid, [0, 0, 0, 0, 0, 0])
             total[0] += 1
             total[1] += len(subs)
             total[2] += served
             total[3] += unchecked
             total[4] = max(total[4], gap)
+            total[5] += novel
             for s in subs:
                 if s.get("caught_at_call") is not None:
+                    by = _CAUGHT_BY.get(s.get("caught_by") or "", "a check")
                     caught.append(f"  {aid} on {g['name']} {s['region']}: caught at call {s['caught_at_call']} of its "
-                                  f"shape key; {_plural(s.get('unchecked_calls') or 0, 'call')} served unchecked "
-                                  "since the check before it")
+                                  f"shape key by {by}; {_plural(s.get('unchecked_calls') or 0, 'call')} served "
+                                  "unchecked since the check before it")
     if not rows:
         return []
-    rows += [["all graphs", aid, t[1], t[2], t[3], t[4]] for aid, t in sorted(per_artifact.items()) if t[0] > 1]
+    rows += [["all graphs", aid, *t[1:]] for aid, t in sorted(per_artifact.items()) if t[0] > 1]
     opts = report.get("options", {})
     schedule = f"artifact_recheck={opts['artifact_recheck']!r}" if "artifact_recheck" in opts else "recheck"
     out = ["", f"Artifact checks ({schedule}; served: region calls the artifact answered, eagerly or replayed; "
                "since last check: those served since each region's last check, unchecked; largest gap: the most one "
-               "region served unchecked in a row)",
-           table(["graph", "artifact", "regions", "served", "since last check", "largest gap"], rows)]
+               "region served unchecked in a row; novelty checks: eager calls its gates checked beyond the schedule "
+               "because their inputs left what the checked calls had seen)",
+           table(["graph", "artifact", "regions", "served", "since last check", "largest gap", "novelty checks"],
+                 rows)]
     return out + ["", "Caught at a check (the calls before it were served as computed)"] + caught if caught else out
 
 

@@ -111,10 +111,13 @@ class SubstitutionRecord:
     shadow: dict[str, float] = dataclasses.field(default_factory=dict)  # timing="shadow"
     mutates: list[str] = dataclasses.field(default_factory=list)  # inputs the kernel writes in place
     # demoted by a check (of the whole graph, runtime/checks/isolate.py, or a re-check at its gate,
-    # runtime/gates/gate.py): the call of its shape key that caught it, and the calls since the
-    # check before it, served unchecked
+    # runtime/gates/gate.py): the call of its shape key that caught it, the calls since the check
+    # before it, served unchecked, and which check: "artifact_recheck" (its schedule), "recheck"
+    # (the graph's), "novelty" (for new inputs: runtime/checks/novelty.py) or "shadow"
     caught_at_call: int | None = None
     unchecked_calls: int | None = None
+    caught_by: str | None = None
+    novelty_checks: int = 0  # the gate's checks made for new inputs (beyond its schedule)
     # calls (eager or replayed) the artifact served since its last check, and the most it
     # served unchecked in a row: what its `artifact_recheck` schedule left unjudged
     served_since_check: int = 0
@@ -123,11 +126,7 @@ class SubstitutionRecord:
 
     def to_dict(self) -> dict[str, Any]:
         with self.lock:
-            return {
-                f.name: _plain(getattr(self, f.name))
-                for f in dataclasses.fields(self)
-                if f.name != "lock"
-            }
+            return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "lock"}
 
 
 @dataclasses.dataclass
@@ -145,6 +144,7 @@ class GraphRecord:
     eager_calls: int = 0
     eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
     eager_checks: int = 0  # calls on which the lowered graph was compared with real eager
+    novelty_checks: int = 0  # of those, the ones made for novel inputs (runtime/checks/novelty.py)
     unchecked: int = 0  # due checks skipped: what the call writes could not be snapshotted
     unchecked_detail: str | None = None
     lowering: dict[str, Any] | None = None  # set when the lowering was found wrong
@@ -314,9 +314,10 @@ class GraphRecord:
     def _lowering_check(self) -> dict[str, Any]:
         """How the lowered graph compared with real eager (runtime/checks/eager_check.py)."""
         skipped = {"skipped": self.unchecked, "skipped_detail": self.unchecked_detail} if self.unchecked else {}
+        checked = {"checked": self.eager_checks, **({"novelty": self.novelty_checks} if self.novelty_checks else {})}
         if self.lowering is not None:
-            return {"checked": self.eager_checks, **self.lowering, **skipped}
-        return {"checked": self.eager_checks, "status": "bitwise" if self.eager_checks else "unchecked", **skipped}
+            return {**checked, **self.lowering, **skipped}
+        return {**checked, "status": "bitwise" if self.eager_checks else "unchecked", **skipped}
 
     def _stats_per_piece(self) -> list[CudaGraphStats | None]:
         stats = iter(self.piece_stats)

@@ -69,6 +69,38 @@ def llama() -> tuple[torch.nn.Module, Inputs]:
 FAMILIES: dict[str, Family] = {"demo": demo, "ltx": ltx, "sd3": sd3, "llama": llama}
 
 
+def pixart_pipeline(steps: int = 6) -> tuple[Any, Callable[[int], dict[str, Any]]]:
+    """diffusers' PixArt-Sigma pipeline, whole, from tiny random components (no tokenizer or
+    text encoder: each request brings its prompt embeddings and attention masks, new
+    tensors per request, as the encoder would make them), and `request(i)`: the keyword
+    arguments of request `i` (`steps` denoising steps with classifier-free guidance, latents
+    out). The pipeline concatenates the negative and positive embeddings and masks anew for
+    each request: a compiled transformer sees new tensors of one layout per request."""
+    import diffusers
+
+    transformer = diffusers.PixArtTransformer2DModel(
+        sample_size=8, num_layers=2, num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+        cross_attention_dim=16, caption_channels=32, patch_size=2, norm_type="ada_norm_single",
+        use_additional_conditions=False)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                                  up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8,
+                                  layers_per_block=1)
+    pipe = diffusers.PixArtSigmaPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                                         scheduler=diffusers.DPMSolverMultistepScheduler())
+    pipe.set_progress_bar_config(disable=True)
+
+    def request(i: int) -> dict[str, Any]:
+        g = _g(i)
+        return {"prompt_embeds": torch.randn(1, 5, 32, generator=g), "negative_prompt": None,
+                "prompt_attention_mask": torch.ones(1, 5, dtype=torch.long),
+                "negative_prompt_embeds": torch.randn(1, 5, 32, generator=g),
+                "negative_prompt_attention_mask": torch.ones(1, 5, dtype=torch.long),
+                "num_inference_steps": steps, "guidance_scale": 4.5, "height": 16, "width": 16,
+                "output_type": "latent", "use_resolution_binning": False, "generator": _g(100 + i)}
+
+    return pipe, request
+
+
 def first_tensor(out: Any) -> torch.Tensor:
     """A model's first output tensor (through tuples and transformers' output classes)."""
     while not isinstance(out, torch.Tensor):

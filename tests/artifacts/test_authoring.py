@@ -20,7 +20,7 @@ import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts import registry
 from graphdispatch_backend.errors import StrictModeError
-from graphdispatch_backend.runtime.gates.gate import ArtifactDemoted
+from graphdispatch_backend.runtime.gates.demote import ArtifactDemoted
 from graphdispatch_backend.testing import MLP_OUTPUTS, MLP_SOURCE, Stack, mlp_inputs, write_bundle
 
 
@@ -127,16 +127,22 @@ def test_an_unreadable_root(tmp_path, gd_log, monkeypatch):
     assert "unreadable_root" in str(info.value.inner_exception)
 
 
-def test_a_demotion_is_one_warning_per_kind_and_raises_under_strict(tmp_path, gd_log):
+def test_every_demoted_region_is_named_and_strict_raises_naming_it(tmp_path, gd_log):
+    """Two regions of one kind demoted for one reason: a WARNING names each (one line for
+    the kind named only the first, and a user read it as the only one). Under strict the
+    error names the artifact, the region and the call."""
     wrong = MLP_SOURCE.replace("return torch.addmm(b2,", "return 1 + torch.addmm(b2,")
     write_bundle(tmp_path / "root" / "mlp", "mlp", "*.blocks.*.mlp", mlp_inputs(2), MLP_OUTPUTS, wrong)
     run(tmp_path / "root")
     lines = [w for w in warnings(gd_log) if "demoted to native" in w]
-    assert len(lines) == 1 and "(parity)" in lines[0]  # both blocks demoted: one line for the kind
+    assert len(lines) == 2 and all("(parity)" in line for line in lines), lines
+    assert {"blocks.0.mlp", "blocks.1.mlp"} == {n for n in ("blocks.0.mlp", "blocks.1.mlp") for w in lines if n in w}
     graphdispatch_backend.reset()
     torch._dynamo.reset()
-    with pytest.raises(ArtifactDemoted):
+    with pytest.raises(ArtifactDemoted) as err:
         run(tmp_path / "root", strict=True)
+    assert "artifact mlp" in str(err.value) and "region model.blocks.0.mlp" in str(err.value), err.value
+    assert "the region's call 1" in str(err.value) and "bits differ" in str(err.value)
 
 
 def test_a_serving_artifact_is_silent_and_passes_strict(tmp_path, gd_log):

@@ -187,6 +187,17 @@ def test_unknown_key_is_rejected_at_every_level(where):
     rejects(edited(field, "blue"), field)
 
 
+@pytest.mark.parametrize(("field", "meant"), [
+    ("regoin", "region"), ("region.fingerprnt", "fingerprint"), ("signature.mutate", "mutates"),
+    ("parity.tol", "atol"), ("entry_point.symbl", "symbol"),
+])
+def test_a_mistyped_key_gets_did_you_mean_and_the_keys_allowed_there(field, meant):
+    doc = edited(field, "x")
+    message = str(rejects(doc, field))
+    assert f"unknown key (did you mean {meant!r}" in message, message
+    assert "keys here: " in message and meant in message.split("keys here: ")[1]
+
+
 # -- missing required keys ------------------------------------------------------------------
 
 

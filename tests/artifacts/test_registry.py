@@ -98,6 +98,25 @@ def test_missing_root_is_recorded_and_other_roots_still_load(tmp_path):
     assert "nope" in reg.errors[0]["message"]
 
 
+def test_a_missing_root_names_the_closest_existing_folders(tmp_path):
+    bundle(tmp_path / "my_kernels" / "a", "a")
+    (tmp_path / "other").mkdir()
+    reg = Registry.load([str(tmp_path / "my_kernel"), str(tmp_path / "my_kernel" / "a"),
+                         str(tmp_path / "nothing_like" / "x")])
+    messages = [e["message"] for e in reg.errors]
+    assert f"does not exist (did you mean '{tmp_path / 'my_kernels'}'?)" in messages[0], messages
+    assert f"(did you mean '{tmp_path / 'my_kernels' / 'a'}'?)" in messages[1], messages  # the path's rest kept
+    assert messages[2].endswith("does not exist"), messages
+
+
+def test_a_root_one_level_too_high_names_the_folders_to_give(tmp_path):
+    bundle(tmp_path / "kernels" / "team" / "a", "a")
+    reg = Registry.load([str(tmp_path / "kernels")])
+    (error,) = reg.errors
+    assert error["reason"] == "no_bundles"
+    assert f"bundles are two levels down: give {tmp_path / 'kernels' / 'team'}" in error["message"]
+
+
 # -- duplicate ids --------------------------------------------------------------------------------
 
 
@@ -158,6 +177,12 @@ def test_enable_naming_an_unknown_id_is_an_error_naming_it_and_the_available_one
         Registry.load([str(three)], enable=["a", unknown])
     message = str(info.value)
     assert repr(unknown) in message and "available: a, b" in message
+
+
+def test_enable_naming_a_mistyped_id_gets_did_you_mean(three):
+    with pytest.raises(RegistryError) as info:
+        Registry.load([str(three)], enable=["aa"])
+    assert "enable names 'aa' (did you mean 'a'?)" in str(info.value)
 
 
 def test_enable_naming_a_duplicated_id_says_why(tmp_path):

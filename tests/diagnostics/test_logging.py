@@ -45,14 +45,14 @@ def _ours(caplog, text):
     return [r for r in caplog.records if r.name == "graphdispatch_backend" and text in r.getMessage()]
 
 
-def test_a_demotion_warns_once_per_reason_then_debug(net, make_bundle, gd_log):
+def test_a_demotion_warns_once_per_region(net, make_bundle, gd_log):
     root = make_bundle("mlp-off", "off")  # fails parity on blocks.0.mlp and on blocks.1.mlp
     report = _run(net, {**EMULATE, "artifacts": str(root)})
     assert [s["reason"] for s in report["graphs"][0]["substitutions"]] == ["parity", "parity"]
     records = _ours(gd_log, "demoted to native")
-    assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.WARNING]  # every demoted region is named
     assert "blocks.0.mlp" in records[0].getMessage() and "(parity)" in records[0].getMessage()
-    assert "blocks.1.mlp" in records[1].getMessage()  # the repeat still says where, at DEBUG
+    assert "blocks.1.mlp" in records[1].getMessage()
 
 
 def test_each_demotion_reason_gets_its_own_warning(net, make_bundle, gd_log):
@@ -108,5 +108,5 @@ def test_warnings_reach_a_default_logging_setup(net, make_bundle, caplog):
     caplog.set_level(logging.WARNING)  # what an application that never configured logging sees
     root = make_bundle("mlp-off", "off")
     _run(net, {**EMULATE, "artifacts": str(root)})
-    assert [r.levelname for r in _ours(caplog, "demoted to native")] == ["WARNING"]
+    assert [r.levelname for r in _ours(caplog, "demoted to native")] == ["WARNING", "WARNING"]  # one per region
     assert not [r for r in caplog.records if r.name == "graphdispatch_backend" and r.levelno < logging.WARNING]

@@ -337,9 +337,10 @@ def test_artifact_checks_say_per_graph_and_per_artifact_what_was_served_unchecke
     assert "artifact_recheck=3" in text.splitlines()[2]  # the header's options
     assert "artifacts: 4 region calls served since their last check, at most 2 calls served unchecked in a row" in text
     lines = _section(text, "Artifact checks (artifact_recheck=3")
-    assert _row(lines, "graph_0", "mlp-exact")[2:] == ["2", "22", "2", "2"]  # regions, served, unchecked, gap
-    assert _row(lines, "graph_1", "mlp-exact")[2:] == ["2", "10", "2", "1"]
-    assert _row(lines, "all graphs", "mlp-exact")[2:] == ["4", "32", "4", "2"]
+    # regions, served, unchecked, largest gap, novelty checks
+    assert _row(lines, "graph_0", "mlp-exact")[2:] == ["2", "22", "2", "2", "0"]
+    assert _row(lines, "graph_1", "mlp-exact")[2:] == ["2", "10", "2", "1", "0"]
+    assert _row(lines, "all graphs", "mlp-exact")[2:] == ["4", "32", "4", "2", "0"]
     report = json.loads((out / "dispatch.json").read_text())
     assert (report["totals"]["artifact_unchecked_calls"], report["totals"]["artifact_largest_gap"]) == (4, 2)
     assert [[(s["served_since_check"], s["largest_gap"]) for s in g["substitutions"]] for g in report["graphs"]] == [

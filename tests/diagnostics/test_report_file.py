@@ -10,6 +10,8 @@ keep name, module and fingerprint, their kind's detail once per fingerprint in
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,7 @@ def test_a_two_layer_diffusers_model_writes_under_100_kb_and_every_command_reads
     assert brief and all(set(r) <= {"name", "module", "fingerprint", "mutates"} for r in brief)
     assert {r["fingerprint"] for r in brief} == set(graph["region_kinds"])
     assert expand(written) == latest  # everything is still there
+    assert graphdispatch_backend.load_report(path.parent) == latest  # the public reader: the same
 
     # `report DIR`, `report DIR --regions [PATTERN]`: every region by kind, from the small file
     assert "every call accounted for" in _cli(capsys, "report", str(path.parent))
@@ -165,6 +168,38 @@ def test_a_schema_1_report_still_renders(tmp_path, capsys):
     (tmp_path / "dispatch.json").write_text(json.dumps(whole, indent=2))
     assert "graph_0 blocks.1.mlp x mlp: signature: dtype" in _cli(capsys, "report", str(tmp_path))
     assert "7 regions, 3 kinds" in _cli(capsys, "report", str(tmp_path), "--regions")
+
+
+def test_load_report_gives_every_region_entry_whole_without_torch(tmp_path):
+    """`graphdispatch_backend.load_report(dir)` is what `latest_report()` was in the process
+    that wrote the directory, brief entries made whole; it imports no torch (a script
+    reading reports after a run need not pay for it)."""
+    report = _session()
+    before = _plain(report.to_dict())
+    report.write(tmp_path)
+    loaded = graphdispatch_backend.load_report(tmp_path)
+    assert loaded == before
+    assert all("inputs" in r and "ops" in r for r in loaded["graphs"][0]["regions"])
+    script = ("import sys, graphdispatch_backend as g; r = g.load_report(sys.argv[1]); "
+              "assert 'torch' not in sys.modules; print(len(r['graphs'][0]['regions']))")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize("case", ["missing", "a_file", "empty", "not_json"])
+def test_load_report_says_why_a_directory_holds_no_report(tmp_path, case):
+    folder = tmp_path / "gd_out"
+    if case == "a_file":
+        folder.write_text("x")
+    elif case != "missing":
+        folder.mkdir()
+    if case == "not_json":
+        (folder / "dispatch.json").write_text("{")
+    with pytest.raises(graphdispatch_backend.ReportError) as err:
+        graphdispatch_backend.load_report(folder)
+    assert isinstance(err.value, graphdispatch_backend.GraphDispatchError)
+    assert {"missing": "does not exist", "a_file": "is not a directory", "empty": "no dispatch.json",
+            "not_json": "is not valid JSON"}[case] in str(err.value)
 
 
 def test_region_graphs_that_do_not_decode_are_a_clear_error(tmp_path, capsys):

@@ -228,7 +228,10 @@ def test_an_autograd_graph_s_made_gradient_is_captured():
     (graph,) = accounted_graphs()
     backward = graph["backward"]
     assert backward["split_reasons"] == {} and backward["cuda_graph"]["reason"] is None
-    assert backward["cuda_graph"]["replays"] == 3
+    # every backward call but warmup and the capture call replays: the saved index, pinned
+    # through warmup, moves with the next forward and relocates (runner/relocate.py)
+    cg = backward["cuda_graph"]
+    assert cg["replays"] == backward["calls"] - 2 and cg["relocations"] == 1, cg
 
 
 def test_made_buffer_follows_views_and_row_writes_to_a_factory():

@@ -421,7 +421,10 @@ def test_training_rounds_leave_nothing_alive(counts):
     compare_with_aot_eager(training_round, counts, "training")
     graphs = graphdispatch_backend.latest_report()["graphs"]
     assert len(graphs) == ROUNDS and all(g["kind"] == "autograd" for g in graphs)
-    assert all(g["cuda_graph"]["replays"] == 4 and g["backward"]["cuda_graph"]["replays"] == 4 for g in graphs)
+    # the backward's calls (the user's 6, the check's 3) replay but its warmup and capture call: an
+    # input it only reads moves after verification and relocates (runner/relocate.py)
+    assert all(g["cuda_graph"]["replays"] == 4 and g["backward"]["cuda_graph"]["replays"] == g["backward"]["calls"] - 2
+               for g in graphs)
 
 
 def test_rounds_with_an_artifact_leave_nothing_alive(tmp_path, counts):

@@ -20,6 +20,7 @@ from graphdispatch_backend.backend import make_contain
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Decline, StrictModeError
 from graphdispatch_backend.runtime.checks import autograd_check as autograd_check_mod
+from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck, cotangents
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
@@ -154,12 +155,18 @@ def _backward_wrong_for_large_inputs(self: Any, gm: Any, example: Any) -> Callab
 _lowered_backward = backend_mod._Builder.backward
 
 
-@pytest.mark.parametrize(("recheck", "served", "checked"), [("every", 0, 3), (4, 2, 2)])
-def test_gradients_are_rechecked_on_the_schedule_for_the_graphs_whole_life(monkeypatch, recheck, served, checked):
+@pytest.mark.parametrize(("recheck", "novel", "served", "checked"),
+                         [("every", True, 0, 3), (4, True, 1, 2), (4, False, 2, 2)])
+def test_gradients_are_rechecked_on_the_schedule_for_the_graphs_whole_life(monkeypatch, recheck, novel, served,
+                                                                          checked):
     """Inputs turn large at the 3rd call. Checking every call, no wrong gradient reaches
-    the user; every 4th call (1, 5, ...), calls 3 and 4 are served with a wrong gradient
-    and call 5 catches it. Mutation: without re-checks past the first calls, every later
-    call is wrong."""
+    the user. Every 4th call (1, 5, ...): call 3's inputs are new (100 times the first
+    two's), which emulated CUDA graphs know a call late, as a GPU reads them without a
+    sync: call 3 is served with a wrong gradient, call 4 is checked for its inputs and
+    catches it; without the novelty check, calls 3 and 4 are served wrong and call 5
+    catches it. Mutation: without re-checks past the first calls, every later call is
+    wrong."""
+    monkeypatch.setattr(novelty, "ENABLED", novel)
     monkeypatch.setattr(backend_mod._Builder, "backward", _backward_wrong_for_large_inputs)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))

@@ -20,6 +20,7 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.errors import GraphDispatchError
+from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.parity import Mismatch, bitwise_equal, compare
 from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Block, Mlp, write_bundle
 
@@ -80,7 +81,7 @@ def test_bitwise_pass_serves_every_later_call(tmp_path):
     compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)})
     with torch.no_grad():
         for i in range(1, 10):
-            x = torch.randn(3, 8)
+            x = torch.rand(3, 8) * 2 - 1  # within (-1, 1), as the first call's: no call is checked for novel inputs
             assert torch.equal(compiled(x), model(x))
             sub = substitution()
             # gated on the first call, re-checked on the 2nd, 4th, 8th (a native run each time)
@@ -567,37 +568,63 @@ def _served_wrong(tmp_path: Path, **options: Any) -> tuple[list[int], dict, dict
 
 
 @pytest.mark.parametrize("cuda_graphs", [None, "emulate"])
-def test_a_kernel_wrong_on_calls_9_to_12_and_20_is_caught_by_the_default_schedule(tmp_path, cuda_graphs):
+def test_a_kernel_wrong_on_calls_9_to_12_and_20_is_caught_at_its_first_large_input(tmp_path, cuda_graphs):
     """The issue's kernel: 1 ulp off on every element when the input's max exceeds 1.0,
-    which holds on calls 9-12 and 20 of 20. The lowering's schedule (1, 2, 4, 8, 16) meets
-    none of them: 5 of 20 outputs were wrong, and nothing said so. The default
-    `artifact_recheck` ("dense": 1, 2, 4, 8, 12, 16, ...) checks call 12: the calls 9-11 are
-    served as computed (the gap, said in the report), call 12 is answered natively, the
-    artifact is demoted and every later call (20 included) is bitwise. On CPU the gate
-    re-checks its eager calls; with CUDA graphs (emulated) the graph's own check follows the
-    artifact's schedule, since a replay runs no gate."""
+    which holds on calls 9-12 and 20 of 20 (every other call's max is below 0.5). The
+    lowering's schedule (1, 2, 4, 8, 16) meets none of them: 5 of 20 outputs were wrong, and
+    nothing said so; the dense schedule met call 12, after 3 wrong outputs. Call 9's input
+    leaves what the checked calls saw (max 2.0, two binades above): it is checked for that
+    (runtime/checks/novelty.py). On CPU, where the statistics are read in the call, call 9
+    is answered natively and the artifact demoted: no wrong output. With CUDA graphs
+    (emulated as a GPU runs them: the statistics reach the host without a sync, a call
+    late) call 9 is replayed as computed and call 10, checked for call 9's new inputs,
+    catches it: one wrong output."""
     options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
     wrong, sub, report = _served_wrong(tmp_path, **options)
-    assert wrong == [9, 10, 11], wrong
+    first = 9 if cuda_graphs is None else 10
+    assert wrong == list(range(9, first)), wrong
     assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "parity", "failed"), sub
-    assert (sub["caught_at_call"], sub["unchecked_calls"]) == (12, 3), sub
-    assert (sub["served_since_check"], sub["largest_gap"]) == (3, 3), sub  # 9-11 (and 5-7) in a row
-    # served: 1-11; with CUDA graphs also call 12, replayed inside the check that caught it (eager's values answered)
-    served = 11 if cuda_graphs is None else 12
-    assert sub["calls"] + sub["replays"] == served, sub
-    assert report["totals"]["artifact_unchecked_calls"] == 3 and report["totals"]["artifact_largest_gap"] == 3
     text = render(report)
-    assert "artifacts: 3 region calls served since their last check, at most 3 calls served unchecked in a row" in text
     checks = text.split("Artifact checks (artifact_recheck='dense'", 1)[1]
-    row = next(line.split() for line in checks.splitlines() if line.startswith("graph_0"))
-    assert row == ["graph_0", "mlp-ulp", "1", str(served), "3", "3"], row
-    assert "mlp-ulp on graph_0 mlp: caught at call 12 of its shape key; 3 calls served unchecked" in checks
+    if cuda_graphs is None:  # the gate's check for call 9's new inputs (inside the graph's, made for them too)
+        assert (sub["caught_at_call"], sub["caught_by"]) == (9, "novelty"), sub
+        assert "by a check for novel inputs (input0 max|x| 2, at or above 0.5" in sub["detail"], sub["detail"]
+        assert "mlp-ulp on graph_0 mlp: caught at call 9 of its shape key by a check for novel inputs" in checks
+        row = next(line for line in text.split("Graphs (", 1)[1].splitlines() if line.startswith("graph_0"))
+        assert "(1 novel)" in row, row
+    else:  # call 10 is also on the graph's schedule (dense, for its replayed artifact): the schedule is named
+        assert sub["caught_at_call"] == 10 and sub["caught_by"] in ("recheck", "novelty"), sub
 
 
 @pytest.mark.parametrize("cuda_graphs", [None, "emulate"])
-def test_on_the_lowerings_schedule_the_same_kernel_serves_five_wrong_outputs(tmp_path, cuda_graphs):
+def test_without_novelty_checks_the_dense_schedule_serves_one_wrong_output(tmp_path, cuda_graphs, monkeypatch):
+    """The schedule alone (novelty checks off): "dense" checks 8, 10, 12, ... from call 8 on
+    (four times per doubling up to 64): call 9 is served as computed, call 10 catches it
+    (it served 3 before the start was made denser: 9-11, caught at 12)."""
+    monkeypatch.setattr(novelty, "ENABLED", False)
+    options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
+    wrong, sub, report = _served_wrong(tmp_path, **options)
+    assert wrong == [9], wrong
+    assert (sub["caught_at_call"], sub["unchecked_calls"]) == (10, 1), sub
+    assert sub["caught_by"] == ("artifact_recheck" if cuda_graphs is None else "recheck"), sub
+    assert (sub["served_since_check"], sub["largest_gap"]) == (1, 3), sub  # 9; 5-7 the widest
+    # served: 1-9; with CUDA graphs also call 10, replayed inside the check that caught it (eager's values answered)
+    served = 9 if cuda_graphs is None else 10
+    assert sub["calls"] + sub["replays"] == served, sub
+    assert report["totals"]["artifact_unchecked_calls"] == 1 and report["totals"]["artifact_largest_gap"] == 3
+    text = render(report)
+    checks = text.split("Artifact checks (artifact_recheck='dense'", 1)[1]
+    row = next(line.split() for line in checks.splitlines() if line.startswith("graph_0"))
+    assert row == ["graph_0", "mlp-ulp", "1", str(served), "1", "3", "0"], row
+    assert "mlp-ulp on graph_0 mlp: caught at call 10 of its shape key by " in checks
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, "emulate"])
+def test_on_the_lowerings_schedule_without_novelty_the_same_kernel_serves_five_wrong_outputs(tmp_path, cuda_graphs,
+                                                                                              monkeypatch):
     """The old behaviour, asked for by name: the artifact re-checked on the lowering's
-    schedule (1, 2, 4, 8, 16) meets none of calls 9-12 and 20."""
+    schedule (1, 2, 4, 8, 16), no novelty check, meets none of calls 9-12 and 20."""
+    monkeypatch.setattr(novelty, "ENABLED", False)
     options = {"artifact_recheck": "doubling", **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs})}
     wrong, sub, report = _served_wrong(tmp_path, **options)
     assert wrong == list(WRONG_ON) and not sub["demoted"], (wrong, sub)
@@ -606,7 +633,7 @@ def test_on_the_lowerings_schedule_the_same_kernel_serves_five_wrong_outputs(tmp
 
 
 @pytest.mark.parametrize("artifact_recheck, checked", [
-    ("dense", [1, 2, 4, 8, 12, 16, 24]),
+    ("dense", [1, 2, 4, 8, 10, 12, 14, 16, 20, 24]),
     ("every", list(range(1, 25))),
     (5, [1, 6, 11, 16, 21]),
     ("doubling", [1, 2, 4, 8, 16]),
@@ -623,7 +650,7 @@ def test_the_gate_checks_on_artifact_recheck_not_on_the_lowerings_schedule(tmp_p
     with torch.no_grad():
         for n in range(1, 25):
             before = substitution()["gates"] if n > 1 else 0
-            x = torch.randn(2, 8)
+            x = torch.rand(2, 8) * 2 - 1  # within (-1, 1), as the first call's: no call is checked for novelty
             assert torch.equal(compiled(x), model(x))
             if substitution()["gates"] > before:
                 judged.append(n)

@@ -16,6 +16,7 @@ from torch import nn
 import graphdispatch_backend
 from graphdispatch_backend import backend as backend_mod
 from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
+from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.schedule import Due
 from graphdispatch_backend.runtime.runner import serve as serve_mod
 from graphdispatch_backend.testing import (
@@ -107,7 +108,8 @@ def test_checking_every_call_no_wrong_value_is_served_and_the_artifact_goes(tmp_
     (sub,) = graph["substitutions"]
     assert (sub["demoted"], sub["reason"], sub["caught_at_call"], sub["unchecked_calls"]) == (
         True, "parity", BAD_FROM, 0), sub
-    assert f"caught at call {BAD_FROM} of graph_0, inputs input0 [4, 16] float32 max|x| 10" in sub["detail"]
+    assert f"caught at call {BAD_FROM} of graph_0 (checked by the recheck schedule), inputs input0 [4, 16] float32 " \
+           "max|x| 10" in sub["detail"]
     assert graph["lowering_check"]["status"] == "bitwise"  # the lowering is not blamed
     cg = graph["cuda_graph"]
     assert cg["recaptures"] == 1 and cg["declines"] == {}
@@ -128,12 +130,13 @@ def test_without_checks_of_replays_wrong_values_go_on(tmp_path, monkeypatch):
     """The rule removed: checks stop after the first calls, as the doubling schedule that
     checked eager calls only did in effect once every call replayed."""
     monkeypatch.setattr(Due, "__call__", lambda self: setattr(self, "n", self.n + 1) or self.n <= 2)
+    monkeypatch.setattr(novelty, "ENABLED", False)  # nor for new inputs
     wrong, _ = _run({"artifacts": str(_bundle(tmp_path)), "recheck": "every"})
     assert wrong == list(range(BAD_FROM, CALLS + 1))
 
 
 def test_without_isolation_the_lowering_is_blamed_and_the_artifact_serves_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(eager_check_mod.EagerCheck, "_isolate", lambda self, *a: a[-2])
+    monkeypatch.setattr(eager_check_mod.EagerCheck, "_isolate", lambda self, *a: a[4])  # the verdict stands
     wrong, graph = _run({"artifacts": str(_bundle(tmp_path)), "recheck": "every"})
     (sub,) = graph["substitutions"]
     assert graph["lowering_check"]["status"] == "lowering_mismatch" and not sub["demoted"]

@@ -355,7 +355,11 @@ def test_input_freed_and_reallocated_through_compile_is_correct():
     assert cg["replays"] >= 1
 
 
-def test_pinned_input_moved_recaptures_it_as_moving():
+def test_pinned_input_moved_relocates_it_as_moving():
+    """An input the graph only reads, pinned through warmup, then a new tensor of the same
+    layout on every call (a pipeline's embeddings per request): the graph only moved. It is
+    captured again at once, the input moving from then on (no warmup, no verification: the
+    same kernels, reading a copy laid out as the input was), and every call replays."""
     runner, stats = make_runner(affine, warmup=2, verify_inputs=1)
     x0, w = torch.randn(3, 4), torch.randn(4, 4)
     for _ in range(4):  # x0 never moves during warmup: pinned
@@ -364,7 +368,23 @@ def test_pinned_input_moved_recaptures_it_as_moving():
     keep = [torch.randn(3, 4) for _ in range(6)]
     for x in keep:
         assert same(runner(x, w), affine(x, w))
-    assert stats.eager_by_reason["pinned_input_moved"] == 1
+    assert stats.relocations == 1 and stats.captures == 2 and stats.recaptures == 0
+    assert stats.eager_by_reason.get("pinned_input_moved", 0) == 0 and stats.declines == {}
+    assert stats.replays == 1 + 6  # relocated at the first move, then replays as moving
+    assert_stats_accounted(stats, 10)
+
+
+def test_pinned_input_moved_to_another_layout_recaptures_it_as_moving():
+    """Moved with another layout (a view at another offset): no relocation; captured again as
+    moving after warming up, and verified."""
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=1)
+    x0, w = torch.randn(3, 4), torch.randn(4, 4)
+    for _ in range(4):
+        assert same(runner(x0, w), affine(x0, w))
+    keep = [torch.randn(13)[1:].view(3, 4) for _ in range(6)]  # storage offset 1
+    for x in keep:
+        assert same(runner(x, w), affine(x, w))
+    assert stats.eager_by_reason["pinned_input_moved"] == 1 and stats.relocations == 0
     assert stats.recaptures == 1 and stats.captures == 2
     assert stats.declines == {}
     assert stats.replays == 1 + 2  # re-warmed (2), captured and verified (1), then replays as moving
@@ -395,7 +415,8 @@ def test_a_pinned_input_that_moves_is_named_and_its_note_is_whole_in_timing_json
         return x, {"text_encoder_2_outputs": {"negative_pooled_prompt_embeds_for_classifier_free_guidance": t}}
 
     x, cond = torch.randn(2, 8), torch.randn(2, 8)
-    run_checked(compiled, model, [state(cond)] * 5 + [state(torch.randn(2, 8))] * 3)  # it moves after a replay
+    moved = torch.randn(17)[1:].view(2, 8)  # at another offset: captured again as moving, after warming up
+    run_checked(compiled, model, [state(cond)] * 5 + [state(moved)] * 3)  # it moves after a replay
     graphdispatch_backend.flush()
     cg = only_graph()["cuda_graph"]
     assert cg["eager_by_reason"]["pinned_input_moved"] == 1 and cg["recaptures"] == 1
@@ -404,6 +425,25 @@ def test_a_pinned_input_that_moves_is_named_and_its_note_is_whole_in_timing_json
     assert re.fullmatch(rf"recapture graph_0\.piece_0: pinned_input_moved: `{name}` \(input \d+\) is not the tensor "
                         "the graph was captured with", note), note
     assert len(note) > 200  # longer than timing.json used to keep
+
+
+def test_a_relocated_input_is_named_in_timing_json(tmp_path):
+    """Moved with its layout, nothing else: relocated, and the note names it."""
+    name = "denoising_loop_state.text_encoder_2_outputs.negative_pooled_prompt_embeds_for_classifier_free_guidance"
+    model = _Conditioned().eval()
+    compiled = emulate(model, warmup=2, timing="host", report_dir=str(tmp_path))
+    x, cond = torch.randn(2, 8), torch.randn(2, 8)
+    state = {"text_encoder_2_outputs": {"negative_pooled_prompt_embeds_for_classifier_free_guidance": cond}}
+    later = {"text_encoder_2_outputs": {"negative_pooled_prompt_embeds_for_classifier_free_guidance":
+                                        torch.randn(2, 8)}}
+    run_checked(compiled, model, [(x, state)] * 5 + [(x, later)] * 3)
+    graphdispatch_backend.flush()
+    cg = only_graph()["cuda_graph"]
+    assert cg["relocations"] == 1 and cg["recaptures"] == 0 and "pinned_input_moved" not in cg["eager_by_reason"]
+    notes = json.loads((tmp_path / "timing.json").read_text())["notes"]
+    (note,) = [n for n in notes if n.startswith("relocate")]
+    assert re.fullmatch(rf"relocate graph_0\.piece_0: `{name}` \(input \d+\) moved, nothing else \(same layout and "
+                        r"alignment class\): captured again at once, copied in from now on", note), note
 
 
 def test_an_input_without_a_name_is_named_by_its_position():
@@ -421,28 +461,32 @@ def test_an_input_without_a_name_is_named_by_its_position():
 
 def test_pinned_inputs_that_keep_moving_end_up_moving_and_replay():
     """Each pinned input that moves becomes moving for good (with any other pinned input
-    that moved at the same time): every re-capture makes progress, so there are at most
-    as many as inputs, and the entry ends up replaying instead of declining."""
+    that moved at the same time): relocated at once where only its address changed, else
+    re-captured; every re-capture makes progress, so there are at most as many as inputs,
+    and the entry ends up replaying instead of declining."""
     def four(a, b, c, d):
         return (a + b * c - d,)
 
-    runner, stats = make_runner(four, warmup=1, verify_inputs=1)
-    args = [torch.randn(4) for _ in range(4)]
-    calls = 0
-    for moved in range(4):
-        for _ in range(3):  # warm, capture, replay
+    for layout in ("same", "other"):  # relocated; re-captured (a view at another offset)
+        runner, stats = make_runner(four, warmup=1, verify_inputs=1)
+        args = [torch.randn(4) for _ in range(4)]
+        calls = 0
+        for moved in range(4):
+            for _ in range(3):  # warm, capture, replay (replays once relocated)
+                assert same(runner(*args), four(*args))
+                calls += 1
+            args[moved] = torch.randn(4) if layout == "same" else torch.randn(5)[1:]  # moves after verification
             assert same(runner(*args), four(*args))
             calls += 1
-        args[moved] = torch.randn(4)  # the next pinned input moves after verification
-        assert same(runner(*args), four(*args))
-        calls += 1
-    assert stats.recaptures == 4 and stats.declines == {}
-    replays = stats.replays
-    for _ in range(5):  # re-warm once more, then every input is moving: fresh tensors replay
-        args = [torch.randn(4) for _ in range(4)]
-        assert same(runner(*args), four(*args))
-    assert stats.replays == replays + 3 and stats.recaptures == 4
-    assert_stats_accounted(stats, calls + 5)
+        moves = (stats.relocations, stats.recaptures)
+        assert moves == ((4, 0) if layout == "same" else (0, 4)) and stats.declines == {}, moves
+        replays = stats.replays
+        for _ in range(5):  # every input is moving: fresh tensors replay (after a re-warm, re-captured)
+            args = [torch.randn(4) if layout == "same" else torch.randn(5)[1:] for _ in range(4)]
+            assert same(runner(*args), four(*args))
+        assert stats.replays == replays + (5 if layout == "same" else 3), layout
+        assert (stats.relocations, stats.recaptures) == moves
+        assert_stats_accounted(stats, calls + 5)
 
 
 def _cache_step(cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor]:
@@ -477,6 +521,23 @@ def test_a_cache_replaced_for_every_request_is_relocated_at_its_new_address():
     assert stats.relocations == requests - 1 and "pinned_input_moved" not in stats.eager_by_reason
     assert stats.replays == requests * 24 - 3  # the first request's 2 warmup calls and its capture call
     assert_stats_accounted(stats, requests * 24)
+
+
+def test_a_relocation_keeps_the_static_buffers_its_verified_capture_read():
+    """A moving input arrives at another alignment than at the capture (a row of a bigger
+    tensor: a timestep taken from the schedule's tensor, a token from the prompt's): its
+    static buffer for this call's alignment is another one. The relocated graph reads the
+    buffer the verified capture read (the graph's own memory); re-derived from the call's
+    inputs, the rebound capture read the old buffer's view over the new one: wrong values."""
+    runner, stats = make_runner(_cache_step, warmup=2, verify_inputs=1, mutated=(0,))
+    flat = torch.randn(256)  # k is 4 floats from element i on: its alignment mod 16 bytes turns with i
+    for request in range(3):
+        cache, ref = torch.zeros(64, 4), torch.zeros(64, 4)
+        for i in range(request, request + 6):  # each request starts at another row
+            pos, k = torch.tensor([i]), flat[i:i + 4].view(1, 4)
+            assert same(runner(cache, pos, k), _cache_step(ref, pos, k)) and torch.equal(cache, ref), (request, i)
+    assert stats.relocations == 2 and stats.declines == {}
+    assert_stats_accounted(stats, 18)
 
 
 def test_short_requests_replay_every_call_after_the_first_request():
@@ -684,11 +745,20 @@ def test_several_pinned_inputs_moving_at_once_are_demoted_together():
     args = [torch.randn(4) for _ in range(4)]
     for _ in range(3):
         assert same(runner(*args), four(*args))
-    args = [torch.randn(4) for _ in range(4)]  # all four move in one call
+    args = [torch.randn(4) for _ in range(4)]  # all four move in one call: relocated, all moving
     for _ in range(5):
         assert same(runner(*args), four(*args))
         args = [torch.randn(4) for _ in range(4)]
-    assert stats.recaptures == 1 and stats.declines == {}
+    assert stats.relocations == 1 and stats.recaptures == 0 and stats.declines == {}
+    runner, stats = make_runner(four, warmup=1, verify_inputs=1)
+    args = [torch.randn(4) for _ in range(4)]
+    for _ in range(3):
+        assert same(runner(*args), four(*args))
+    args = [torch.randn(5)[1:] for _ in range(4)]  # all four move, at another offset: captured again, as moving
+    for _ in range(5):
+        assert same(runner(*args), four(*args))
+        args = [torch.randn(5)[1:] for _ in range(4)]
+    assert stats.recaptures == 1 and stats.relocations == 0 and stats.declines == {}
 
 
 # -- shape keys and max_captures ---------------------------------------------------------

@@ -1,7 +1,7 @@
 """The recheck schedules (runtime/checks/schedule.py): which calls are checked, for as long as a
 graph or an artifact lives: doubling up to an interval of CAP calls, jittered so that
-periodic inputs cannot hide, the same on every rank; dense (the artifacts' default), twice
-per doubling up to DENSE_CAP; every Nth; every; and the union a graph with replayed
+periodic inputs cannot hide, the same on every rank; dense (the artifacts' default), four
+then two checks per doubling up to DENSE_CAP; every Nth; every; and the union a graph with replayed
 artifacts is checked on."""
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ def test_without_jitter_a_periodic_bad_input_is_never_met(monkeypatch):
     assert len({n % 8 for n in late}) == 1
 
 
-def test_dense_starts_as_doubling_then_checks_twice_per_doubling_up_to_its_cap():
+def test_dense_starts_as_doubling_then_four_then_two_checks_per_doubling_up_to_its_cap():
     checked = _checked("dense", 40000)
-    assert checked[:8] == [1, 2, 4, 8, 12, 16, 24, 32]  # calls 9-11 are the widest gap before 16
-    nominal = [48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1280]  # then every DENSE_CAP
-    for got, want in zip(checked[8:], nominal):
+    # four per doubling up to 64: a kernel wrong on calls 9 to 12 serves the 9th, the 10th catches it
+    assert checked[:16] == [1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    nominal = [96, 128, 192, 256, 384, 512, 768, 1024, 1280]  # then twice per doubling, then every DENSE_CAP
+    for got, want in zip(checked[16:], nominal):
         assert abs(got - want) <= (want - checked[checked.index(got) - 1]) // 2, (got, want)
     gaps = [b - a for a, b in zip(checked, checked[1:])]
     assert max(gaps) <= DENSE_CAP + 2 * (DENSE_CAP // 4)  # capped (each end jittered by up to a quarter)
@@ -59,6 +60,26 @@ def test_dense_starts_as_doubling_then_checks_twice_per_doubling_up_to_its_cap()
     assert abs(len(late) - 30000 / DENSE_CAP) <= 4  # one in DENSE_CAP on average: the cost bench/recheck.py measures
     assert len({n % 16 for n in late}) > 8  # a bad input every 16th call meets a check
     assert len(checked) > 3 * len(_checked("doubling", 40000))
+
+
+def test_dense_without_its_denser_start_serves_three_wrong_calls_of_a_kernel_wrong_on_9_to_12(monkeypatch):
+    """The rule removed (twice per doubling from call 8): calls 9, 10 and 11 are served before
+    the 12th is checked. With it: the 9th only, the 10th is checked."""
+    wrong = {9, 10, 11, 12, 20}
+    served_wrong = next(n for n in _checked("dense", 30) if n in wrong) - min(wrong)
+    assert served_wrong == 1
+    monkeypatch.setattr(schedule, "DENSE_QUARTER_UNTIL", 0)
+    assert next(n for n in _checked("dense", 30) if n in wrong) - min(wrong) == 3
+
+
+def test_a_novel_check_moves_last_and_previous_but_not_the_positions():
+    due, plain = Due("dense", "g"), Due("dense", "g")
+    for n in range(1, 40):
+        assert due() == plain()
+        if n == 23:
+            due.checked_now()  # checked off the schedule
+            assert (due.previous, due.last) == (20, 23)
+    assert (due.previous, due.last) == (plain.previous, plain.last) == (28, 32)
 
 
 def test_dense_is_denser_than_doubling_everywhere():

@@ -47,6 +47,7 @@ from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
 from graphdispatch_backend.runtime.checks.isolate import ARTIFACT, CAPTURE, FUSION, culprit
 from graphdispatch_backend.runtime.checks.modes import native_regions
+from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import Due, KeyedDue
@@ -79,6 +80,7 @@ class EagerCheck:
         draws: bool = False,
         fusion: Any = None,
         unwritten: Sequence[int] = (),
+        novelty: Novelty | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -108,6 +110,8 @@ class EagerCheck:
         # outputs the Dynamo graph makes uninitialized and returns unwritten (its caller fills
         # them: a collective after a graph break): compared but for their values
         self._unwritten = frozenset(unwritten)
+        # calls whose inputs leave what the checked calls saw are checked too (runtime/checks/novelty.py)
+        self._novelty = novelty if novelty is not None and novelty.on else None
 
     def __call__(self, *args: Any) -> Any:
         if self._timing is not None:
@@ -116,28 +120,37 @@ class EagerCheck:
             out = self._eager(*args)
             self._record.called(False, self._declined.value)
             return out
-        if self._on and self._due(args) and (self._gradients is not None or not self._needs_grad(args)):
-            return self._check(args)
+        if self._on:
+            due = self._due(args)
+            if due is not None and (self._gradients is not None or not self._needs_grad(args)):
+                return self._check(args, *due)
         try:
             return self._compiled(*args)
         except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
             return self._failed_later(args, exc)
 
-    def _due(self, args: Sequence[Any]) -> bool:
-        """Whether this call is checked (the `recheck` schedule of its shape key)."""
+    def _due(self, args: Sequence[Any]) -> tuple[Observation | None, str | None] | None:
+        """None, or why this call is checked: (what it saw, to widen what the checked calls
+        saw; a description of its new inputs when they, not the `recheck` schedule of its
+        shape key, made it due)."""
         due = self._schedule
         if self._dynamic:
             due = self._schedules(layout_key(map(args.__getitem__, self._keyed)))
-        if due():
-            self._n, self._previous = due.n, due.previous
-            return True
-        return False
+        scheduled = due()
+        seen = self._novelty.observe(args) if self._novelty is not None else None
+        novel = None if scheduled or seen is None else seen.why
+        if novel is not None:
+            due.checked_now()
+        elif not scheduled:
+            return None
+        self._n, self._previous = due.n, due.previous
+        return seen, novel
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
     # -- the check ----------------------------------------------------------------------
-    def _check(self, args: Sequence[Any]) -> Any:
+    def _check(self, args: Sequence[Any], seen: Observation | None = None, novel: str | None = None) -> Any:
         before, exc = self._contain(lambda: World.take(self._locate(args)))
         if exc is not None:  # nothing ran yet
             return self._unsnapshotted(args, exc)
@@ -181,9 +194,14 @@ class EagerCheck:
             else:
                 local = None
         verdict = self._settle(local, args, before, after, ref, forward)
+        if seen is not None:  # judged: what this call's inputs hold counts as seen
+            seen.checked()
+        if novel is not None:
+            with self._record.lock:
+                self._record.novelty_checks += 1
         isolated = False  # an artifact or a capture took the blame: eager's values answer, nothing else changes
         if verdict is not None and verdict[0] is Decline.LOWERING_MISMATCH and forward and self._isolates:
-            verdict = self._isolate(args, before, after, ref, verdict, replays)
+            verdict = self._isolate(args, before, after, ref, verdict, replays, novel)
             isolated = verdict is None
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
@@ -201,12 +219,14 @@ class EagerCheck:
         return self._verdict(*verdict, answer, None, gradients)
 
     def _isolate(self, args: Sequence[Any], before: World, after: World, ref: Reference,
-                 verdict: tuple[Decline, str], replays: list[int]) -> Verdict:
+                 verdict: tuple[Decline, str], replays: list[int], novel: str | None = None) -> Verdict:
         """The served call differed from eager, which agrees with itself: find the party at
         fault (runtime/checks/isolate.py). An artifact is demoted there, a capture declined here;
         either way the graph keeps its lowering (None). The lowering's fault stays the
-        verdict. The world is left as eager left it."""
-        call = f"call {self._n} of {self._record.name}"
+        verdict. The world is left as eager left it. `novel`: the call was checked for its
+        new inputs (runtime/checks/novelty.py), which the verdict names."""
+        why = f"checked for novel inputs: {novel}" if novel is not None else "checked by the recheck schedule"
+        call = f"call {self._n} of {self._record.name} ({why})"
         found = culprit(ref.extra(self._compiled), args, before, after, ref.compare,
                         self._record.substitutions, call, self._contain, self._fusion)
         party, detail, demoted = found.party, found.detail, found.demoted
@@ -217,6 +237,7 @@ class EagerCheck:
         for sub in demoted:
             with sub.lock:
                 sub.caught_at_call, sub.unchecked_calls = self._n, unchecked
+                sub.caught_by = "novelty" if novel is not None else "recheck"
         if party == ARTIFACT:
             self._events.warn_once(f"culprit:{self._record.name}:{detail}", "graphdispatch: %s (%s); eager's values "
                                    "answered it", message, detail)

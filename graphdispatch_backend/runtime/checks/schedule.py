@@ -16,10 +16,13 @@ the calls, per shape key: `recheck` for the graph (the lowering, the capture), a
   per call for good.
 - "dense" (`artifact_recheck`'s default): a hand-written kernel is far more likely to be
   wrong on some inputs than torch's lowering, so its schedule starts as doubling's (1, 2,
-  4, 8) and then checks twice per doubling (12, 16, 24, 32, 48, 64, ..., 512, 768, 1024:
-  the interval is the largest power of two at most half the call's number, so from call 8
-  on about a third of the calls so far at most were served since the last check), the interval capped at
-  DENSE_CAP calls, jittered the same way around those positions. DENSE_CAP is the densest
+  4, 8), then checks four times per doubling up to call DENSE_QUARTER_UNTIL (10, 12, 14,
+  16, 20, 24, 28, 32, 40, 48, 56, 64: the interval is the largest power of two at most a
+  quarter of the call's number, so a kernel wrong on calls 9 to 12 serves one wrong call,
+  the 9th, before the 10th catches it), then twice per doubling (96, 128, 192, 256, ...,
+  768, 1024: at most half), the interval capped at DENSE_CAP calls, jittered the same way
+  around those positions. The denser start costs nothing in steady state: past call 64
+  the positions are what they were. DENSE_CAP is the densest
   power of two whose measured steady cost stays within 2% of a call on the bench stack
   with every block an artifact (`bench/recheck.py`, "artifact steady": 256 costs 1.4%
   where every call is eager, where each check judges every region beside its native
@@ -40,7 +43,8 @@ from graphdispatch_backend.options import is_recheck_mode
 
 CAP = 1024  # the longest interval between two checks of "doubling", in calls
 JITTER_FROM = 16  # intervals from this long on are jittered
-DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then checks twice per doubling
+DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then checks four times per doubling
+DENSE_QUARTER_UNTIL = 64  # ... up to this call, then twice per doubling
 DENSE_CAP = 256  # the longest interval of "dense", in calls (bench/recheck.py: its cost <= 2%)
 MAX_KEYS = 4096  # shape keys whose schedules are kept: past it they start over (a bound on memory)
 
@@ -83,7 +87,8 @@ class _Track:
             # positions are computed from the nominal ones (1, 2, 4, 8, 12, 16, 24, ...), and
             # each is jittered around its own: what the docs list is where checks fall
             nominal = self._nominal
-            gap = nominal if nominal < DENSE_FROM else min(1 << ((nominal // 2).bit_length() - 1), self._cap)
+            share = 4 if nominal < DENSE_QUARTER_UNTIL else 2  # the interval: at most a quarter, then a half
+            gap = nominal if nominal < DENSE_FROM else min(1 << ((nominal // share).bit_length() - 1), self._cap)
             self._nominal = nominal + gap
             self._next = max(n + 1, self._nominal + self._jitter(gap))
             return True
@@ -121,6 +126,11 @@ class Due:
         if due:
             self.previous, self.last = self.last, n
         return due
+
+    def checked_now(self) -> None:
+        """The call just counted was checked off the schedule (its inputs were new:
+        runtime/checks/novelty.py); the schedule's own positions go on as they were."""
+        self.previous, self.last = self.last, self.n
 
 
 class KeyedDue:

@@ -21,7 +21,9 @@ Steps 1 and 2 read each declared input whole (a KV cache: its size, not its rows
 culprit; its re-checks judge the declared inputs on their rows, so they cost what the call
 writes.
 
-Every allocation here is graphdispatch's own: the gate runs this inside `contain`.
+Every allocation here is graphdispatch's own: the gate runs this inside `contain`. The
+kernel runs inside `contain_artifact`, which hands back what it raised even under `strict`:
+the gate demotes it, and under `strict` raises that, naming the artifact, region and call.
 """
 
 from __future__ import annotations
@@ -87,10 +89,11 @@ class Outcome:
 
 
 class Beside:
-    def __init__(self, writes: Writes, limit: int | None, contain: Contain) -> None:
+    def __init__(self, writes: Writes, limit: int | None, contain: Contain, contain_artifact: Contain) -> None:
         self._writes = writes  # where the region writes its declared inputs
         self._limit = limit  # bytes of copies for undoing an undeclared write
-        self._contain = contain
+        self._contain = contain  # graphdispatch's own steps
+        self._contain_artifact = contain_artifact  # the kernel: never raises, even under strict (the gate does)
         self.mutates = bool(writes)
 
     def run(self, inputs: Sequence[Any], native: Callable[..., Sequence[Any]], artifact: Callable[..., Any],
@@ -112,7 +115,7 @@ class Beside:
         if exc is not None:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
         prints, native_world = kept
-        result, raised = self._contain(lambda: artifact(*inputs))
+        result, raised = self._contain_artifact(lambda: artifact(*inputs))
         judged, exc = self._contain(lambda: self._judge(inputs, declared, guards, before, native_world, prints,
                                                          parity))
         if exc is not None:

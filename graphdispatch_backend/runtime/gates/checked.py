@@ -1,7 +1,8 @@
 """CheckBook: which eager calls of an artifact are checked, and what it served unchecked.
 
 Each shape key has its own `artifact_recheck` schedule over its eager calls (the gate's
-first call included: runtime/checks/schedule.py). Every call the artifact serves is counted
+first call included: runtime/checks/schedule.py); an eager call whose region inputs leave
+what the checked calls saw is checked too (runtime/checks/novelty.py). Every call the artifact serves is counted
 in its region's record, checked or not: `served_since_check` (the run of calls served since
 its last check) and `largest_gap` (the longest such run); a re-check that demotes it says
 the call that caught it and the calls served unchecked before (`caught_at_call`,
@@ -10,22 +11,51 @@ the call that caught it and the calls served unchecked before (`caught_at_call`,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
+from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
 from graphdispatch_backend.runtime.checks.schedule import KeyedDue
+
+Check = tuple[bool, "Observation | None", "str | None"]  # due; what the call saw; why it is new (or None)
 
 
 class CheckBook:
-    def __init__(self, recheck: str | int, record: SubstitutionRecord) -> None:
+    def __init__(self, recheck: str | int, record: SubstitutionRecord, novelty: Novelty | None = None) -> None:
         self._record = record
         # the artifact_recheck option, per shape key, over its eager calls (the gate's included)
         self._schedules = KeyedDue(recheck, f"{record.artifact}:{record.region}")
         self._closed = 0  # the unchecked run a check inside a whole-graph check closed (put back if it fails)
+        # eager calls whose region inputs leave what the checked calls saw are checked too
+        self._novelty = novelty if novelty is not None and novelty.on else None
 
     def due(self, key: tuple[Any, ...]) -> bool:
         """Whether this eager call of shape key `key` is checked (the `artifact_recheck` schedule)."""
         return self._schedules(key)()
+
+    def take(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Check:
+        """Whether this eager call of shape key `key` is checked: by the schedule, or for its
+        new inputs (runtime/checks/novelty.py: then `why` says what is new); and what it
+        saw, which counts as seen once the call was checked (`Observation.checked`)."""
+        due = self._schedules(key)
+        scheduled = due()
+        seen = self._novelty.observe(inputs) if self._novelty is not None else None
+        why = None if scheduled or seen is None else seen.why
+        if why is not None:
+            due.checked_now()
+        return scheduled or why is not None, seen, why
+
+    def first(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Observation | None:
+        """A shape key's first call, checked whatever the schedule: its schedule starts here;
+        what it saw, to count as seen."""
+        self._schedules(key)()
+        return self._novelty.observe(inputs) if self._novelty is not None else None
+
+    def novel_check(self) -> None:
+        """A check made for novel inputs, counted."""
+        with self._record.lock:
+            self._record.novelty_checks += 1
 
     def served(self, checked: bool, replayed: bool = False) -> None:
         """Count one call the artifact served, and the run of calls it served unchecked."""
@@ -47,15 +77,18 @@ class CheckBook:
         with self._record.lock:
             self._record.served_since_check = self._closed
 
-    def caught(self, key: tuple[Any, ...]) -> str:
-        """A re-check failed: the call of its shape key that caught it, and the calls the
-        artifact served unchecked since the check before, said and recorded."""
+    def caught(self, key: tuple[Any, ...], novel: str | None = None) -> str:
+        """A re-check failed: the call of its shape key that caught it, by which check (the
+        schedule, or `novel` inputs), and the calls the artifact served unchecked since the
+        check before, said and recorded."""
         due = self._schedules.get(key)
         record = self._record
         with record.lock:
             unchecked = record.served_since_check
             record.caught_at_call, record.unchecked_calls = (due.n if due else None), unchecked
+            record.caught_by = "novelty" if novel is not None else "artifact_recheck"
         if due is None:
             return ""
-        return (f"; caught at call {due.n} of its shape key by the artifact_recheck schedule (the check before: "
-                f"call {due.previous}); {unchecked} call(s) served unchecked since its last check")
+        by = f"a check for novel inputs ({novel})" if novel is not None else "the artifact_recheck schedule"
+        return (f"; caught at call {due.n} of its shape key by {by} (the check before: call {due.previous}); "
+                f"{unchecked} call(s) served unchecked since its last check")

@@ -15,7 +15,9 @@ An artifact can also go wrong after its gate (state, a cache, values only some i
 have): it is checked again on the calls of each shape key its own schedule picks (the
 `artifact_recheck` option, runtime/checks/schedule.py: by default "dense", denser than the
 lowering's, since a hand-written kernel is far likelier to be wrong on some inputs than
-torch's lowering), and on every call under `timing="shadow"`, which runs native anyway. A
+torch's lowering), on the eager calls whose region inputs leave what its checked calls saw
+(runtime/checks/novelty.py: a largest magnitude a binade above, NaN or inf), and on every
+call under `timing="shadow"`, which runs native anyway. A
 re-check judges the outputs, the undeclared inputs and the declared ones where the region
 writes them (a KV cache's new rows): what the kernel writes beyond those rows is judged at
 the first call of each shape key, where the cache is read whole, not again on every
@@ -46,24 +48,22 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion, StrictModeError
+from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion
 from graphdispatch_backend.runtime.call.keys import layout_key
 from graphdispatch_backend.runtime.checks.modes import judging_call, natively
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty, Observation
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 from graphdispatch_backend.runtime.gates.checked import CheckBook
+from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
 # what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
 # failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
 _STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
-
-
-class ArtifactDemoted(StrictModeError):
-    """Raised instead of demoting when `strict` is set."""
 
 
 def _meta(outs: Sequence[Any]) -> tuple[Any, ...]:
@@ -87,6 +87,7 @@ class ArtifactGate:
         record: SubstitutionRecord,
         parity: Any,  # manifest Parity: mode, rtol, atol
         contain: Contain,
+        contain_artifact: Contain,
         events: Events,
         timing: Timing,
         speed_gate: bool = False,
@@ -96,6 +97,7 @@ class ArtifactGate:
         snapshot_limit: int | None = None,
         input_names: Sequence[str] = (),
         recheck: str | int = "dense",
+        novelty: Arrival = Arrival.NOW,
     ) -> None:
         if kernel_inputs is None:
             self._artifact = artifact
@@ -109,22 +111,29 @@ class ArtifactGate:
         self._native = native
         self._record = record
         self._parity = parity
-        self._contain = contain
+        self._contain = contain  # graphdispatch's own steps (a snapshot, a comparison)
+        # the kernel's runs: what it raises comes back even under strict, so that it is demoted
+        # here, and under strict the demotion raises, naming the artifact, region and call
+        self._contain_artifact = contain_artifact
         self._events = events
         self._timing = timing
         self._speed_gate = speed_gate
         self._strict = strict
         self._passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._checks = CheckBook(recheck, record)  # which eager calls are checked; what it served unchecked
+        # the region's inputs that are no parameters and that it does not write: watched for new values
+        watched = [i for i, name in enumerate(input_names) if re.fullmatch(r"input\d+", name or "")
+                   and i not in (writes.positions if writes is not None else ())]
+        # which eager calls are checked (its schedule, and calls with new inputs); what it served unchecked
+        self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty))
         self._lock = threading.Lock()
         self.demoted = False
         self._tolerant = parity.mode != "bitwise"
         record.parity_mode = parity.mode
         # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
-        self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain)
-        self._speed = SpeedTrial(self._artifact, native, self._beside, contain)  # with speed_gate only
-        self._names = tuple(input_names)  # the region's input names (for what a demotion says)
+        self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain, contain_artifact)
+        self._speed = SpeedTrial(self._artifact, native, self._beside, contain, contain_artifact)  # speed_gate only
+        self._demoter = Demoter(record, events, timing, strict, input_names)  # what a demotion records and says
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:
@@ -144,19 +153,27 @@ class ArtifactGate:
                     return self._gate(key, inputs)
                 expected = self._passed[key]
         replaying = in_recording()
-        if not replaying and self._checks.due(key):  # unlocked: a lost call under threads only shifts a re-check
-            with self._lock:
-                return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
+        seen = None  # what this call's inputs hold (runtime/checks/novelty.py); none read inside a capture
+        if not replaying:
+            due, seen, novel = self._checks.take(key, inputs)
+            if due:  # unlocked: a lost call under threads only shifts a re-check
+                with self._lock:
+                    return (self._judge(key, inputs, recheck=True, seen=seen, novel=novel) if not self.demoted
+                            else self._run_native(inputs))
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
             if self._beside.mutates:  # both would write: every call is judged side by side instead
                 with self._lock:
-                    return self._judge(key, inputs, recheck=True) if not self.demoted else self._run_native(inputs)
-            return self._shadow(inputs, expected)
+                    return (self._judge(key, inputs, recheck=True, seen=seen) if not self.demoted
+                            else self._run_native(inputs))
+            return self._shadow(inputs, expected, seen)
         outs = self._outputs(inputs, expected)
         if outs is None:
             return self._run_native(inputs)
         if not replaying:  # a replay is counted once, by the runner (replayed())
-            self._checks.served(checked=self._in_graph_check())
+            checked = self._in_graph_check()
+            self._checks.served(checked=checked)
+            if checked and seen is not None:
+                seen.checked()
         return outs
 
     def _in_graph_check(self) -> bool:
@@ -167,17 +184,18 @@ class ArtifactGate:
 
     def _outputs(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The artifact's outputs, or None after demoting it for raising or a bad output."""
-        result, exc = self._contain(lambda: self._artifact(*inputs))
+        result, exc = self._contain_artifact(lambda: self._artifact(*inputs))
         if exc is not None and in_recording() and refused_by_capture(exc):
             # not the artifact's fault as an eager kernel: the capture fails, naming it, and
             # the graph's eager calls go on serving it (a demotion would lose it for good)
             raise CaptureRefused(f"{exc} in artifact {self._record.artifact}") from exc
         if exc is not None:
-            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}")
+            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}", cause=exc, counted=False, inputs=inputs)
             return None
         outs = _as_tuple(result)
         if _meta(outs) != expected:
-            self._demote(Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {_describe_meta(expected)}")
+            self._demote(Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {describe_meta(expected)}",
+                         counted=False, inputs=inputs)
             return None
         return outs
 
@@ -198,18 +216,9 @@ class ArtifactGate:
                 reason, detail, mismatch = verdict
                 if not self._tolerant:  # its serving in this check counted as checked: it failed the check
                     self._checks.reopen()
-                self._demote(reason, f"{detail}; caught at {call}, inputs {self._inputs(inputs)}", mismatch)
+                self._demote(reason, f"{detail}; caught at {call}, inputs {self._demoter.inputs(inputs)}", mismatch,
+                             cause=o.raised, at="")
             return o.native
-
-    def _inputs(self, inputs: Sequence[Any]) -> str:
-        """The call's tensor inputs that are no parameters: name, shape, dtype, max |x|."""
-        said = []
-        for name, t in zip(self._names, inputs):
-            if isinstance(t, torch.Tensor) and re.fullmatch(r"input\d+", name or "input0"):
-                peak = f"{t.detach().abs().max().item():.4g}" if t.numel() and (
-                    t.is_floating_point() or t.is_complex()) else "-"
-                said.append(f"{name or '?'} {list(t.shape)} {str(t.dtype).replace('torch.', '')} max|x| {peak}")
-        return "; ".join(said) or "(parameters only)"
 
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded
@@ -232,24 +241,28 @@ class ArtifactGate:
     def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
         # counted once per call it answers: a run inside a capture, a verification or an
         # emulated replay answers no call (a replay is counted by the runner, replayed()),
-        # so the count is the same under emulate as on a GPU
-        if not in_recording():
+        # so the count is the same under emulate as on a GPU; nor does a check's culprit
+        # run (`judging`: the call it judges was counted when it was served)
+        if not in_recording() and judging_call() is None:
             with self._record.lock:
                 self._record.native_calls += 1
         return self._native(*inputs)
 
     def _gate(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Sequence[Any]:
         start = self._timing.now() if self._timing.enabled else 0.0
-        if not in_recording():
-            self._checks.due(key)  # the key's first call (checked, whatever the schedule): its schedule starts here
+        # the key's first call (checked, whatever the schedule): its schedule starts here
+        seen = self._checks.first(key, inputs) if not in_recording() else None
         try:
-            return self._judge(key, inputs)
+            return self._judge(key, inputs, seen=seen)
         finally:
             if self._timing.enabled:
                 self._timing.add("artifact_gate", self._timing.now() - start)
 
     def _judge(self, key: tuple[Any, ...], inputs: Sequence[Any], recheck: bool = False,
-               native_answer: bool = False) -> Sequence[Any]:
+               native_answer: bool = False, seen: Observation | None = None,
+               novel: str | None = None) -> Sequence[Any]:
+        """The artifact judged beside its native region on this call's inputs; `seen`: what
+        the inputs hold (seen, once judged), `novel`: why they made the call due."""
         with self._record.lock:
             self._record.gates += 1
         # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
@@ -262,14 +275,18 @@ class ArtifactGate:
         native = o.native
         assert native is not None
         verdict = self._verdict(key, o, recheck)
+        if seen is not None:  # judged: what this call's inputs hold counts as seen
+            seen.checked()
+        if novel is not None:
+            self._checks.novel_check()
         if verdict is not None:
             self._contain(o.keep_native)
             reason, detail, mismatch = verdict
             if o.outside and "beyond the rows" not in detail:
                 detail += f"; {self._beyond(o)}"
             if recheck:
-                detail += self._checks.caught(key)
-            self._demote(reason, detail, mismatch)
+                detail += self._checks.caught(key, novel)
+            self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
         p = self._parity
@@ -302,10 +319,10 @@ class ArtifactGate:
             return Demotion.RAISED, f"{type(o.raised).__name__}: {o.raised}", None
         outs = _as_tuple(o.result)
         if recheck and _meta(outs) != self._passed.get(key, _meta(outs)):  # what a later call would call bad
-            expected = _describe_meta(self._passed[key])
-            return Demotion.BAD_OUTPUT, f"returned {_describe(outs)}, expected {expected}", None
+            expected = describe_meta(self._passed[key])
+            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {expected}", None
         if not all(isinstance(out, torch.Tensor) for out in outs):
-            return Demotion.BAD_OUTPUT, f"returned {_describe(outs)}; tensors expected", None
+            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}; tensors expected", None
         p = self._parity
         assert o.native is not None
         mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
@@ -330,10 +347,11 @@ class ArtifactGate:
         if speed is not None:
             self._record.speed = speed
         if demotion is not None:
-            self._demote(*demotion)
+            self._demote(*demotion, inputs=inputs)
         return demotion is None
 
-    def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> Sequence[Any]:
+    def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...],
+                seen: Observation | None = None) -> Sequence[Any]:
         t0 = self._timing.now()
         outs = self._outputs(inputs, expected)
         t1 = self._timing.now()
@@ -348,48 +366,20 @@ class ArtifactGate:
             return native
         p = self._parity
         mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
+        if seen is not None:
+            seen.checked()
         if mismatch is not None:  # native ran anyway: every call is a parity check
-            self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch)
+            with self._record.lock:
+                self._record.caught_by = "shadow"
+            self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch, inputs=inputs)
             return native
         with self._record.lock:
             self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
         self._checks.served(checked=True)
         return outs
 
-    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None) -> None:
-        record = self._record
-        with record.lock:
-            record.demoted, record.reason, record.detail = True, reason.value, detail
-            if reason in (Demotion.PARITY, Demotion.MUTATED_INPUT) or record.parity == "pending":
-                record.parity = "failed"
-            if mismatch is not None:
-                record.max_abs_diff = mismatch.max_abs_diff
-                # `is not None`: a 0-d output's first mismatch index is [] (falsy), not unknown
-                record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index is not None else None
+    def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None, **how: Any) -> None:
+        """Serve native from now on, the demotion recorded and said (runtime/gates/demote.py;
+        under strict it raises instead)."""
         self.demoted = True
-        message = f"artifact {record.artifact} demoted to native for region {record.region} ({reason.value}): {detail}"
-        self._timing.note(message)
-        self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
-                                           "reason": reason.value, "detail": detail})
-        if self._strict:
-            raise ArtifactDemoted(message)
-        # once per artifact and kind of region (`layers.*.mlp`): 28 layers demoted for one
-        # reason are one line; the report lists every region
-        self._events.warn_once(f"demote:{record.artifact}:{record.kind or record.region}:{reason.value}",
-                               "graphdispatch: %s; the run goes on", message)
-
-
-def _describe(outs: Sequence[Any] | None) -> str:
-    if outs is None:
-        return "nothing"
-    return ", ".join(
-        f"Tensor{list(o.shape)} {o.dtype} stride {o.stride()}" if isinstance(o, torch.Tensor) else type(o).__name__
-        for o in outs
-    ) or "an empty tuple"
-
-
-def _describe_meta(meta: tuple[Any, ...]) -> str:
-    return ", ".join(
-        f"Tensor{list(m[0])} {m[2]} stride {m[1]}" if isinstance(m, tuple) else getattr(m, "__name__", str(m))
-        for m in meta
-    )
+        self._demoter(reason, detail, mismatch, **how)

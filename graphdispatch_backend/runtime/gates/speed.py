@@ -25,10 +25,11 @@ Speed = dict[str, Any]  # artifact_ms, native_ms, speedup: the record's `speed`
 
 class SpeedTrial:
     def __init__(self, artifact: Callable[..., Any], native: Callable[..., Sequence[Any]], beside: Beside,
-                 contain: Contain) -> None:
+                 contain: Contain, contain_artifact: Contain) -> None:
         self._artifact, self._native = artifact, native
         self._beside = beside  # the inputs the kernel writes: snapshotted around the timed runs
         self._contain = contain
+        self._contain_artifact = contain_artifact  # the kernel's runs: a raise is a demotion, even under strict
 
     def judge(self, inputs: Sequence[Any]) -> tuple[Speed | None, tuple[Demotion, str] | None]:
         """The figures (None when not timed) and the demotion, or None: faster, or not timed."""
@@ -46,7 +47,7 @@ class SpeedTrial:
         native_ms = _median_ms(lambda: self._native(*inputs), inputs)
         # The artifact runs SPEED_REPEATS + 1 more times here: raising in any of them demotes
         # like raising at any other call, instead of escaping into the user's forward.
-        artifact_ms, exc = self._contain(lambda: _median_ms(lambda: self._artifact(*inputs), inputs))
+        artifact_ms, exc = self._contain_artifact(lambda: _median_ms(lambda: self._artifact(*inputs), inputs))
         if exc is not None:
             return None, (Demotion.RAISED, f"{type(exc).__name__}: {exc} (while timing it for speed_gate)")
         speed = {"artifact_ms": artifact_ms, "native_ms": native_ms,

@@ -34,7 +34,7 @@ does not permit named with the code that ran it (cudagraph/refusals.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -125,10 +125,17 @@ class Recorder:
         self._book.limit(Decline.SHAPE_CHURN, detail, then="calls with new shape keys run eager meanwhile")
         return Decline.SHAPE_CHURN
 
-    def capture(self, entry: Entry, args: Sequence[Any], like: Like | None = None) -> None:
+    def buffer(self, pos: int, like: torch.Tensor) -> torch.Tensor:
+        """The static buffer a capture copies input `pos` into when it is moving (shared,
+        made once per layout; runner/inputs.py)."""
+        return self._scope.buffers.get(pos, like, wide=pos in self._wide)
+
+    def capture(self, entry: Entry, args: Sequence[Any], like: Like | None = None,
+                buffers: Mapping[int, torch.Tensor] | None = None) -> None:
         """Capture `entry` now (`record`), counted; raises CudaGraphUnavailable."""
         buffers = record(entry, args, self._fn, self._scope, self._device, self._lookup.state, self._gates,
-                         self._writes, self._wide, self._guarded, lockstep=self._agreement is not None, like=like)
+                         self._writes, self._wide, self._guarded, lockstep=self._agreement is not None, like=like,
+                         buffers=buffers)
         entry.replays_at_capture = self._stats.replays  # hot replays included (runner/hot.py counts both)
         with self._stats.lock:
             self._stats.captures += 1
@@ -141,11 +148,14 @@ class Recorder:
 def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
            device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], writes: Writes,
            wide: Sequence[int], guarded: bool, lockstep: bool = False,
-           like: Like | None = None) -> list[tuple[int, torch.Tensor]]:
+           like: Like | None = None, buffers: Mapping[int, torch.Tensor] | None = None,
+           ) -> list[tuple[int, torch.Tensor]]:
     """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
     raise CudaGraphUnavailable with the reason otherwise. `like`: the entry's verified
     capture and its arguments, when this one is the same graph at other addresses
-    (runner/relocate.py; the engine may rebind it, cudagraph/engine.py)."""
+    (runner/relocate.py; the engine may rebind it, cudagraph/engine.py); `buffers`: the
+    static buffers its moving inputs keep (a relocation's: the verified capture's, the
+    graph's own memory, whatever alignment this call's inputs have)."""
     first = entry.observations[0]
     stable = {i for i, ident in enumerate(first)
               if ident is not None and all(o[i] == ident for o in entry.observations) and _kept(entry, args, i)}
@@ -157,9 +167,10 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
               and i not in entry.held and not fixed_address(args[i])]
     pinned = [i for i in tensors if i not in moving]
     static_args = list(args)
+    kept = buffers or {}
     buffers = []
     for pos in moving:
-        buf = scope.buffers.get(pos, args[pos], wide=pos in wide)
+        buf = kept[pos] if pos in kept else scope.buffers.get(pos, args[pos], wide=pos in wide)
         static_args[pos] = buf
         buffers.append((pos, buf))
     inputs = InputPlan(buffers, writes.positions, wide, args)

@@ -14,7 +14,9 @@ verified capture recorded, reading other memory. So:
 - a call whose held inputs are where a parked capture reads them swaps it in and replays:
   a rotation of caches replays without capturing again;
 - a call with new addresses captures at once, with the classification the verified entry
-  had (the same pinned and moving inputs), and replays to answer: the graph runs as many
+  had (the same pinned and moving inputs, the moving ones in the verified capture's static
+  buffers: the graph's own memory, whatever alignment this call's inputs have), and
+  replays to answer: the graph runs as many
   times as a capture runs it (the host model: its warmup run and its recording; CUDA: its
   side-stream warmup), plus the replay. No warmup calls, no verification again: it was
   verified at the first addresses, the same kernels on the same layouts and alignment class
@@ -29,6 +31,12 @@ widths from alignments up to 16 bytes: 256 covers both (the caching allocator ha
 512-byte aligned blocks, so fresh caches of one size share their class). On the CPU,
 oneDNN and MKL pick paths from cache-line alignment: 64 bytes, c10's CPU allocator's own.
 Anything else that moved (a parameter, an input the entry copies) takes the usual paths.
+
+Inputs the graph only reads that moved alone, with their layout and alignment class (a
+diffusers pipeline's prompt embeddings and attention masks, new per request) relocate
+too (`_reread`): captured at once, copied in from then on, or past REPIN_AFTER replays at
+their address read in place at the new one (runner/transitions.py's rule), and the
+request's steps replay instead of warming up, capturing and verifying again.
 """
 
 from __future__ import annotations
@@ -95,12 +103,16 @@ class Relocator:
     def relocate(self, entry: Entry, args: Sequence[Any]) -> bool:
         """Whether the entry now serves the call's addresses (verified, ready to replay):
         only held inputs moved, and the capture parked for their new addresses, or one made
-        now as the verified one was, is in place. False: not a relocation, or its capture
-        failed (the usual paths decide)."""
+        now as the verified one was, is in place; or only inputs it reads moved (`_reread`).
+        False: not a relocation, or its capture failed (the usual paths decide)."""
         state = self._lookup.state
         moved = {p for p, ptr in zip(entry.pinned, entry.ptrs) if p not in state and _data_ptr(args[p]) != ptr}
         held = transitions.never_moving(moved, args, self._writes.positions)
-        if not moved or held != moved or entry.gates_changed(self._gates):
+        if not moved or entry.gates_changed(self._gates):
+            return False
+        if not held:
+            return self._reread(entry, args, moved)
+        if held != moved:  # a cache and an input it only reads moved together: the usual paths
             return False
         entry.held |= held
         if not only_held_moved(entry, args, list(state), self._align):
@@ -116,8 +128,8 @@ class Relocator:
                 unpark(entry, found, args)
         if found is None:
             observe(entry, args, moving)
-            try:
-                self._recorder.capture(entry, args, like=(old.graph, old_args))  # the same graph, other addresses
+            try:  # the same graph, other addresses: its static buffers too
+                self._recorder.capture(entry, args, like=(old.graph, old_args), buffers=dict(old.moving))
             except CudaGraphUnavailable:
                 entry.state = State.WARMING  # the usual paths re-capture it, or decline
                 old.release()
@@ -133,6 +145,79 @@ class Relocator:
             self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
         self._transitions.states_changed()
         return True
+
+
+    def _reread(self, entry: Entry, args: Sequence[Any], moved: set[int]) -> bool:
+        """Inputs the graph only reads moved, nothing else (a pipeline's new prompt
+        embeddings and attention mask per request): the graph only moved. Captured again at
+        once, as a relocation is (no warmup, no verification: the same kernels on the same
+        layouts and alignment class), with those inputs moving from now on (copied in, as
+        any input that moves: cheap, and no capture per request), or, where one stayed put
+        for REPIN_AFTER replays first (a buffer that lives long), read in place at its new
+        address (at most MAX_REPINS times, as runner/transitions.py repins). Their copies
+        must lie as the verified capture read them (offset, strides, alignment class), or
+        this is no relocation: the usual paths re-capture and verify. The old capture is
+        released, and so is every parked one (they read these inputs where they were)."""
+        state = list(self._lookup.state)
+        if not only_moved(entry, args, state, self._align, moved):
+            return False
+        repin = (self._stats.replays - entry.replays_at_capture >= transitions.REPIN_AFTER
+                 and entry.repins < transitions.MAX_REPINS)
+        ptrs = dict(zip(entry.pinned, entry.ptrs))
+        if not repin and not all(_lies_as(self._recorder.buffer(p, args[p]), args[p], ptrs[p], self._align)
+                                 for p in moved):
+            return False
+        pinned = entry.pinned if repin else tuple(p for p in entry.pinned if p not in moved)
+        moving = [p for p, _ in entry.moving] + ([] if repin else sorted(moved))
+        with self._device.lock:  # no replay of it may be running while it is taken off
+            old_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in entry.static_args]
+            old = park(entry)
+            for stale in entry.parked.values():
+                stale.release()
+            entry.parked.clear()
+        observe(entry, args, moving)
+        try:
+            self._recorder.capture(entry, args, like=(old.graph, old_args), buffers=dict(old.moving))
+        except CudaGraphUnavailable:
+            entry.state = State.WARMING
+            old.release()
+            return False
+        old.release()
+        if entry.pinned != pinned:  # not the classification meant: verified as any capture
+            return False
+        entry.state, entry.verified, entry.last_inputs = State.VERIFIED, self._verify_inputs, None
+        entry.repins += repin
+        self._transitions.relocated(moved, repin)
+        with self._stats.lock:
+            self._stats.relocations += 1
+            self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
+        self._transitions.states_changed()
+        return True
+
+
+def _lies_as(buffer: torch.Tensor, t: torch.Tensor, ptr: int, align: int) -> bool:
+    """A static buffer holds `t` as the verified capture read it in place at `ptr`: the
+    same view (offset, strides) and alignment class."""
+    return (buffer.storage_offset() == t.storage_offset() and buffer.stride() == t.stride()
+            and buffer.data_ptr() % align == ptr % align)
+
+
+def only_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: int, moved: set[int]) -> bool:
+    """Whether the pinned inputs that are not where the entry reads them are all of
+    `moved`, at another address of the same alignment class, with the same layout; and no
+    parameter moved."""
+    first = entry.observations[0] if entry.observations else ()
+    for pos, ptr in zip(entry.pinned, entry.ptrs):
+        t = args[pos]
+        now = _data_ptr(t)
+        if now == ptr:
+            continue
+        if pos in state or pos not in moved or now % align != ptr % align:
+            return False
+        seen = first[pos] if pos < len(first) else None
+        if seen is None or layout_identity(t)[1:] != seen[1:]:
+            return False
+    return bool(moved)
 
 
 def only_held_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: int) -> bool:

@@ -225,7 +225,8 @@ class GraphRunner:
 
     def _moved(self, entry: Entry, args: Sequence[Any], problem: tuple[Decline, str, int]) -> Answer:
         """A verified entry's input is not where its capture reads it: relocated (only held
-        inputs moved, runner/relocate.py) and replayed, or its transition."""
+        inputs moved, or only inputs it reads: runner/relocate.py) and replayed, or its
+        transition."""
         if self._agreement is not None:  # eager runs the same collectives: decide with the other ranks
             self._transitions.pending = problem[0], problem[1]
             return problem[0]

@@ -1,9 +1,13 @@
 """How a runner entry leaves the fast path: re-capture, back off, or decline.
 
-- A pinned input that moves (a new prompt's embeddings; an activation the allocator put at
-  the same address during warmup) becomes moving for good, with every other pinned input
-  that moved too: each such re-capture makes progress, so they are bounded by the number
-  of inputs and never end in a decline. Except when it stayed put for REPIN_AFTER replays
+- A pinned input of a verified entry that moved with its layout and alignment class, with
+  nothing else (a pipeline's new prompt embeddings and attention mask per request), never
+  gets here: it relocates (runner/relocate.py), at once, copied in from then on (or, by
+  the rule below, read in place at its new address). Any other pinned input that moves (an
+  activation the allocator put at the same address during warmup; one that moved with
+  another layout) becomes moving for good, with every other pinned input that moved too:
+  each such re-capture makes progress, so they are bounded by the number of inputs and
+  never end in a decline. Except when it stayed put for REPIN_AFTER replays
   first: a buffer that lives for a while and is then replaced (a static KV cache that
   `generate` allocates anew for each request) is re-captured pinned at its new address
   (at most MAX_REPINS times per entry), since as a moving input every replay would copy it
@@ -41,7 +45,7 @@ from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
 from graphdispatch_backend.runtime.runner.entry import Entry, State
-from graphdispatch_backend.runtime.runner.hints import thrash_detail
+from graphdispatch_backend.runtime.runner.hints import input_label, thrash_detail
 from graphdispatch_backend.runtime.runner.inputs import fixed_address
 
 MAX_RECAPTURES = 2
@@ -105,6 +109,14 @@ class Transitions:
             self.demoted(entry, detail)
         else:
             self.decline(entry, reason, detail)
+
+    def relocated(self, moved: set[int], repinned: bool) -> None:
+        """Inputs the graph only reads moved and nothing else: captured again at once
+        (runner/relocate.py), said in the timing notes by name."""
+        what = ", ".join(input_label(p, self._names) for p in sorted(moved))
+        then = "read in place at the new address" if repinned else "copied in from now on"
+        self._scope.timing.note(f"relocate {self.name}: {what} moved, nothing else (same layout and alignment "
+                                f"class): captured again at once, {then}")
 
     def demoted(self, entry: Entry, detail: str) -> None:
         """An artifact in the captured graph was demoted: captured again without it, at most
