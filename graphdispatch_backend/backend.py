@@ -30,6 +30,7 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import (
     Contain,
     Decline,
+    FusionStatus,
     GraphDispatchError,
     OptionsError,
     SplitReason,
@@ -38,7 +39,7 @@ from graphdispatch_backend.errors import (
 from graphdispatch_backend.fusion.recipe import recipe_for
 from graphdispatch_backend.fusion.verdicts import device_identity
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
-from graphdispatch_backend.options import Options
+from graphdispatch_backend.options import FuseTolerance, Options
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
@@ -97,6 +98,15 @@ def _fixed_shapes(piece: fx.GraphModule) -> bool:
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
             return False
     return True
+
+
+def _recheck(options: Options, fusion: Fusion | None) -> str | int:
+    """The graph's `recheck` schedule: a graph fused under a declared tolerance, whose kernels
+    are not exact by construction (an intermittent fault served unchecked is its risk), is
+    checked on the "dense" schedule where `recheck` is left "doubling"."""
+    if fusion is not None and fusion.tolerance is not None and options.recheck == "doubling":
+        return "dense"
+    return options.recheck
 
 
 def _static(gm: fx.GraphModule) -> bool:
@@ -218,7 +228,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                               session.options.strict, keyed, locate, dynamic, session.timing, builder.suspects,
                               builder.agreement, gradients,
                               recheck="every" if session.options.timing == "shadow" else graph_schedule(
-                                  session.options.recheck, session.options.artifact_recheck,
+                                  _recheck(session.options, builder.fusion), session.options.artifact_recheck,
                                   bool(record.substitutions) and record.cuda_graph_mode != "off"),
                               runners=builder.runners, draws=builder.draws, fusion=builder.fusion)
     if session.exporter is None:
@@ -349,6 +359,8 @@ class _Builder:
                 reason = Decline.NO_CAPTURABLE_PIECE
                 if fusion is not None:  # not captured, still fused, as under cuda_graphs=False
                     run = fusion.unit(gm, run)
+            elif fusion is not None:  # the ATen runs left between the captured pieces are fused too
+                run = fusion.unit(gm, run)
             if training and reason is None:
                 run = without_history(run, native, self.session.events, record)
         if fusion is not None:
@@ -409,13 +421,14 @@ class _Builder:
         elif kind not in ("cpu", "cuda"):
             why = f"no eager-numerics recipe for {kind}"
         if why is not None:
-            record.fusion = {"status": "off", "detail": why}
+            record.fusion = {"status": FusionStatus.OFF.value, "detail": why}
             return None
-        record.fusion = {"status": "pending"}
+        record.fusion = {"status": FusionStatus.PENDING.value}
         session = self.session
-        self.fusion = Fusion(recipe_for(kind), device_identity(kind), session.verdicts, record.fusion,
+        tolerance = session.options.fuse if isinstance(session.options.fuse, FuseTolerance) else None
+        self.fusion = Fusion(recipe_for(kind, tolerance), device_identity(kind), session.verdicts, record.fusion,
                              session.contain, lambda key, message: session.events.warn_once(key, "%s", message),
-                             session.options.strict)
+                             session.options.strict, record.name)
         return self.fusion
 
     def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str, record: GraphRecord,

@@ -130,6 +130,34 @@ def _key_pass(digest: str) -> Any:
     return _AnnotationKey()
 
 
+def _strides_pass(strides: list[tuple[int, ...] | None]) -> Any:
+    """A post-grad pass that has Inductor lay each output out with `strides` (the segment's,
+    which are eager's): Inductor keeps an output's strides as traced after its own
+    decompositions, which may lay a value out otherwise (a `cat` of rotary outputs came out
+    contiguous where eager's was a transposed layout). It sets what Inductor reads
+    (`original_output_strides`, recorded before the post-grad passes), composes with a
+    post-grad pass of the user's config, and names the strides in its uuid (Inductor's cache key)."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    ambient = config.post_grad_custom_post_pass
+
+    class _EagerStrides(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            if ambient is not None:
+                ambient(graph)
+            output = next(iter(graph.find_nodes(op="output")))
+            recorded = output.meta.get("original_output_strides")
+            if recorded is not None and len(recorded) == len(strides):
+                output.meta["original_output_strides"] = [w if w is not None else r for w, r in zip(strides, recorded)]
+
+        def uuid(self) -> str:
+            own = hashlib.sha256(repr(strides).encode()).hexdigest()
+            return own if ambient is None else f"{own}+{ambient.uuid()}"
+
+    return _EagerStrides()
+
+
 @contextlib.contextmanager
 def _own_context(example: Sequence[Any]) -> Iterator[None]:
     from torch._dynamo.convert_frame import compile_lock
@@ -144,7 +172,11 @@ def _own_context(example: Sequence[Any]) -> Iterator[None]:
 def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str]) -> CompiledSegment:
     """Compile `segment` (its placeholders carry fake values) with the nodes the recipe
     allows, bar the ops in `keep`, lowered by Inductor; the rest run as ATen calls. With
-    nothing to lower, the segment runs its own generated code (no Inductor)."""
+    nothing to lower, the segment runs its own generated code (no Inductor). Under a
+    tolerance recipe the segment holds no kept op (segments.py cut them out) and Inductor
+    compiles it as it compiles any graph (`_as_inductor_compiles`)."""
+    if not recipe.exact:
+        return _as_inductor_compiles(segment, recipe)
     gm = copy.deepcopy(segment)
     fused: Counter[str] = Counter()
     calls = 0
@@ -184,10 +216,52 @@ def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str
         compiled = compile_fx_inner(gm, example, is_inference=True)
     seconds = time.perf_counter() - start
     source = getattr(compiled, "source_code", "") or ""
-    kernels = len(_KERNEL_DEF.findall(source))
-
 
     def run(*args: Any) -> tuple[Any, ...]:
         return tuple(compiled(list(args)))  # Inductor's boxed call empties the list it is given
 
-    return CompiledSegment(run, fused, kernels, calls, seconds, source)
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source)), calls, seconds, source)
+
+
+def _as_inductor_compiles(segment: fx.GraphModule, recipe: Recipe) -> CompiledSegment:
+    """The segment compiled as `backend="inductor"` compiles a graph (`compile_fx`: its
+    decompositions, joint- and post-grad pattern rewrites, fusions, reductions and math
+    library), under the recipe's settings only (no CUDA graphs of Inductor's own). Every
+    ATen node is handed to Inductor; Inductor itself still calls ATen for what it does not
+    lower (matmuls, attention), which its generated code says."""
+    from torch._functorch import config as aot_config
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    gm = copy.deepcopy(segment)
+    nodes = {n for n in gm.graph.nodes if n.op == "call_function" and recipe_allows(n, recipe)}
+    fused = Counter(op_name(n) for n in nodes)
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n not in nodes
+                and isinstance(n.target, torch._ops.OpOverload))
+    rewrite(gm, nodes)  # exact rewrites Inductor's decompositions make anyway (the seam testing.perturbed patches)
+    inner: list[Any] = []
+
+    def keep_inner(*args: Any, **kwargs: Any) -> Any:
+        inner.append(compile_fx_inner(*args, **kwargs))
+        return inner[-1]
+
+    example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    strides = [tuple(v.stride()) if isinstance(v := getattr(o, "meta", {}).get("val"), torch.Tensor) else None
+               for o in outputs]
+    start = time.perf_counter()
+    # an inference graph: no autograd state is traced (Dynamo gave aot the same), whatever the
+    # grad mode of the call that compiles it (a recompile runs in the user's call). aot's own
+    # cache is off (thread-local): on a hit it skips the inner compile, whose code says what
+    # Inductor made of the segment; Inductor's FX graph cache still serves the inner compile.
+    patches = {**recipe.patches, "post_grad_custom_post_pass": _strides_pass(strides)}
+    with _own_context(example), config.patch(patches), aot_config.patch(enable_autograd_cache=False), \
+            torch.no_grad():
+        compiled = compile_fx(gm, example, inner_compile=keep_inner)
+    seconds = time.perf_counter() - start
+    source = "".join(getattr(c, "source_code", "") or "" for c in inner)
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        return tuple(compiled(*args))
+
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source)), calls, seconds, source)
