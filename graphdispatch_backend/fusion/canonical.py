@@ -1,11 +1,13 @@
 """Ops Inductor lowers only after its own decompositions, written as the ops it lowers.
 
-aot leaves `t`, `transpose`, `_to_copy` and `rsub` in a graph; Inductor has no lowering of
-its own for them (its decomposition table rewrites them before lowering, and a graph
-handed to it after aot gets no decomposition), so they would run as ATen calls and cut the
-fused kernels around them. Each rewrite here is exact: views stay views, a cast is the same
-cast, `c - x` is `-x + c` (negation is exact, addition commutes). A rewritten node keeps the
-name of the op it was (`ORIGIN`), so verdicts and reports name what the graph holds.
+aot leaves `t`, `transpose`, `_to_copy`, `rsub` and `arange` in a graph; Inductor has no
+lowering of its own for them (its decomposition table rewrites them before lowering, and a
+graph handed to it after aot gets no decomposition), so they would run as ATen calls and
+cut the fused kernels around them. Each rewrite here is exact: views stay views, a cast is
+the same cast, `c - x` is `-x + c` (negation is exact, addition commutes), an `arange` of
+integers is `prims.iota` in int64, cast (the recipe lets it in only where its dtype holds
+every value: fusion/recipe.py). A rewritten node keeps the name of the op it was (`ORIGIN`),
+so verdicts and reports name what the graph holds.
 
 Before::   t = aten.t.default(w);  c = aten._to_copy.default(x, dtype=torch.bfloat16)
 After::    t = aten.permute.default(w, [1, 0]);  c = prims.convert_element_type.default(x, torch.bfloat16)
@@ -55,7 +57,14 @@ def canonical(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | No
         if isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.dtype == src.dtype \
                 and val.is_floating_point():
             return "rsub", args, {}
-    return None
+    if target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        val = node.meta.get("val")
+        numbers = list(args) + [1] * (target is not aten.arange.start_step)
+        start, end, step = ([0] if target is aten.arange.default else []) + numbers
+        if not isinstance(val, torch.Tensor) or not all(type(a) is int for a in (start, end, step)) \
+                or set(kwargs) - {"dtype", "layout", "device", "pin_memory"} or kwargs.get("pin_memory"):
+            return None
+        return "arange", (val.shape[0], start, step, val.dtype, val.device), {}
     return None
 
 
@@ -77,6 +86,14 @@ def rewrite(gm: fx.GraphModule, nodes: set[fx.Node]) -> set[fx.Node]:
             neg.meta = {**node.meta, "val": args[0].meta.get("val"), ORIGIN: origin}
             nodes.add(neg)
             node.target, node.args, node.kwargs = aten.add.Tensor, (neg, args[1]), {}
+        elif target == "arange":  # start + step * i, counted in int64 and cast once
+            length, start, step, dtype, device = args
+            with gm.graph.inserting_before(node):
+                iota = gm.graph.call_function(torch.ops.prims.iota.default, (length,), {
+                    "start": start, "step": step, "dtype": torch.int64, "device": device, "requires_grad": False})
+            iota.meta = {**node.meta, "val": node.meta["val"].to(torch.int64), ORIGIN: origin}
+            nodes.add(iota)
+            node.target, node.args, node.kwargs = torch.ops.prims.convert_element_type.default, (iota, dtype), {}
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
         node.meta[ORIGIN] = origin

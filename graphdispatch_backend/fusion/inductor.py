@@ -104,8 +104,8 @@ def inductor_lowers(node: fx.Node) -> bool:
     from torch._inductor.lowering import fallbacks, lowerings
 
     found = canonical(node)
-    target = aten.add.Tensor if found is not None and found[0] == "rsub" else (
-        found[0] if found is not None else node.target)
+    composite = {"rsub": aten.add.Tensor, "arange": torch.ops.prims.iota.default}  # their last or first node
+    target = node.target if found is None else composite.get(found[0], found[0])
     return target in lowerings and target not in fallbacks
 
 
