@@ -220,7 +220,32 @@ def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str
     def run(*args: Any) -> tuple[Any, ...]:
         return tuple(compiled(list(args)))  # Inductor's boxed call empties the list it is given
 
-    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source)), calls, seconds, source)
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source or "")), calls, seconds, source or "")
+
+
+def _output_code(compiled: Any, depth: int = 8) -> Any:
+    """The CompiledFxGraph behind what `compile_fx` returned (its code says the kernels
+    Inductor made), found by reading (never changing) the wrappers aot put around it: on a
+    hit of aot's cache no inner compile runs to hand it over. None if not found."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    seen: set[int] = set()
+    todo = [(compiled, 0)]
+    while todo:
+        item, level = todo.pop()
+        if id(item) in seen or level > depth:
+            continue
+        seen.add(id(item))
+        if isinstance(item, CompiledFxGraph):
+            return item
+        inside = [c.cell_contents for c in getattr(item, "__closure__", None) or () if c.cell_contents is not None]
+        if hasattr(item, "__dict__") and not isinstance(item, type):
+            inside += list(vars(item).values())
+        if isinstance(item, (list, tuple)):
+            inside += list(item)
+        todo += [(x, level + 1) for x in inside
+                 if callable(x) or hasattr(x, "__dict__") or isinstance(x, (list, tuple))]
+    return None
 
 
 def _as_inductor_compiles(segment: fx.GraphModule, recipe: Recipe) -> CompiledSegment:
@@ -239,29 +264,35 @@ def _as_inductor_compiles(segment: fx.GraphModule, recipe: Recipe) -> CompiledSe
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n not in nodes
                 and isinstance(n.target, torch._ops.OpOverload))
     rewrite(gm, nodes)  # exact rewrites Inductor's decompositions make anyway (the seam testing.perturbed patches)
-    inner: list[Any] = []
-
-    def keep_inner(*args: Any, **kwargs: Any) -> Any:
-        inner.append(compile_fx_inner(*args, **kwargs))
-        return inner[-1]
-
     example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     strides = [tuple(v.stride()) if isinstance(v := getattr(o, "meta", {}).get("val"), torch.Tensor) else None
                for o in outputs]
-    start = time.perf_counter()
-    # an inference graph: no autograd state is traced (Dynamo gave aot the same), whatever the
-    # grad mode of the call that compiles it (a recompile runs in the user's call). aot's own
-    # cache is off (thread-local): on a hit it skips the inner compile, whose code says what
-    # Inductor made of the segment; Inductor's FX graph cache still serves the inner compile.
     patches = {**recipe.patches, "post_grad_custom_post_pass": _strides_pass(strides)}
-    with _own_context(example), config.patch(patches), aot_config.patch(enable_autograd_cache=False), \
-            torch.no_grad():
-        compiled = compile_fx(gm, example, inner_compile=keep_inner)
+    start = time.perf_counter()
+
+    def compile_it(cached: bool) -> tuple[Callable[..., Any], str | None]:
+        """(the compiled callable, Inductor's code; None where it cannot be read)."""
+        inner: list[Any] = []
+
+        def keep_inner(*args: Any, **kwargs: Any) -> Any:
+            inner.append(compile_fx_inner(*args, **kwargs))
+            return inner[-1]
+
+        # an inference graph: no autograd state is traced (Dynamo gave aot the same), whatever
+        # the grad mode of the call that compiles it (a recompile runs in the user's call)
+        with _own_context(example), config.patch(patches), aot_config.patch(enable_autograd_cache=cached), \
+                torch.no_grad():
+            compiled = compile_fx(gm, example, inner_compile=keep_inner)
+        graph = inner[0] if inner else _output_code(compiled)  # aot's cache hit skips the inner compile
+        return compiled, getattr(graph, "source_code", None) if graph is not None else None
+
+    compiled, source = compile_it(cached=True)
+    if source is None:  # the cached compile's code not found: compiled again past aot's cache (thread-local)
+        compiled, source = compile_it(cached=False)
     seconds = time.perf_counter() - start
-    source = "".join(getattr(c, "source_code", "") or "" for c in inner)
 
     def run(*args: Any) -> tuple[Any, ...]:
         return tuple(compiled(*args))
 
-    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source)), calls, seconds, source)
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source or "")), calls, seconds, source or "")

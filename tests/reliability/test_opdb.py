@@ -449,6 +449,8 @@ class Case:
                 "graphs": [{k: g[k] for k in ("calls", "kind", "lowering_check", "contract_mismatches")}
                            | {"cuda_graph": {k: g["cuda_graph"][k] for k in
                                              ("replays", "eager_by_reason", "declines", "decline_details")}}
+                           | ({"fusion": {k: g["fusion"].get(k) for k in ("status", "rounds", "kernels", "kept")}}
+                              if g.get("fusion") else {})
                            for g in graphs]}
 
 

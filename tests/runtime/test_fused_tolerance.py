@@ -119,3 +119,25 @@ def test_the_rendered_report_says_the_tolerance_and_the_largest_error():
     run({"cache_dir": False}, 3)
     text = render(graphdispatch_backend.latest_report())
     assert "tolerance rtol=0.001 atol=1e-05" in text and "largest error" in text and "budget" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [True, TOL], ids=["bitwise", "tolerance"])
+def test_on_a_gpu_both_modes_are_captured_replayed_and_judged(fuse):
+    """The CUDA recipes (Triton; bench/gpu_check.sh runs every test marked cuda): fused,
+    captured and replayed, every call bitwise (`fuse=True`) or within the tolerance."""
+    model = block().cuda()
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": fuse, "cuda_graphs": True,
+                                                                      "cache_dir": False})
+    with torch.no_grad():
+        for i in range(8):
+            args = [t.cuda() for t in inputs(i)]
+            got, want = compiled(*args), model(*args)
+            if fuse is True:
+                assert torch.equal(got, want), i
+            else:
+                torch.testing.assert_close(got, want, **TOL)
+    (graph,) = accounted_graphs()
+    assert graph["fusion"]["status"] == "fused" and graph["fusion"]["kernels"] > 0
+    assert graph["cuda_graph"]["replays"] > 0
+    assert graph["lowering_check"]["status"] == ("bitwise" if fuse is True else "within_tolerance")
