@@ -104,7 +104,9 @@ def inductor_lowers(node: fx.Node) -> bool:
     from torch._inductor.lowering import fallbacks, lowerings
 
     found = canonical(node)
-    composite = {"rsub": aten.add.Tensor, "arange": torch.ops.prims.iota.default}  # their last or first node
+    # the op a composite form's lowering rests on (its nodes' other ops are views or as lowered)
+    composite = {"rsub": aten.add.Tensor, "arange": torch.ops.prims.iota.default, "clamp": aten.clamp_max.default,
+                 "stack": aten.cat.default}
     target = node.target if found is None else composite.get(found[0], found[0])
     return target in lowerings and target not in fallbacks
 

@@ -31,7 +31,9 @@ evidence for what it lets in):
   itself picks by position (its vector body returns the second operand, its scalar tail
   the first). The check catches it.
 - `arange` is fused where every value is an integer its dtype holds exactly (eager counts
-  in double, Inductor in int64).
+  in double, Inductor in int64); a constructor or `masked_fill` of bf16/fp16 where its
+  number is exact in that dtype (eager stores it rounded; Inductor may fold it, unrounded,
+  into the kernel that reads it: `full(0.3) * x` in bf16 differed).
 
 So the recipe is an allowlist: arithmetic IEEE 754 rounds exactly (add, sub, mul, div,
 ...), comparisons and selections, casts, copies, views, gathers and constructors.
@@ -56,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any
 
 import torch
@@ -83,7 +86,7 @@ EXACT_OPS = frozenset({
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
     "slice", "select", "split", "split_with_sizes", "unbind", "narrow", "as_strided",
     # gathers and constructors
-    "cat", "index", "index_select", "gather", "embedding", "constant_pad_nd", "flip", "roll",
+    "cat", "stack", "index", "index_select", "gather", "embedding", "constant_pad_nd", "flip", "roll",
     "full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "scalar_tensor", "fill",
     "new_zeros", "new_ones", "new_full", "arange",
 })
@@ -186,7 +189,20 @@ def exact_node(node: fx.Node, device: str) -> bool:
         return all(not (d.is_floating_point or d.is_complex) for d in dtypes)
     if name == "arange":
         return _exact_range(node)
+    if name in _STORES:  # a number stored in a bf16/fp16 tensor: eager rounds it there first
+        return all(_held(a, dtypes) for a in (*node.args, *node.kwargs.values()) if isinstance(a, float))
     return True
+
+
+# ops that store a Python number into their output (as its dtype); Inductor may fold the number
+# into the kernel that reads it, unrounded: measured (full(0.3, bf16) * x differs)
+_STORES = frozenset({"full", "full_like", "new_full", "fill", "scalar_tensor", "masked_fill", "where"})
+
+
+def _held(number: float, dtypes: set[torch.dtype]) -> bool:
+    """`number` is exact in every bf16/fp16 dtype of the node (or there is none)."""
+    return all(float(torch.tensor(number, dtype=d)) == number or not math.isfinite(number)
+               for d in dtypes if d in (torch.bfloat16, torch.float16))
 
 
 def _exact_range(node: fx.Node) -> bool:

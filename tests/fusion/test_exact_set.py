@@ -48,12 +48,23 @@ CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
                                                            (x.shape[0] + 1) // 2), "aten.slice_scatter.default"),
     ("div", lambda x: aten.div.Tensor(x, x.flip(0) + 0.5), "aten.div.Tensor"),
     ("rsub", lambda x: aten.rsub.Scalar(x, 1.5) * x, "aten.rsub.Scalar"),
+    # constructors, selections, gathers and copies written as ops Inductor lowers (fusion/canonical.py)
+    ("zeros_like", lambda x: aten.zeros_like.default(x) + x, "aten.zeros_like.default"),
+    ("new_ones", lambda x: aten.new_ones.default(x, [x.shape[0]]) * x, "aten.new_ones.default"),
+    ("fill", lambda x: aten.fill.Scalar(x, 0.3) * x, "aten.fill.Scalar"),
+    ("masked_fill", lambda x: aten.masked_fill.Scalar(x * 2, x > 0.5, -1e4), "aten.masked_fill.Scalar"),
+    ("clamp", lambda x: aten.clamp.default(x, -0.5, 0.7) * 2, "aten.clamp.default"),
+    ("index_select", lambda x: aten.index_select.default(x * 2, 0, x.shape[0] - 1 - aten.arange.start(0, x.shape[0])),
+     "aten.index_select.default"),
+    ("full 0.3", lambda x: aten.full.default([x.shape[0]], 0.3, dtype=x.dtype) * x, "aten.full.default"),
+    ("stack", lambda x: aten.stack.default([x, x * 2], 1) + 1, "aten.stack.default"),
 ]
 # what each rule keeps out is not exact when fused: (case, dtype) pairs whose fused result
 # differs from eager's on these sizes, on any machine (a different function, not a rounding
 # of the same one); sqrt differs where eager's is MKL's (float32, 32 elements or more)
 DIFFERS = [("pow 4", torch.float32), ("pow -2", torch.float32), ("pow 3", torch.bfloat16),
-           ("sum of floats", torch.float32), ("arange by 3", torch.bfloat16)]
+           ("sum of floats", torch.float32), ("arange by 3", torch.bfloat16), ("fill", torch.bfloat16),
+           ("full 0.3", torch.bfloat16)]
 
 
 def _x(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
