@@ -37,8 +37,10 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("overhead", "scaling", "memory", "kv_cache", "compile_time", "recheck", "emulate", "scale", "fusion",
               "sequence_parallel")
 TIMEOUT_S = {"quick": 300, "full": 1800}
-# scale.py's quick run lasts 3-4 minutes while the per-call copies it measures are there
-QUICK_TIMEOUT_S = {"scale": 600, "fusion": 900}
+# scale.py's quick run lasts 3-4 minutes while the per-call copies it measures are there; fusion.py
+# compiles 6 families x 2 dtypes x 4 variants twice (a warm first call) and runs each past its 1024th call
+QUICK_TIMEOUT_S = {"scale": 600, "fusion": 2400}
+FULL_TIMEOUT_S = {"fusion": 3600}
 SMOKE_TIMEOUT_S = 120
 # --smoke only: the GPU scripts' own smoke mode, on CPU (`--cpu-smoke`), and the JSON each writes
 GPU_SMOKE = {"gpu_bench": "gpu_bench_cpu_smoke", "gpu_realsize": "gpu_realsize_cpu_smoke"}
@@ -59,7 +61,8 @@ def run_one(name: str, mode: str) -> tuple[list[Target], float, str | None]:
     if mode == "smoke":
         timeout = SMOKE_TIMEOUT_S
     else:
-        timeout = QUICK_TIMEOUT_S.get(name, TIMEOUT_S["quick"]) if mode == "quick" else TIMEOUT_S["full"]
+        timeout = QUICK_TIMEOUT_S.get(name, TIMEOUT_S["quick"]) if mode == "quick" else \
+            FULL_TIMEOUT_S.get(name, TIMEOUT_S["full"])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=HERE.parent, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     try:

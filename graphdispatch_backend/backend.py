@@ -30,6 +30,7 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import (
     Contain,
     Decline,
+    FusionStatus,
     GraphDispatchError,
     OptionsError,
     SplitReason,
@@ -38,7 +39,7 @@ from graphdispatch_backend.errors import (
 from graphdispatch_backend.fusion.recipe import recipe_for, with_inductor_keys
 from graphdispatch_backend.fusion.verdicts import device_identity
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
-from graphdispatch_backend.options import Options, reported
+from graphdispatch_backend.options import FuseTolerance, Options, reported
 from graphdispatch_backend.passes import BACKWARD_PIPELINE, PassContext, run_pipeline
 from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
@@ -107,6 +108,15 @@ def _fixed_shapes(piece: fx.GraphModule) -> bool:
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
             return False
     return True
+
+
+def _recheck(options: Options, fusion: Fusion | None) -> str | int:
+    """The graph's `recheck` schedule: a graph fused under a declared tolerance, whose kernels
+    are not exact by construction (an intermittent fault served unchecked is its risk), is
+    checked on the "dense" schedule where `recheck` is left "doubling"."""
+    if fusion is not None and fusion.tolerance is not None and options.recheck == "doubling":
+        return "dense"
+    return options.recheck
 
 
 def _static(gm: fx.GraphModule) -> bool:
@@ -239,7 +249,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                               Suspects(gm, rerun=builder.agreement is None and gradients is None),
                               builder.agreement, gradients,
                               recheck="every" if session.options.timing == "shadow" else graph_schedule(
-                                  session.options.recheck, session.options.artifact_recheck,
+                                  _recheck(session.options, builder.fusion), session.options.artifact_recheck,
                                   bool(record.substitutions) and record.cuda_graph_mode != "off"),
                               runners=builder.runners, draws=builder.draws, fusion=builder.fusion,
                               unwritten=unwritten_outputs(gm), novelty=novelty)
@@ -369,6 +379,8 @@ class _Builder:
                 reason = Decline.NO_CAPTURABLE_PIECE
                 if fusion is not None:  # not captured, still fused, as under cuda_graphs=False
                     run = fusion.unit(gm, run)
+            elif fusion is not None:  # the ATen runs left between the captured pieces are fused too
+                run = fusion.unit(gm, run)
             if training and reason is None:
                 run = without_history(run, native, self.session.events, record)
         if fusion is not None:
@@ -429,19 +441,20 @@ class _Builder:
         elif kind not in ("cpu", "cuda"):
             why = f"no eager-numerics recipe for {kind}"
         if why is not None:
-            record.fusion = {"status": "off", "detail": why}
+            record.fusion = {"status": FusionStatus.OFF.value, "detail": why}
             return None
-        record.fusion = {"status": "pending"}
+        record.fusion = {"status": FusionStatus.PENDING.value}
         session = self.session
+        tolerance = session.options.fuse if isinstance(session.options.fuse, FuseTolerance) else None
         # Inductor settings given in `options` (a framework's): applied unless the recipe sets them
-        recipe, keys = with_inductor_keys(recipe_for(kind), session.options.inductor.items)
+        recipe, keys = with_inductor_keys(recipe_for(kind, tolerance), session.options.inductor.items)
         if session.options.inductor:
             record.fusion["inductor_keys"] = {
                 "applied": {k: reported(v) for k, v in keys["applied"].items()},
                 "overridden": {k: {w: reported(v) for w, v in both.items()} for k, both in keys["overridden"].items()}}
         self.fusion = Fusion(recipe, device_identity(kind), session.verdicts, record.fusion,
                              session.contain, lambda key, message: session.events.warn_once(key, "%s", message),
-                             session.options.strict)
+                             session.options.strict, record.name)
         return self.fusion
 
     def _runner(self, scope: Any, piece: fx.GraphModule, info: PieceInfo, device: str, record: GraphRecord,

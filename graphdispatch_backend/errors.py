@@ -151,6 +151,29 @@ class SplitReason(str, enum.Enum):
     UNWRITTEN_BUFFER = "unwritten_buffer"
 
 
+class FusionStatus(str, enum.Enum):
+    """What a graph's fusion (`fuse`) serves: its report's `fusion.status`."""
+
+    PENDING = "pending"  # built, not compiled yet
+    FUSED = "fused"  # Inductor's kernels serve the graph's fused ops
+    # Inductor generated no kernel (the ops it was given are views, or it left them to ATen):
+    # the graph runs its ATen kernels, as unfused
+    NOTHING_FUSED = "nothing_fused"
+    OFF = "off"  # not fused, by a rule (autograd, dynamic shapes, collectives, no fusable op)
+    FUSION_MISMATCH = "fusion_mismatch"  # checks kept finding fused ops off: given up, ATen kernels run
+    FAILED = "failed"  # compiling raised: ATen kernels run
+
+
+class KeptWhy(str, enum.Enum):
+    """Why an op of a fused graph runs as its ATen kernel: `fusion.kept[].why`."""
+
+    RECIPE = "recipe"  # the recipe does not fuse it (not exact by construction)
+    LEARNED = "learned"  # a check of this graph found its fused result off
+    CACHE = "cache"  # this graph learned it in an earlier process (the verdict cache)
+    # another graph on this device and recipe learned it (the verdict cache's op verdicts)
+    DEVICE = "device"
+
+
 class Rejection(str, enum.Enum):
     """Why an artifact does not substitute a region (matching, at compile time)."""
 

@@ -15,6 +15,8 @@ it unless the eager-numerics recipe sets the key (fusion/recipe.py `with_inducto
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, get_origin
@@ -41,6 +43,20 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "max-autotune": ({"fuse": True, "cuda_graphs": True}, {"max_autotune": True, "coordinate_descent_tuning": True}),
 }
 _TRUE = ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class FuseTolerance:
+    """`fuse={"rtol": r, "atol": a}`: Inductor as it compiles, each fused value checked
+    within `atol + rtol * |eager|` (as an artifact's `allclose` parity)."""
+
+    rtol: float
+    atol: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rtol": self.rtol, "atol": self.atol}
+
+
 _FALSE = ("0", "false", "no", "off")
 
 
@@ -128,9 +144,13 @@ class Options:
     max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
         writes it at places graphdispatch cannot locate (runtime/checks/world.py); located writes
         (a KV cache's rows) are snapshotted row by row, whatever this says.
-    fuse: lower each inference graph (each captured piece) through Inductor with the
-        device's eager-numerics recipe, checked against eager like any lowering, op by op
-        (runtime/program/fused.py).
+    fuse: lower each inference graph (each captured piece) through Inductor (runtime/program/fused.py).
+        True: under the device's eager-numerics recipe, checked against eager bit for bit
+        like any lowering, op by op. A FuseTolerance (given as {"rtol": r, "atol": a}):
+        as Inductor compiles it (its fusions, reductions, math library, pattern rewrites),
+        checked within `atol + rtol * |eager|` (dtype, shape, strides, NaN and inf places
+        exact), on the "dense" schedule where `recheck` is left "doubling"; an op that puts a
+        call beyond it runs as its ATen kernel from then on.
     cache_dir: where fused graphs keep what they learned (fusion/verdicts.py); None: the
         user's cache directory; False: nothing is kept on disk.
     inductor: keys of Inductor's config given in `options` (a framework's, or a mode's
@@ -152,7 +172,7 @@ class Options:
     recheck: str | int = "doubling"
     artifact_recheck: str | int = "dense"
     max_snapshot_bytes: int = 256 * 2**20
-    fuse: bool = False
+    fuse: bool | FuseTolerance = False
     cache_dir: str | bool | None = None
     # Inductor config keys given in `options` (not a key of its own: `names()` leaves it out)
     inductor: InductorKeys = dataclasses.field(default_factory=InductorKeys)
@@ -203,7 +223,8 @@ class Options:
         return cls(**{k: _validate(k, v) for k, v in merged.items()}, inductor=InductorKeys(inductor, written))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.names()}
+        out = {name: list(v) if isinstance(v := getattr(self, name), tuple) else
+               v.to_dict() if isinstance(v, FuseTolerance) else v for name in self.names()}
         out["inductor"] = self.inductor.to_dict()
         return out
 
@@ -212,6 +233,8 @@ def _from_env(key: str, text: str) -> Any:
     """Turn an environment string into the value the option would have in a dict."""
     text = text.strip()
     kind = _KINDS[key]
+    if key == "fuse" and text.lower() not in _TRUE + _FALSE:
+        return _tolerance_text(text)
     if kind == "bool" or (key == "cuda_graphs" and text.lower() in _TRUE + _FALSE):
         low = text.lower()
         if low in _TRUE:
@@ -255,8 +278,44 @@ _KINDS = {
 }
 
 
+def _tolerance_text(text: str) -> Any:
+    """GRAPHDISPATCH_FUSE as a tolerance: JSON (`{"rtol": 1e-3, "atol": 1e-5}`) or
+    `rtol=1e-3,atol=1e-5`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return {k.strip(): float(v) for k, v in (part.split("=", 1) for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise OptionsError(f"{ENV_PREFIX}FUSE={text!r}: expected one of {_TRUE + _FALSE}, JSON "
+                           f"'{{\"rtol\": r, \"atol\": a}}' or 'rtol=r,atol=a'") from None
+
+
+def _fuse(value: Any) -> bool | FuseTolerance:
+    """`fuse`: True, False, or a tolerance {"rtol": r, "atol": a}, both finite numbers >= 0."""
+    if isinstance(value, (bool, FuseTolerance)):
+        return value
+    if not isinstance(value, Mapping) or set(value) != {"rtol", "atol"}:
+        raise OptionsError(f"option 'fuse' must be True, False or a tolerance {{'rtol': r, 'atol': a}} (both "
+                           f"keys), got {value!r}")
+    tol = {}
+    for key in ("rtol", "atol"):
+        v = value[key]
+        try:  # float(10**400) raises OverflowError
+            number = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+        except OverflowError:
+            number = math.inf
+        if not (math.isfinite(number) and number >= 0):
+            raise OptionsError(f"option 'fuse': {key} must be a finite number >= 0, got {v!r}")
+        tol[key] = number
+    return FuseTolerance(tol["rtol"], tol["atol"])
+
+
 def _validate(key: str, value: Any) -> Any:
     kind = _KINDS[key]
+    if key == "fuse":
+        return _fuse(value)
     if kind == "bool":
         if not isinstance(value, bool):
             raise OptionsError(f"option {key!r} must be True or False, got {value!r}")

@@ -352,12 +352,13 @@ def serve_patches(fn: Callable[..., Any]) -> tuple[tuple[Any, str, Any], ...]:
     return tuple((module, "serve", fn) for module in (hot, publish))
 
 
-def perturbed(op: str, above: float | None = None) -> Any:
+def perturbed(op: str, above: float | None = None, by: float | None = None) -> Any:
     """A patch of fusion/inductor.py under which every node of `op` (`aten.mul.Tensor`) that
     Inductor fuses computes one ulp above its ATen kernel (`nextafter(x, inf)` after it;
-    with `above`, only where the result is larger), while the same op kept as an ATen call
-    stays exact: a fused op wrong by one ulp, for the tests of isolation and learning. Use
-    with `unittest.mock.patch.object(*perturbed(op))`."""
+    with `above`, only where the result is larger; with `by`, `x * (1 + by)` instead: beyond
+    a declared tolerance on purpose), while the same op kept as an ATen call stays exact: a
+    fused op off, for the tests of isolation and learning. Use with
+    `unittest.mock.patch.object(*perturbed(op))`."""
     from graphdispatch_backend.fusion import inductor
 
     original = inductor.rewrite
@@ -370,13 +371,18 @@ def perturbed(op: str, above: float | None = None) -> Any:
                     or not val.is_floating_point():
                 continue
             aten = torch.ops.aten
-            with gm.graph.inserting_after(node):
-                inf = gm.graph.call_function(aten.scalar_tensor.default, (float("inf"),), {"dtype": val.dtype})
-            inf.meta = {"val": torch.empty((), dtype=val.dtype, device=val.device)}
-            with gm.graph.inserting_after(inf):
-                up = gm.graph.call_function(torch.ops.aten.nextafter.default, (node, inf))
+            if by is not None:
+                with gm.graph.inserting_after(node):
+                    up = gm.graph.call_function(aten.mul.Tensor, (node, 1.0 + by))
+                injected = {up}
+            else:
+                with gm.graph.inserting_after(node):
+                    inf = gm.graph.call_function(aten.scalar_tensor.default, (float("inf"),), {"dtype": val.dtype})
+                inf.meta = {"val": torch.empty((), dtype=val.dtype, device=val.device)}
+                with gm.graph.inserting_after(inf):
+                    up = gm.graph.call_function(torch.ops.aten.nextafter.default, (node, inf))
+                injected = {inf, up}
             up.meta = dict(node.meta)
-            injected = {inf, up}
             if above is not None:
                 with gm.graph.inserting_after(up):
                     big = gm.graph.call_function(aten.gt.Scalar, (node, above))

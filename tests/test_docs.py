@@ -105,3 +105,11 @@ def test_every_figure_in_the_readme_names_its_command_and_date():
     bare = [u.strip()[:160] for u in _prose_units(README)
             if FIGURE.search(u) and not (DATE.search(u) and re.search(r"`(python |bench/|\./dev|time )", u))]
     assert not bare, "figures without their command and date:\n" + "\n".join(bare)
+
+
+def test_every_fusion_status_and_kept_reason_is_explained():
+    from graphdispatch_backend.errors import FusionStatus, KeptWhy
+
+    guide = (ROOT / "docs" / "fusion.md").read_text("utf-8")
+    for value in [s.value for s in FusionStatus] + [k.value for k in KeptWhy]:
+        assert f"`{value}`" in guide and f"`{value}`" in DESIGN, value

@@ -114,8 +114,12 @@ BAD_VALUES = [
     ("artifact_recheck", False, "an integer >= 1"),
     ("artifact_recheck", "often", "'dense'"),
     ("artifact_recheck", "doubling|dense", "'every'"),  # a union is the graph's own, never an option
-    ("fuse", "yes", "True or False"),
-    ("fuse", 1, "True or False"),
+    ("fuse", "yes", "True, False or a tolerance"),
+    ("fuse", 1, "True, False or a tolerance"),
+    ("fuse", {"rtol": 1e-3}, "(both keys)"),
+    ("fuse", {"rtol": 1e-3, "atol": -1}, "atol must be a finite number >= 0"),
+    ("fuse", {"rtol": float("inf"), "atol": 0}, "rtol must be a finite number >= 0"),
+    ("fuse", {"rtol": 1, "atol": 0, "mode": "allclose"}, "(both keys)"),
     ("cache_dir", "", "a path"),
     ("cache_dir", True, "False (nothing kept on disk)"),
     ("cache_dir", 3, "None (the user's cache directory)"),
@@ -152,6 +156,20 @@ def test_cache_dir_is_a_path_none_or_false(tmp_path):
     env = Options.resolve(environ={"GRAPHDISPATCH_CACHE_DIR": str(tmp_path), "GRAPHDISPATCH_FUSE": "1"})
     assert (env.cache_dir, env.fuse) == (str(tmp_path), True)
     assert Options.resolve(environ={"GRAPHDISPATCH_CACHE_DIR": "off"}).cache_dir is False
+
+
+def test_fuse_is_a_bool_or_a_tolerance():
+    from graphdispatch_backend.options import FuseTolerance
+
+    o = Options.resolve({"fuse": {"rtol": 1e-3, "atol": 0}}, environ={})
+    assert o.fuse == FuseTolerance(1e-3, 0.0) and o.to_dict()["fuse"] == {"rtol": 1e-3, "atol": 0.0}
+    assert hash(o) == hash(Options.resolve({"fuse": {"atol": 0.0, "rtol": 0.001}}, environ={}))  # one identity
+    for text in ('{"rtol": 1e-3, "atol": 0}', "rtol=1e-3, atol=0"):
+        assert Options.resolve(environ={"GRAPHDISPATCH_FUSE": text}).fuse == FuseTolerance(1e-3, 0.0)
+    with pytest.raises(OptionsError, match="GRAPHDISPATCH_FUSE='maybe'"):
+        Options.resolve(environ={"GRAPHDISPATCH_FUSE": "maybe"})
+    with pytest.raises(OptionsError, match="both keys"):
+        Options.resolve(environ={"GRAPHDISPATCH_FUSE": "rtol=1e-3"})
 
 
 def test_every_key_has_a_bad_value_case():

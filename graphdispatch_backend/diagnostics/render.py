@@ -190,23 +190,50 @@ def _fusion(report: dict[str, Any]) -> list[str]:
         kept = f.get("kept") or []
         learned = [k for k in kept if k.get("why") != "recipe"]
         recipe = [k["op"] for k in kept if k.get("why") == "recipe"]
-        rows.append([g["name"], f.get("status", "-"), f.get("kernels", "-"), sum((f.get("fused_ops") or {}).values()),
-                     f.get("aten_calls", "-"), len(recipe), ", ".join(k["op"] for k in learned) or "-",
-                     f.get("rounds", "-"), f.get("compile_seconds", "-")])
+        tol = f.get("tolerance")
+        judged = f"rtol={tol['rtol']:g} atol={tol['atol']:g}" if tol else "bitwise"
+        rows.append([g["name"], f.get("status", "-"), judged,
+                     f.get("kernels", "-"), sum((f.get("fused_ops") or {}).values()), f.get("aten_calls", "-"),
+                     len(recipe), ", ".join(k["op"] for k in learned) or "-", f.get("rounds", "-"),
+                     f.get("compile_seconds", "-")])
         if f.get("detail"):
             details.append(f"  {g['name']}: {f['status']}: {f['detail']}")
+        if tol:
+            details.append(f"  {g['name']}: {_tolerance(f)}")
         for k in learned:
-            when = f"learned at call {k.get('at_call')}" if k.get("why") == "learned" else "from the verdict cache"
-            details.append(f"  {g['name']}: {k['op']} runs as an ATen call, {when}: {k.get('detail', '')}")
+            details.append(f"  {g['name']}: {k['op']} runs as an ATen call, {_why_kept(k)}: {k.get('detail', '')}")
         if recipe:
             details.append(f"  {g['name']}: left to ATen by the recipe: {', '.join(recipe)}")
     if not rows:
         return []
-    out = ["", "Fusion (fuse=True: each graph's exact ops compiled by Inductor under an eager-numerics recipe, "
-               "checked against eager like any lowering; an op found to differ runs as its ATen kernel)",
-           table(["graph", "status", "kernels", "fused nodes", "ATen calls", "recipe keeps", "kept as learned",
-                  "rounds", "compile s"], rows, max_width=CELL)]
-    return out + ["", "Ops kept as ATen calls, and why"] + details if details else out
+    out = ["", "Fusion (fuse: each graph's ops compiled by Inductor, bit for bit under an eager-numerics recipe or "
+               "within a declared tolerance, checked against eager like any lowering; an op found off runs as its "
+               "ATen kernel)",
+           table(["graph", "status", "judged", "kernels", "fused nodes", "ATen calls", "recipe keeps",
+                  "kept as learned", "rounds", "compile s"], rows, max_width=CELL)]
+    return out + ["", "Fusion checks and ops kept as ATen calls, and why"] + details if details else out
+
+
+def _tolerance(f: dict[str, Any]) -> str:
+    """A tolerance-fused graph's checks and the largest error they saw."""
+    tol, largest = f["tolerance"], f.get("largest_error")
+    text = (f"tolerance rtol={tol['rtol']:g} atol={tol['atol']:g}: {f.get('checks', 0)} checks, "
+            f"{f.get('beyond', 0)} beyond it (answered with eager's values)")
+    if not largest:
+        return text + "; no call served within it yet"
+    return (text + f"; largest error served: {largest['abs']:.3g} abs ({largest['abs_at']}), "
+            f"{largest['rel']:.3g} rel ({largest['rel_at']}), {largest['budget']:.2f} of the budget "
+            f"({largest['budget_at']})")
+
+
+def _why_kept(k: dict[str, Any]) -> str:
+    why = k.get("why")
+    if why == "learned":
+        return f"learned at call {k.get('at_call')}"
+    if why == "device":
+        where = k.get("learned_in") or "another graph"
+        return f"learned on this device and recipe by {where} (call {k.get('at_call')})"
+    return "from the verdict cache"
 
 
 def _artifacts(report: dict[str, Any]) -> list[str]:

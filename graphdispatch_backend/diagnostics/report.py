@@ -173,8 +173,8 @@ class GraphRecord:
     # the stats of the runner serving the whole graph on its hot path (runtime/program/program.py):
     # its hot replays, counted there under the device lock, are calls and replays of the graph
     hot_stats: list[CudaGraphStats] = dataclasses.field(default_factory=list, repr=False)
-    # with `fuse`: status (fused | fusion_mismatch | failed | off), kernels, ops fused and kept
-    # (and why), rounds, compile time (runtime/program/fused.py); None without `fuse`
+    # with `fuse`: status (errors.FusionStatus), kernels, ops fused and kept (errors.KeptWhy), rounds,
+    # compile time (runtime/program/fused.py); a tolerance's checks and largest error (runtime/checks/tolerance.py)
     fusion: dict[str, Any] | None = None
     _frozen: bytes | None = dataclasses.field(default=None, repr=False)  # see retire()
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -317,7 +317,8 @@ class GraphRecord:
         checked = {"checked": self.eager_checks, **({"novelty": self.novelty_checks} if self.novelty_checks else {})}
         if self.lowering is not None:
             return {**checked, **self.lowering, **skipped}
-        return {**checked, "status": "bitwise" if self.eager_checks else "unchecked", **skipped}
+        passed = "within_tolerance" if (self.fusion or {}).get("checks") and self.fusion.get("tolerance") else "bitwise"
+        return {**checked, "status": passed if self.eager_checks else "unchecked", **skipped}
 
     def _stats_per_piece(self) -> list[CudaGraphStats | None]:
         stats = iter(self.piece_stats)

@@ -138,3 +138,30 @@ def denoise(model: nn.Module, x: torch.Tensor, steps: int = 4) -> list[torch.Ten
         x = x - model(x, t) / steps
         out.append(x)
     return out
+
+
+class AdaBlock(nn.Module):
+    """One DiT block in small: modulation, norm, MLP, gated residual (the fusion tests' and
+    benches' model: mul and add fused under the exact recipe, all of it under a tolerance)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.mod = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.mod(c).chunk(2, dim=-1)
+        h = self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return x + 0.5 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
+def ada_block() -> AdaBlock:
+    torch.manual_seed(0)
+    return AdaBlock().eval()
+
+
+def ada_inputs(i: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call `i`'s (x, conditioning): fresh values per `i`, the conditioning times `scale`."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(2, 8, 16, generator=g), torch.randn(2, 16, generator=g) * scale

@@ -104,8 +104,10 @@ def inductor_lowers(node: fx.Node) -> bool:
     from torch._inductor.lowering import fallbacks, lowerings
 
     found = canonical(node)
-    target = aten.add.Tensor if found is not None and found[0] == "rsub" else (
-        found[0] if found is not None else node.target)
+    # the op a composite form's lowering rests on (its nodes' other ops are views or as lowered)
+    composite = {"rsub": aten.add.Tensor, "arange": torch.ops.prims.iota.default, "clamp": aten.clamp_max.default,
+                 "stack": aten.cat.default}
+    target = node.target if found is None else composite.get(found[0], found[0])
     return target in lowerings and target not in fallbacks
 
 
@@ -130,6 +132,34 @@ def _key_pass(digest: str) -> Any:
     return _AnnotationKey()
 
 
+def _strides_pass(strides: list[tuple[int, ...] | None]) -> Any:
+    """A post-grad pass that has Inductor lay each output out with `strides` (the segment's,
+    which are eager's): Inductor keeps an output's strides as traced after its own
+    decompositions, which may lay a value out otherwise (a `cat` of rotary outputs came out
+    contiguous where eager's was a transposed layout). It sets what Inductor reads
+    (`original_output_strides`, recorded before the post-grad passes), composes with a
+    post-grad pass of the user's config, and names the strides in its uuid (Inductor's cache key)."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    ambient = config.post_grad_custom_post_pass
+
+    class _EagerStrides(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            if ambient is not None:
+                ambient(graph)
+            output = next(iter(graph.find_nodes(op="output")))
+            recorded = output.meta.get("original_output_strides")
+            if recorded is not None and len(recorded) == len(strides):
+                output.meta["original_output_strides"] = [w if w is not None else r for w, r in zip(strides, recorded)]
+
+        def uuid(self) -> str:
+            own = hashlib.sha256(repr(strides).encode()).hexdigest()
+            return own if ambient is None else f"{own}+{ambient.uuid()}"
+
+    return _EagerStrides()
+
+
 @contextlib.contextmanager
 def _own_context(example: Sequence[Any]) -> Iterator[None]:
     from torch._dynamo.convert_frame import compile_lock
@@ -144,7 +174,11 @@ def _own_context(example: Sequence[Any]) -> Iterator[None]:
 def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str]) -> CompiledSegment:
     """Compile `segment` (its placeholders carry fake values) with the nodes the recipe
     allows, bar the ops in `keep`, lowered by Inductor; the rest run as ATen calls. With
-    nothing to lower, the segment runs its own generated code (no Inductor)."""
+    nothing to lower, the segment runs its own generated code (no Inductor). Under a
+    tolerance recipe the segment holds no kept op (segments.py cut them out) and Inductor
+    compiles it as it compiles any graph (`_as_inductor_compiles`)."""
+    if not recipe.exact:
+        return _as_inductor_compiles(segment, recipe)
     gm = copy.deepcopy(segment)
     fused: Counter[str] = Counter()
     calls = 0
@@ -184,10 +218,83 @@ def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str
         compiled = compile_fx_inner(gm, example, is_inference=True)
     seconds = time.perf_counter() - start
     source = getattr(compiled, "source_code", "") or ""
-    kernels = len(_KERNEL_DEF.findall(source))
-
 
     def run(*args: Any) -> tuple[Any, ...]:
         return tuple(compiled(list(args)))  # Inductor's boxed call empties the list it is given
 
-    return CompiledSegment(run, fused, kernels, calls, seconds, source)
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source or "")), calls, seconds, source or "")
+
+
+def _output_code(compiled: Any, depth: int = 8) -> Any:
+    """The CompiledFxGraph behind what `compile_fx` returned (its code says the kernels
+    Inductor made), found by reading (never changing) the wrappers aot put around it: on a
+    hit of aot's cache no inner compile runs to hand it over. None if not found."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    seen: set[int] = set()
+    todo = [(compiled, 0)]
+    while todo:
+        item, level = todo.pop()
+        if id(item) in seen or level > depth:
+            continue
+        seen.add(id(item))
+        if isinstance(item, CompiledFxGraph):
+            return item
+        inside = [c.cell_contents for c in getattr(item, "__closure__", None) or () if c.cell_contents is not None]
+        if hasattr(item, "__dict__") and not isinstance(item, type):
+            inside += list(vars(item).values())
+        if isinstance(item, (list, tuple)):
+            inside += list(item)
+        todo += [(x, level + 1) for x in inside
+                 if callable(x) or hasattr(x, "__dict__") or isinstance(x, (list, tuple))]
+    return None
+
+
+def _as_inductor_compiles(segment: fx.GraphModule, recipe: Recipe) -> CompiledSegment:
+    """The segment compiled as `backend="inductor"` compiles a graph (`compile_fx`: its
+    decompositions, joint- and post-grad pattern rewrites, fusions, reductions and math
+    library), under the recipe's settings only (no CUDA graphs of Inductor's own). Every
+    ATen node is handed to Inductor; Inductor itself still calls ATen for what it does not
+    lower (matmuls, attention), which its generated code says."""
+    from torch._functorch import config as aot_config
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    gm = copy.deepcopy(segment)
+    nodes = {n for n in gm.graph.nodes if n.op == "call_function" and recipe_allows(n, recipe)}
+    fused = Counter(op_name(n) for n in nodes)
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n not in nodes
+                and isinstance(n.target, torch._ops.OpOverload))
+    rewrite(gm, nodes)  # exact rewrites Inductor's decompositions make anyway (the seam testing.perturbed patches)
+    example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    strides = [tuple(v.stride()) if isinstance(v := getattr(o, "meta", {}).get("val"), torch.Tensor) else None
+               for o in outputs]
+    patches = {**recipe.patches, "post_grad_custom_post_pass": _strides_pass(strides)}
+    start = time.perf_counter()
+
+    def compile_it(cached: bool) -> tuple[Callable[..., Any], str | None]:
+        """(the compiled callable, Inductor's code; None where it cannot be read)."""
+        inner: list[Any] = []
+
+        def keep_inner(*args: Any, **kwargs: Any) -> Any:
+            inner.append(compile_fx_inner(*args, **kwargs))
+            return inner[-1]
+
+        # an inference graph: no autograd state is traced (Dynamo gave aot the same), whatever
+        # the grad mode of the call that compiles it (a recompile runs in the user's call)
+        with _own_context(example), config.patch(patches), aot_config.patch(enable_autograd_cache=cached), \
+                torch.no_grad():
+            compiled = compile_fx(gm, example, inner_compile=keep_inner)
+        graph = inner[0] if inner else _output_code(compiled)  # aot's cache hit skips the inner compile
+        return compiled, getattr(graph, "source_code", None) if graph is not None else None
+
+    compiled, source = compile_it(cached=True)
+    if source is None:  # the cached compile's code not found: compiled again past aot's cache (thread-local)
+        compiled, source = compile_it(cached=False)
+    seconds = time.perf_counter() - start
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        return tuple(compiled(*args))
+
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source or "")), calls, seconds, source or "")

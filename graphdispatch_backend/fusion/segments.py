@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from graphdispatch_backend.fusion.canonical import ORIGIN
 from graphdispatch_backend.fusion.recipe import Recipe
+from graphdispatch_backend.passes.ops import is_view
 from graphdispatch_backend.passes.split_pieces import split_reason
 from graphdispatch_backend.passes.subgraph import boundary, extract, replace_with_call
 
@@ -66,35 +67,71 @@ def _opaque(node: fx.Node, device: str) -> bool:
 
 def recipe_allows(node: fx.Node, recipe: Recipe) -> bool:
     """The recipe's own rule for one node (before what Inductor can lower, and what a graph
-    learned): an exact op on the recipe's device, writing nothing in place."""
+    learned): an ATen op on the recipe's device, writing nothing in place, that the recipe
+    fuses there (fusion/recipe.py: every op under a tolerance; an exact one, on its
+    arguments, otherwise)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
         return False
-    if target._opname not in recipe.fusable:
-        return False
     if _writes(target):
         return False  # an in-place write (a cache's rows) stays the ATen write
-    if target._opname in ("add", "sub", "rsub") and node.kwargs.get("alpha", 1) != 1:
-        return False  # eager's a + alpha * b is one fused multiply-add
-    if target._opname == "div" and node.kwargs.get("rounding_mode") is not None:
-        return False  # floor/trunc division: eager's formula, not a / b
     for value in [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]:
         for t in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(t, torch.Tensor) and (t.device.type != recipe.device or t.is_complex()):
                 return False
-    return True
+    return recipe.allows(node)
+
+
+def _views_out(gm: fx.GraphModule, device: str) -> set[fx.Node]:
+    """The views the graph's outputs (and what stays outside every segment) are made of,
+    back to the value they view, where nothing a segment computes reads them: under a
+    tolerance recipe they run as ATen calls after the segment, which hands over the value
+    with eager's layout (fusion/inductor.py `_strides_pass`), so each view has eager's
+    strides (Inductor would view its own layout of the value, and a fake tensor's view may
+    give a dim of size 1 another stride than eager's; the exact recipe leaves them to ATen
+    inside its segments instead). They split no segment."""
+    def view_like(node: fx.Node) -> bool:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            return is_view(node.args[0])
+        return is_view(node)
+
+    roots = [a for n in gm.graph.nodes if n.op == "output" or (n.op == "call_function" and _opaque(n, device))
+             for a in n.all_input_nodes]
+    tails: set[fx.Node] = set()
+    while roots:
+        node = roots.pop()
+        if view_like(node) and node not in tails:
+            tails.add(node)
+            roots.extend(node.all_input_nodes)
+    changed = True
+    while changed:  # a view a segment's node reads stays in the segment, and the views it is made of
+        inside = {n for n in tails if any(u.op == "call_function" and u not in tails and not _opaque(u, device)
+                                          for u in n.users)}
+        tails -= inside
+        changed = bool(inside)
+    return tails
 
 
 def cut(gm: fx.GraphModule, recipe: Recipe,
-        make_segment: Callable[[int, fx.GraphModule], Callable[..., Any]]) -> int:
+        make_segment: Callable[[int, fx.GraphModule], Callable[..., Any]], keep: frozenset[str] = frozenset()) -> int:
     """Replace each segment of `gm` (in place) by a call of `make_segment(index, segment)`;
-    return how many there are. A segment's nodes keep their metadata (fake values)."""
+    return how many there are. A segment's nodes keep their metadata (fake values). Under a
+    tolerance recipe the ops in `keep` stay outside too (Inductor lowers all it holds: an op
+    kept as its ATen kernel runs between segments); the exact recipe keeps them inside, as
+    ATen calls of Inductor's wrapper (fusion/inductor.py)."""
+    tails = set() if recipe.exact else _views_out(gm, recipe.device)
+
+    def outside(node: fx.Node) -> bool:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            return outside(node.args[0])  # an output of a multi-output op goes where the op goes
+        return _opaque(node, recipe.device) or (not recipe.exact and op_name(node) in keep)
+
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if _opaque(node, recipe.device):
+        if node.op != "call_function" or node in tails:
+            continue  # (a tail moves after its segment's call: passes/subgraph.py replace_with_call)
+        if outside(node):
             if current:
                 runs.append(current)
             current = []

@@ -1,10 +1,15 @@
-"""The verdict cache: what each fused graph learned to keep as ATen calls, kept on disk.
+"""The verdict cache: what fused graphs learned to keep as ATen calls, kept on disk.
 
 A check that finds an op whose fused result differs from eager keeps that op as an ATen
-call for that graph (runtime/program/fused.py). The verdict is written here, one file per graph,
-keyed by the graph's code and input layouts, torch's version, the device (and its CPU
-capability or GPU name: kernels differ by ISA) and the recipe, so a restarted process
-starts with those ops unfused and does not serve the mismatch again.
+call for that graph (runtime/program/fused.py). The verdict is written here twice:
+- per graph, one file keyed by the graph's code and input layouts, torch's version, the
+  device (and its CPU capability or GPU name: kernels differ by ISA) and the recipe, so a
+  restarted process starts that graph with those ops unfused (`why: cache`);
+- per device and recipe, one file of ops (`ops-*.json`), each with the graph and call it
+  was learned at, so every later graph on this device and recipe that holds the op keeps it
+  as an ATen call from its first call (`why: device`): an op is isolated once per machine,
+  not once per graph. The same set is kept in memory for the session, so with no folder
+  (`cache_dir=False`) the graphs of one session still learn from each other.
 
 The cache only ever adds ATen calls: it never lets a check be skipped, and a graph that
 starts from it is checked on the same schedule as any other. What it holds is data, never
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 FORMAT = "graphdispatch-fusion-verdict"
+OPS_FORMAT = "graphdispatch-fusion-op-verdicts"
 VERSION = 1
 
 
@@ -62,6 +68,7 @@ class Verdicts:
         self.directory = Path(directory) / "fusion" if directory is not None else None
         self._warn = warn  # (key, message): logged once per key
         self._lock = threading.Lock()
+        self._ops: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (device, recipe) -> op -> entry
 
     def path(self, key: str) -> Path | None:
         return self.directory / f"{key}.json" if self.directory is not None else None
@@ -107,6 +114,75 @@ class Verdicts:
                  "recipe": recipe_id, "key": key, "gave_up": bool(gave_up or stored.get("gave_up")),
                  "keep": sorted(ops.values(), key=lambda k: k["op"])}
         _write_atomic(path, json.dumps(entry, indent=1, sort_keys=True) + "\n")
+
+
+    # -- per device and recipe: the ops any graph learned --------------------------------
+    def ops_path(self, device: str, recipe_id: str) -> Path | None:
+        if self.directory is None:
+            return None
+        text = json.dumps([torch.__version__, device, recipe_id])
+        return self.directory / f"ops-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+    def load_ops(self, device: str, recipe_id: str) -> dict[str, dict[str, Any]]:
+        """op -> {op, graph, key, at_call, detail}: what graphs on this device and recipe
+        learned, in this session or (from the folder) before it."""
+        with self._lock:
+            known = self._ops.setdefault((device, recipe_id), {})
+            for entry in self._read_ops(device, recipe_id):
+                known.setdefault(entry["op"], entry)
+            return dict(known)
+
+    def save_ops(self, device: str, recipe_id: str, learned: Sequence[dict[str, Any]]) -> None:
+        """Add `learned` (one dict per op: op, graph, key, at_call, detail) to the session's
+        set and merge it into the folder's file, atomically."""
+        with self._lock:
+            known = self._ops.setdefault((device, recipe_id), {})
+            for entry in learned:
+                known.setdefault(entry["op"], dict(entry))
+            path = self.ops_path(device, recipe_id)
+            if path is None:
+                return
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with _folder_lock(path.parent):
+                    ops = {e["op"]: e for e in self._read_ops(device, recipe_id)}
+                    for entry in learned:
+                        ops.setdefault(entry["op"], dict(entry))
+                    text = json.dumps({"format": OPS_FORMAT, "version": VERSION, "torch": torch.__version__,
+                                       "device": device, "recipe": recipe_id,
+                                       "ops": sorted(ops.values(), key=lambda e: e["op"])}, indent=1, sort_keys=True)
+                    _write_atomic(path, text + "\n")
+            except OSError as exc:
+                self._warn(f"verdict-write:{self.directory}",
+                           f"graphdispatch: cannot write fusion verdicts to {self.directory}: {exc}")
+
+    def _read_ops(self, device: str, recipe_id: str) -> list[dict[str, Any]]:
+        path = self.ops_path(device, recipe_id)
+        if path is None or not path.is_file():
+            return []
+        try:
+            entry = json.loads(path.read_text("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self._warn(f"verdict:{path}", f"graphdispatch: ignoring the fusion op verdicts {path}: unreadable ({exc})")
+            return []
+        problem = _foreign_ops(entry, device, recipe_id)
+        if problem is not None:
+            self._warn(f"verdict:{path}", f"graphdispatch: ignoring the fusion op verdicts {path}: {problem}")
+            return []
+        return entry["ops"]
+
+
+def _foreign_ops(entry: Any, device: str, recipe_id: str) -> str | None:
+    """Why `entry` is not the op verdicts of this torch, device and recipe (None: it is)."""
+    if not isinstance(entry, dict) or entry.get("format") != OPS_FORMAT or entry.get("version") != VERSION:
+        return "not graphdispatch fusion op verdicts of this format"
+    for field, want in (("torch", torch.__version__), ("device", device), ("recipe", recipe_id)):
+        if entry.get(field) != want:
+            return f"its {field} is {entry.get(field)!r}, not {want!r}"
+    ops = entry.get("ops")
+    if not isinstance(ops, list) or not all(isinstance(e, dict) and isinstance(e.get("op"), str) for e in ops):
+        return "its list of ops is malformed"
+    return None
 
 
 def _foreign(entry: Any, key: str, device: str, recipe_id: str) -> str | None:

@@ -236,9 +236,9 @@ def test_fused_graphs_are_rendered_with_the_ops_kept_and_why(capsys, report_dir,
     path.write_text(json.dumps(report))
     out = _render(capsys, tmp_path / "r")[1]
     fusion = _section(out, "Fusion (")
-    assert _row(fusion, "graph_0")[1:5] == ["fused", "7", "5", "12"]
+    assert _row(fusion, "graph_0")[1:6] == ["fused", "bitwise", "7", "5", "12"]
     assert _row(fusion, "graph_1")[1] == "off"
-    text = "\n".join(_section(out, "Ops kept as ATen calls"))
+    text = "\n".join(_section(out, "Fusion checks and ops kept as ATen calls"))
     assert "aten.mul.Tensor runs as an ATen call, learned at call 4: bits differ" in text
     assert "aten.div.Tensor runs as an ATen call, from the verdict cache" in text
     assert "left to ATen by the recipe: aten.addmm.default" in text and "graph_1: off: dynamic shapes" in text
@@ -361,3 +361,26 @@ def test_table_keeps_rows_on_one_line_and_cuts_long_cells():
     assert lines[2].split(None, 1)[1] == "line one line two"
     assert lines[3].endswith("z" * 17 + "...") and len(lines[3].split(None, 1)[1]) == 20
     assert all(line == line.rstrip() for line in lines)
+
+
+def test_a_tolerance_fused_graph_renders_its_tolerance_largest_error_and_where_an_op_was_learned(
+        capsys, report_dir, tmp_path):
+    shutil.copytree(report_dir, tmp_path / "r")
+    path = tmp_path / "r" / "dispatch.json"
+    report = json.loads(path.read_text())
+    report["graphs"][0]["fusion"] = {
+        "status": "fused", "kernels": 9, "aten_calls": 0, "fused_ops": {"aten.native_layer_norm.default": 2},
+        "kept": [{"op": "aten.mul.Tensor", "why": "device", "learned_in": "graph_3", "at_call": 1,
+                  "detail": "not within rtol=0.001 atol=1e-05"}],
+        "rounds": 0, "segments": 1, "compile_seconds": 2.0, "tolerance": {"rtol": 1e-3, "atol": 1e-5},
+        "checks": 5, "beyond": 0, "largest_error": {"abs": 2.5e-7, "abs_at": "output 0 [0, 1], call 2", "rel": 1e-4,
+                                                     "rel_at": "output 0 [1, 1], call 4", "budget": 0.25,
+                                                     "budget_at": "output 0 [0, 3], call 1"}}
+    path.write_text(json.dumps(report))
+    out = _render(capsys, tmp_path / "r")[1]
+    assert _row(_section(out, "Fusion ("), "graph_0")[1:4] == ["fused", "rtol=0.001 atol=1e-05", "9"]
+    text = "\n".join(_section(out, "Fusion checks and ops kept as ATen calls"))
+    assert ("graph_0: tolerance rtol=0.001 atol=1e-05: 5 checks, 0 beyond it (answered with eager's values); "
+            "largest error served: 2.5e-07 abs (output 0 [0, 1], call 2), 0.0001 rel (output 0 [1, 1], call 4), "
+            "0.25 of the budget (output 0 [0, 3], call 1)") in text
+    assert "aten.mul.Tensor runs as an ATen call, learned on this device and recipe by graph_3 (call 1)" in text

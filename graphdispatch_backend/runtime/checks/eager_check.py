@@ -159,11 +159,13 @@ class EagerCheck:
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
             self._own(before.restore)
             return self._compiled(*args)
+        tolerance = self._tolerance()
         # Eager's outputs are printed and freed before the compiled run: the check holds one
         # call's outputs at a time (runtime/checks/prints.py). Not where the gradient check needs
-        # their history, nor where ranks must run every eager run in step (collectives).
+        # their history, nor where ranks must run every eager run in step (collectives), nor
+        # where values are judged within a tolerance (a print says equal or not).
         # Printed now, before the world goes back: an output may be a view of a written input.
-        lean = self._gradients is None and self._agreement is None
+        lean = self._gradients is None and self._agreement is None and tolerance is None
         ref = Reference(raw, args, lean, self._contain, start, self._unwritten)
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         after, exc = self._contain(before.swap)  # eager's world kept aside, the world before back
@@ -182,7 +184,9 @@ class EagerCheck:
             local: Verdict = (reason, f"raised {type(exc).__name__}: {exc}")
         else:
             got = flat(out)
-            mismatch, exc = self._contain(lambda: ref.compare(got) or after.compare())
+            mismatch, exc = self._contain(lambda: ref.compare(got, tolerance) or after.compare(tolerance))
+            if tolerance is not None and exc is None:
+                self._judged(tolerance, mismatch is None, ref, got, after)
             if exc is not None:
                 local = (Decline.CHECK_FAILED, f"comparing raised {type(exc).__name__}: {exc}")
             elif mismatch is not None:
@@ -218,6 +222,22 @@ class EagerCheck:
             return answer
         return self._verdict(*verdict, answer, None, gradients)
 
+    def _tolerance(self) -> Any:
+        """A graph fused under a declared tolerance is judged within it while it serves fused
+        code (runtime/checks/tolerance.py); None: bit for bit."""
+        return self._fusion.tolerance if self._fusion is not None and self._fusion.active else None
+
+    def _judged(self, tolerance: Any, within: bool, ref: Reference, got: list[Any], after: World) -> None:
+        """A check of a graph fused under a tolerance: counted, and (served) its errors kept."""
+        tolerance.judged(within)
+        if not within:
+            return
+        _, exc = self._contain(lambda: (tolerance.observe(self._n, ref.outputs, got),
+                                        tolerance.observe(self._n, *after.pairs(), what="written input")))
+        if exc is not None:  # the served values passed; only the error figures are missing
+            self._events.warn_once(f"tolerance:{self._record.name}", "graphdispatch: %s: measuring the errors of a "
+                                   "checked call raised %s: %s", self._record.name, type(exc).__name__, exc)
+
     def _isolate(self, args: Sequence[Any], before: World, after: World, ref: Reference,
                  verdict: tuple[Decline, str], replays: list[int], novel: str | None = None) -> Verdict:
         """The served call differed from eager, which agrees with itself: find the party at
@@ -227,8 +247,9 @@ class EagerCheck:
         new inputs (runtime/checks/novelty.py), which the verdict names."""
         why = f"checked for novel inputs: {novel}" if novel is not None else "checked by the recheck schedule"
         call = f"call {self._n} of {self._record.name} ({why})"
-        found = culprit(ref.extra(self._compiled), args, before, after, ref.compare,
-                        self._record.substitutions, call, self._contain, self._fusion)
+        tolerance = self._tolerance()
+        found = culprit(ref.extra(self._compiled), args, before, after, lambda got: ref.compare(got, tolerance),
+                        self._record.substitutions, call, self._contain, self._fusion, tolerance)
         party, detail, demoted = found.party, found.detail, found.demoted
         unchecked = self._n - self._previous - 1  # served since the last check, which passed
         message = f"{self._record.name}: a served call differed from eager at {call}: the {party} was at fault"

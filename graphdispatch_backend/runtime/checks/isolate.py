@@ -73,9 +73,10 @@ class Culprit:
 
 def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, after: World,
             differs: Callable[[list[Any]], Mismatch | None], substitutions: Sequence[Any], call: str,
-            contain: Contain, fusion: Any = None) -> Culprit:
+            contain: Contain, fusion: Any = None, tolerance: Any = None) -> Culprit:
     """The party at fault (see module docstring); `fusion` is the graph's runtime/program/fused.py
-    Fusion, if it serves fused code. The world is left as eager left it (`after`)."""
+    Fusion, if it serves fused code, and `tolerance` its declared tolerance (runtime/checks/tolerance.py),
+    which judges every run here as it judged the call. The world is left as eager left it (`after`)."""
     demoted = [s.demoted for s in substitutions]
 
     def again() -> Mismatch | None | Exception:
@@ -88,7 +89,7 @@ def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, af
         if raised is not None:
             return raised
         mismatch, exc = contain(lambda: differs(list(out) if isinstance(out, (list, tuple)) else [out])
-                                or after.compare())
+                                or after.compare(tolerance))
         return exc if exc is not None else mismatch
 
     found = again()

@@ -52,12 +52,16 @@ class Reference:
     def outputs(self) -> list[Any]:
         return flat(self._raw)
 
-    def compare(self, got: list[Any]) -> Mismatch | None:
+    def compare(self, got: list[Any], tolerance: Any = None) -> Mismatch | None:
+        """The served call's outputs against eager's: bit for bit, or within a fused graph's
+        declared tolerance (runtime/checks/tolerance.py; its checks are never lean)."""
         self._got = got
         if self._raw is None and self._printed is not None:
             return differs(self._printed, got, self._args)
         expected = flat(self._raw)
-        return compare(expected, got, skip=self._skip) or compare_aliasing(expected, got, self._args)
+        values = tolerance.compare(expected, got, skip=self._skip) if tolerance is not None \
+            else compare(expected, got, skip=self._skip)
+        return values or compare_aliasing(expected, got, self._args)
 
     def again(self, second: list[Any]) -> Mismatch | None:
         """Eager's second run against its first."""

@@ -153,9 +153,17 @@ class World:
         self.restore()
         return now
 
-    def compare(self) -> Mismatch | None:
-        """The regions now, against their values at `take` (bit for bit)."""
-        return compare(self._copies, [r.read() for r in self._regions], check_strides=False)
+    def compare(self, tolerance: Any = None) -> Mismatch | None:
+        """The regions now, against their values at `take`: bit for bit, or within a fused
+        graph's declared tolerance (runtime/checks/tolerance.py)."""
+        now = [r.read() for r in self._regions]
+        if tolerance is not None:
+            return tolerance.compare(self._copies, now, check_strides=False)
+        return compare(self._copies, now, check_strides=False)
+
+    def pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the regions' values at `take`, the regions now)."""
+        return self._copies, [r.read() for r in self._regions]
 
     def compare_with(self, other: World, mode: str = "bitwise", rtol: float = 0.0,
                      atol: float = 0.0) -> Mismatch | None:

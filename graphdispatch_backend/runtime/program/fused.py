@@ -1,16 +1,20 @@
 """Fused graphs at run time: one graph's fusion, the callables of its units, what it learned.
 
-With `fuse=True` each unit of an inference graph (the graph, or each captured piece) runs
-its segments (fusion/segments.py) compiled by Inductor under the device's recipe
-(fusion/recipe.py, fusion/inductor.py), with the ops the graph keeps as ATen calls left to
-their ATen kernels. A fused graph is a lowering like any other: the eager check judges it
-against the Dynamo graph, bit for bit, on the `recheck` schedule. When a check finds a
-difference that the same graph run unfused does not show (runtime/checks/isolate.py), `isolate`
-finds the ops whose fused result differs by running (bisection over the fused ops, each
-step a compile and a run on the call's inputs), `learn` keeps them as ATen calls for this
-graph and recompiles, the verdict goes to the cache on disk (fusion/verdicts.py), and the
-runners capture the graph again. After MAX_ROUNDS rounds, or when no set of ops explains
-the difference, the graph gives up fusion (`fusion_mismatch`) and runs its ATen kernels.
+With `fuse` each unit of an inference graph (the graph, each captured piece, and the graph
+around its pieces) runs its segments (fusion/segments.py) compiled by Inductor under the
+device's recipe (fusion/recipe.py, fusion/inductor.py), with the ops the graph keeps as
+ATen calls left to their ATen kernels. A fused graph is a lowering like any other: the
+eager check judges it against the Dynamo graph on the `recheck` schedule, bit for bit
+(`fuse=True`) or within the declared tolerance (`fuse={"rtol": r, "atol": a}`,
+runtime/checks/tolerance.py). When a check finds a difference that the same graph run
+unfused does not show (runtime/checks/isolate.py), `isolate` finds the ops whose fused result
+differs by running (bisection over the fused ops, each step a compile and a run on the
+call's inputs), `learn` keeps them as ATen calls for this graph and recompiles, the verdict
+goes to the cache (fusion/verdicts.py: for this graph, and for every later graph on this
+device and recipe), and the runners capture the graph again. After MAX_ROUNDS rounds, or
+when no set of ops explains the difference, the graph gives up fusion (`fusion_mismatch`)
+and runs its ATen kernels. A graph whose compile generated no kernel runs its ATen graph
+(`nothing_fused`).
 
 While a thread isolates (runtime/checks/isolate.py), that thread's units run the ops it tries
 (`trial`) or their ATen graph (`unfused`); other threads are served as usual.
@@ -30,12 +34,13 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.codegen import entry, module_of
-from graphdispatch_backend.errors import Contain, StrictModeError
+from graphdispatch_backend.errors import Contain, FusionStatus, KeptWhy, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
 from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.checks.tolerance import Tolerance
 from graphdispatch_backend.runtime.cudagraph.tape import opaque
 
 MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
@@ -65,12 +70,11 @@ def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callabl
 class FusedUnit:
     """The callable of one fused graph or piece."""
 
-    def __init__(self, fusion: Fusion, native: Callable[..., Any], outer: fx.GraphModule,
-                 segments: list[fx.GraphModule]) -> None:
+    def __init__(self, fusion: Fusion, native: Callable[..., Any], gm: fx.GraphModule) -> None:
         self._fusion = fusion
         self.native = native  # the unit's ATen graph, unfused
-        self._outer = outer
-        self.segments = segments
+        self._gm = gm
+        self._cuts: dict[Keep, tuple[fx.GraphModule, list[fx.GraphModule]]] = {}
         self._forward: Callable[..., Any] = native
         self._trials: dict[Keep, Callable[..., Any]] = {}
         self.compiled: list[CompiledSegment] = []
@@ -87,12 +91,33 @@ class FusedUnit:
             return self._forward
         return self.native if keep is None else self.trial(keep)
 
+    def cut(self, keep: Keep = frozenset()) -> tuple[fx.GraphModule, list[fx.GraphModule]]:
+        """(the unit's graph with a call per segment, the segments) with `keep` kept as ATen
+        calls: the exact recipe keeps them inside its segments (one cut serves every keep
+        set), a tolerance recipe between them (fusion/segments.py `cut`)."""
+        keep = keep if not self._fusion.recipe.exact else frozenset()
+        found = self._cuts.get(keep)
+        if found is None:
+            outer = fx.GraphModule(self._gm, copy.deepcopy(self._gm.graph))
+            segments: list[fx.GraphModule] = []
+            cut(outer, self._fusion.recipe, lambda i, segment: segments.append(segment) or _unbound, keep)
+            found = self._cuts[keep] = (outer, segments)
+        return found
+
+    @property
+    def segments(self) -> list[fx.GraphModule]:
+        """The segments with nothing kept: what the graph is (its verdict key, the report)."""
+        return self.cut()[1]
+
     def build(self, keep: Keep | None) -> tuple[Callable[..., Any], list[CompiledSegment]]:
         """(forward, compiled segments) with `keep` kept as ATen calls; None: unfused."""
-        if keep is None or not self.segments:
+        if keep is None:
             return self.native, []
-        compiled = [compile_segment(s, self._fusion.recipe, keep) for s in self.segments]
-        return _bind(self._outer, compiled), compiled
+        outer, segments = self.cut(keep)
+        if not segments:
+            return self.native, []
+        compiled = [compile_segment(s, self._fusion.recipe, keep) for s in segments]
+        return _bind(outer, compiled), compiled
 
     def adopt(self, forward: Callable[..., Any], compiled: list[CompiledSegment]) -> None:
         self._forward, self.compiled = forward, compiled
@@ -105,14 +130,18 @@ class FusedUnit:
 
     def forget_trials(self) -> None:
         self._trials.clear()
+        self._cuts = {k: v for k, v in self._cuts.items() if not k}  # the cuts of tried keep sets
 
 
 class Fusion:
     """One graph's fusion: its units, the ops it keeps as ATen calls, its rounds."""
 
     def __init__(self, recipe: Recipe, device: str, verdicts: Verdicts, record: dict[str, Any], contain: Contain,
-                 warn: Callable[[str, str], None], strict: bool) -> None:
+                 warn: Callable[[str, str], None], strict: bool, name: str = "") -> None:
         self.recipe = recipe
+        self._name = name  # the graph's, as the report names it (where an op was learned)
+        # fuse={"rtol": r, "atol": a}: how the eager check judges this graph while it serves fused code
+        self.tolerance = Tolerance(*recipe.tolerance, record) if recipe.tolerance is not None else None
         self._device = device  # fusion/verdicts.py device_identity
         self._verdicts = verdicts
         self._record = record  # the graph record's `fusion` dict (diagnostics/report.py)
@@ -131,12 +160,9 @@ class Fusion:
 
     # -- building ----------------------------------------------------------------------
     def unit(self, gm: fx.GraphModule, native: Callable[..., Any]) -> FusedUnit:
-        """A unit for `gm` (a lowered graph or piece, after the passes), cut into segments;
-        compiled by `finish`."""
-        outer = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        segments: list[fx.GraphModule] = []
-        cut(outer, self.recipe, lambda i, segment: segments.append(segment) or _unbound)
-        unit = FusedUnit(self, native, outer, segments)
+        """A unit for `gm` (a lowered graph or piece, after the passes; or the graph around
+        its pieces, whose piece calls stay as they are), cut into segments; compiled by `finish`."""
+        unit = FusedUnit(self, native, fx.GraphModule(gm, copy.deepcopy(gm.graph)))
         self.units.append(unit)
         return unit
 
@@ -145,21 +171,30 @@ class Fusion:
         self._listeners.append(listener)
 
     def finish(self) -> None:
-        """Compile every unit with what the graph keeps (from the verdict cache, if any)."""
+        """Compile every unit with what the graph keeps: from the verdict cache, this graph's
+        own (`cache`), and the ops any graph on this device and recipe learned (`device`)."""
         codes = [_code(s) for u in self.units for s in u.segments]
         self._key = graph_key(codes, self._device, self.recipe.id)
         stored = self._verdicts.load(self._key, self._device, self.recipe.id)
         if stored is not None:
-            self.learned = [{**k, "why": "cache"} for k in stored["keep"]]
+            self.learned = [{**k, "why": KeptWhy.CACHE.value} for k in stored["keep"]]
             self.keep = frozenset(k["op"] for k in stored["keep"])
             if stored["gave_up"]:
                 self._give_up("the verdict cache says this graph gave up fusion", cached=True)
                 return
+        holds = {op_name(n) for u in self.units for s in u.segments for n in s.graph.nodes
+                 if n.op == "call_function" and recipe_allows(n, self.recipe)}
+        for op, found in sorted(self._verdicts.load_ops(self._device, self.recipe.id).items()):
+            if op in holds and op not in self.keep:
+                self.learned.append({"op": op, "why": KeptWhy.DEVICE.value, "learned_in": found.get("graph", ""),
+                                     "at_call": found.get("at_call"), "detail": found.get("detail", "")})
+                self.keep |= {op}
         segments = sum(len(u.segments) for u in self.units)
         if not segments:
-            self._record.update(status="off", detail="no run of the graph holds an op the recipe fuses")
+            self._record.update(status=FusionStatus.OFF.value,
+                                detail="no run of the graph holds an op the recipe fuses")
             return
-        self._record.update(status="fused", key=self._key, recipe=self.recipe.id, segments=segments)
+        self._record.update(status=FusionStatus.FUSED.value, key=self._key, recipe=self.recipe.id)
         self._compile(self.keep)
 
     def _compile(self, keep: Keep) -> bool:
@@ -172,8 +207,17 @@ class Fusion:
             return False
         for unit, (forward, compiled) in zip(self.units, built):
             unit.adopt(forward, compiled)
-        self.active = True
-        self._report(time.perf_counter() - start)
+        kernels = sum(c.kernels for u in self.units for c in u.compiled)
+        self.active = kernels > 0
+        if not self.active:  # Inductor's wrapper would only call the ATen kernels: they run as the graph
+            for unit in self.units:
+                unit.adopt(unit.native, [])
+            self._record.update(status=FusionStatus.NOTHING_FUSED.value,
+                                detail="Inductor generated no kernel (the ops it was given are views, or it left "
+                                       "them to ATen): the graph runs its ATen kernels")
+        else:
+            self._record.update(status=FusionStatus.FUSED.value, detail=None)
+        self._report(time.perf_counter() - start, built)
         return True
 
     # -- isolation (runtime/checks/isolate.py) -------------------------------------------------
@@ -228,10 +272,13 @@ class Fusion:
                 self._notify(f"fusion given up: {why}")
                 self._raise_if_strict(f"a graph gave up fusion: {why}")
                 return
-            new = [{"op": op, "why": "learned", "at_call": call, "detail": detail} for op in culprits]
+            new = [{"op": op, "why": KeptWhy.LEARNED.value, "at_call": call, "detail": detail} for op in culprits]
             self.learned.extend(new)
             self.keep |= frozenset(culprits)
             self._verdicts.save(self._key, self._device, self.recipe.id, new, gave_up=False)
+            self._verdicts.save_ops(self._device, self.recipe.id, [{"op": op, "graph": self._name, "key": self._key,
+                                                                    "at_call": call, "detail": detail}
+                                                                   for op in culprits])
             message = (f"a fused op differed from eager at call {call} of a graph: {', '.join(culprits)} now "
                        f"run(s) as ATen calls there ({detail})")
             self._warn(f"fusion:{','.join(culprits)}", f"graphdispatch: {message}")
@@ -249,35 +296,37 @@ class Fusion:
         for unit in self.units:
             unit.adopt(unit.native, [])
         self.active = False
-        self._record.update(status="fusion_mismatch", detail=detail, key=self._key)
+        self._record.update(status=FusionStatus.FUSION_MISMATCH.value, detail=detail, key=self._key)
         if not cached:
             self._verdicts.save(self._key, self._device, self.recipe.id, [], gave_up=True)
             self._warn(f"fusion_mismatch:{detail[:60]}", f"graphdispatch: a graph gave up fusion and runs its "
                        f"ATen kernels (fusion_mismatch): {detail}")
-        self._report(0.0)
+        self._report(0.0, [])
 
     def _fail(self, detail: str) -> None:
         for unit in self.units:
             unit.adopt(unit.native, [])
         self.active = False
-        self._record.update(status="failed", detail=detail)
+        self._record.update(status=FusionStatus.FAILED.value, detail=detail)
         self._warn("fusion_failed", f"graphdispatch: a graph runs unfused: {detail}")
 
     def _notify(self, detail: str) -> None:
         for listener in self._listeners:
             listener(detail)
 
-    def _report(self, seconds: float) -> None:
+    def _report(self, seconds: float, built: Sequence[tuple[Any, list[CompiledSegment]]]) -> None:
+        """What the graph serves (its units' compiled segments) and what it keeps, into the
+        report; `built`: the last compile (what it made, served or not)."""
         fused: Counter[str] = Counter()
-        kernels = calls = 0
+        calls = 0
         for unit in self.units:
             for c in unit.compiled:
                 fused.update(c.fused)
-                kernels += c.kernels
                 calls += c.aten_calls
         self._record.update(
-            rounds=self.rounds, kernels=kernels, aten_calls=calls, fused_ops=dict(sorted(fused.items())),
-            kept=[*({"op": op, "why": "recipe"} for op in _recipe_kept(self.units, self.recipe)),
+            rounds=self.rounds, kernels=sum(c.kernels for u in self.units for c in u.compiled), aten_calls=calls,
+            fused_ops=dict(sorted(fused.items())), segments=sum(len(c) for _, c in built),
+            kept=[*({"op": op, "why": KeptWhy.RECIPE.value} for op in _recipe_kept(self.units, self.recipe)),
                   *(dict(k) for k in self.learned)],
             compile_seconds=round(self._record.get("compile_seconds", 0.0) + seconds, 3))
 
@@ -294,7 +343,10 @@ def _code(segment: fx.GraphModule) -> str:
 
 
 def _recipe_kept(units: Sequence[FusedUnit], recipe: Recipe) -> list[str]:
-    """The ops of the graph's segments the recipe leaves to ATen (by their names)."""
+    """The ops of the graph's segments the exact recipe leaves to ATen (by their names); a
+    tolerance recipe hands every op to Inductor, which says in its code what it calls."""
+    if not recipe.exact:
+        return []
     names = set()
     for unit in units:
         for segment in unit.segments:

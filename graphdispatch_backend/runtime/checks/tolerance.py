@@ -1,0 +1,95 @@
+"""Tolerance: how a graph fused under a declared tolerance (`fuse={"rtol": r, "atol": a}`)
+is judged by the eager check, and the largest error its served calls showed.
+
+A check compares the served call with eager as every check does (runtime/checks/eager_check.py),
+but a value passes where `|served - eager| <= atol + rtol * |eager|`, as an artifact's
+`allclose` parity: dtype, shape, strides, aliasing, and the places of NaN and inf stay
+exact (runtime/checks/parity.py `compare`). The written inputs (a cache's rows) are judged
+the same way. Every call judged within the tolerance adds its errors to the graph's
+`fusion.largest_error`: the largest absolute error (and where), the largest relative error
+(over elements eager did not make 0; and where), and `budget`, the largest share of the
+tolerance one element used (`|served - eager| / (atol + rtol * |eager|)`, at most 1 on a
+call that passed). Nothing here grows with an output beyond a bounded chunk of float64.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+
+_CHUNK = 1 << 20  # elements per float64 copy
+
+
+class Tolerance:
+    """One graph's declared tolerance, and the errors its checks saw (into `record`, the
+    graph's `fusion` report dict)."""
+
+    def __init__(self, rtol: float, atol: float, record: dict[str, Any]) -> None:
+        self.rtol, self.atol = rtol, atol
+        self._record = record
+        self._lock = threading.Lock()
+        record.update(tolerance={"rtol": rtol, "atol": atol}, checks=0, beyond=0, largest_error=None)
+
+    def compare(self, expected: Sequence[Any], actual: Sequence[Any], check_strides: bool = True,
+                skip: Collection[int] = ()) -> Mismatch | None:
+        """Within the tolerance (parity.compare's allclose); `skip`: outputs whose values are
+        nobody's (compared but for their values)."""
+        return compare(expected, actual, "allclose", self.rtol, self.atol, check_strides, skip)
+
+    def judged(self, within: bool) -> None:
+        """Count one check of the fused graph: within the tolerance, or beyond it."""
+        with self._lock:
+            self._record["checks"] += 1
+            if not within:
+                self._record["beyond"] += 1
+
+    def observe(self, call: int, expected: Sequence[Any], actual: Sequence[Any], what: str = "output") -> None:
+        """Add one served call's errors (outputs, or written inputs: `what`)."""
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            if not (isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor)) or e.shape != a.shape \
+                    or not e.is_floating_point() or e.numel() == 0:
+                continue
+            for kind, value, index in self._peaks(e, a):
+                self._keep(kind, value, f"{what} {i} {list(_unravel(index, e.shape))}", call)
+
+    def _peaks(self, e: torch.Tensor, a: torch.Tensor) -> list[tuple[str, float, int]]:
+        """(kind, largest value, its flat index) for abs, rel and budget over finite elements."""
+        flat_e, flat_a = e.detach().reshape(-1), a.detach().reshape(-1)
+        best: dict[str, tuple[float, int]] = {}
+        for start in range(0, flat_e.numel(), _CHUNK):
+            de = flat_e[start:start + _CHUNK].to(torch.float64)
+            da = flat_a[start:start + _CHUNK].to(torch.float64)
+            finite = torch.isfinite(de) & torch.isfinite(da)
+            gap = torch.where(finite, (da - de).abs(), torch.zeros_like(de))
+            scale = de.abs()
+            rel = torch.where(finite & (scale > 0), gap / scale.clamp_min(torch.finfo(torch.float64).tiny),
+                              torch.zeros_like(de))
+            room = self.atol + self.rtol * scale
+            budget = torch.where(room > 0, gap / room.clamp_min(torch.finfo(torch.float64).tiny),
+                                 torch.where(gap > 0, torch.full_like(de, float("inf")), torch.zeros_like(de)))
+            for kind, values in (("abs", gap), ("rel", rel), ("budget", budget)):
+                value, index = values.max(0)
+                if kind not in best or float(value) > best[kind][0]:
+                    best[kind] = (float(value), start + int(index))
+        return [(kind, value, index) for kind, (value, index) in best.items()]
+
+    def _keep(self, kind: str, value: float, where: str, call: int) -> None:
+        with self._lock:
+            largest = self._record.get("largest_error") or {"abs": 0.0, "abs_at": None, "rel": 0.0, "rel_at": None,
+                                                             "budget": 0.0, "budget_at": None}
+            if value > largest[kind] or largest[f"{kind}_at"] is None:
+                largest[kind], largest[f"{kind}_at"] = value, f"{where}, call {call}"
+            self._record["largest_error"] = largest
+
+
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size if size else 0)
+        flat = flat // size if size else 0
+    return tuple(reversed(index))

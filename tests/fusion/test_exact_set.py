@@ -1,0 +1,111 @@
+"""The evidence for the exact recipe's per-node rules (fusion/recipe.py `exact_node`): each op
+the recipe lets in, compiled alone by Inductor under the recipe, equals eager's bits on every
+shape with a tail (sizes around one and two vector widths of AVX2 and AVX512: eager's
+elementwise loops run the last elements of two vectors through a scalar path), float32 and
+bfloat16, several draws; and for each rule, a case it keeps out whose fused result does
+differ (remove the rule, and the first test fails on it)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from unittest import mock
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphdispatch_backend.fusion import recipe as recipe_mod
+from graphdispatch_backend.fusion.inductor import compile_segment, inductor_lowers
+from graphdispatch_backend.fusion.recipe import recipe_for
+from graphdispatch_backend.fusion.segments import recipe_allows
+from graphdispatch_backend.runtime.checks.parity import bitwise_equal
+
+aten = torch.ops.aten
+CPU = recipe_for("cpu")
+SIZES = (1, 5, 15, 16, 17, 31, 32, 33, 100, 4099)
+DTYPES = (torch.float32, torch.bfloat16)
+
+# (name, the graph, the op the rule is about); the graph's input is x of one size
+CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
+    ("pow 2", lambda x: aten.pow.Tensor_Scalar(x, 2), "aten.pow.Tensor_Scalar"),
+    ("pow -1", lambda x: aten.pow.Tensor_Scalar(x, -1), "aten.pow.Tensor_Scalar"),
+    ("pow 3", lambda x: aten.pow.Tensor_Scalar(x, 3), "aten.pow.Tensor_Scalar"),
+    ("pow 4", lambda x: aten.pow.Tensor_Scalar(x, 4), "aten.pow.Tensor_Scalar"),
+    ("pow -2", lambda x: aten.pow.Tensor_Scalar(x, -2), "aten.pow.Tensor_Scalar"),
+    ("sum of bools", lambda x: aten.sum.dim_IntList(x > 0, [0]), "aten.sum.dim_IntList"),
+    ("sum of int64", lambda x: aten.sum.dim_IntList((x * 8).to(torch.int64), [0]), "aten.sum.dim_IntList"),
+    ("sum of floats", lambda x: aten.sum.dim_IntList(x, [0]), "aten.sum.dim_IntList"),
+    ("amax", lambda x: aten.amax.default(x, [0]), "aten.amax.default"),
+    ("amin of a product", lambda x: aten.amin.default(x[:, None] * x[None, :7], [0]), "aten.amin.default"),
+    ("arange", lambda x: x + aten.arange.start(0, x.shape[0], dtype=x.dtype), "aten.arange.start"),
+    ("arange by 3", lambda x: x + aten.arange.start_step(0, 3 * x.shape[0], 3, dtype=x.dtype),
+     "aten.arange.start_step"),
+    ("sqrt", lambda x: aten.sqrt.default(x.abs()), "aten.sqrt.default"),
+    ("rsqrt", lambda x: aten.rsqrt.default(x.abs() + 0.5), "aten.rsqrt.default"),
+    ("repeat", lambda x: aten.repeat.default(x, [3]) * 2, "aten.repeat.default"),
+    ("slice_scatter", lambda x: aten.slice_scatter.default(x * 2, x[: (x.shape[0] + 1) // 2], 0, 0,
+                                                           (x.shape[0] + 1) // 2), "aten.slice_scatter.default"),
+    ("div", lambda x: aten.div.Tensor(x, x.flip(0) + 0.5), "aten.div.Tensor"),
+    ("rsub", lambda x: aten.rsub.Scalar(x, 1.5) * x, "aten.rsub.Scalar"),
+    # constructors, selections, gathers and copies written as ops Inductor lowers (fusion/canonical.py)
+    ("zeros_like", lambda x: aten.zeros_like.default(x) + x, "aten.zeros_like.default"),
+    ("new_ones", lambda x: aten.new_ones.default(x, [x.shape[0]]) * x, "aten.new_ones.default"),
+    ("fill", lambda x: aten.fill.Scalar(x, 0.3) * x, "aten.fill.Scalar"),
+    ("masked_fill", lambda x: aten.masked_fill.Scalar(x * 2, x > 0.5, -1e4), "aten.masked_fill.Scalar"),
+    ("clamp", lambda x: aten.clamp.default(x, -0.5, 0.7) * 2, "aten.clamp.default"),
+    ("index_select", lambda x: aten.index_select.default(x * 2, 0, x.shape[0] - 1 - aten.arange.start(0, x.shape[0])),
+     "aten.index_select.default"),
+    ("full 0.3", lambda x: aten.full.default([x.shape[0]], 0.3, dtype=x.dtype) * x, "aten.full.default"),
+    ("stack", lambda x: aten.stack.default([x, x * 2], 1) + 1, "aten.stack.default"),
+]
+# what each rule keeps out is not exact when fused: (case, dtype) pairs whose fused result
+# differs from eager's on these sizes, on any machine (a different function, not a rounding
+# of the same one); sqrt differs where eager's is MKL's (float32, 32 elements or more)
+DIFFERS = [("pow 4", torch.float32), ("pow -2", torch.float32), ("pow 3", torch.bfloat16),
+           ("sum of floats", torch.float32), ("arange by 3", torch.bfloat16), ("fill", torch.bfloat16),
+           ("full 0.3", torch.bfloat16)]
+
+
+def _x(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+def _fused_differs(fn: Callable[[torch.Tensor], torch.Tensor], op: str, dtype: torch.dtype,
+                   allow_all: bool = False) -> list[int] | None:
+    """The sizes on which `fn` fused under the recipe differs from eager (None: the recipe
+    keeps `op` out there; `allow_all`: as if it let every op in)."""
+    bad = []
+    for n in SIZES:
+        gm = make_fx(lambda x: (fn(x),), tracing_mode="fake")(_x(n, dtype, 0))
+        node = next(node for node in gm.graph.nodes if str(node.target) == op)
+        if not allow_all and not recipe_allows(node, CPU):
+            return None
+        assert inductor_lowers(node), op
+        with mock.patch.object(recipe_mod, "exact_node", lambda node, device: True) if allow_all \
+                else contextlib.nullcontext():
+            segment = compile_segment(gm, CPU, frozenset())
+        assert op in segment.fused, (op, segment.fused)
+        for seed in range(3):
+            x = _x(n, dtype, 1000 * seed + n)
+            if not bitwise_equal(segment.run(x)[0], fn(x)):
+                bad.append(n)
+                break
+    return bad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("name", "fn", "op"), CASES, ids=[c[0] for c in CASES])
+def test_every_op_the_recipe_lets_in_is_eagers_bits_on_every_tail(name, fn, op, dtype):
+    bad = _fused_differs(fn, op, dtype)
+    if bad is None:
+        pytest.skip(f"the recipe keeps {name} ({dtype}) out")
+    assert bad == [], f"{name} ({dtype}) fused differs from eager on sizes {bad}"
+
+
+@pytest.mark.parametrize(("name", "dtype"), DIFFERS, ids=[f"{n}-{d}" for n, d in DIFFERS])
+def test_what_each_rule_keeps_out_would_differ(name, dtype):
+    """Mutation: the recipe lets every op in; the ops its rules keep out differ."""
+    fn, op = next((fn, op) for n, fn, op in CASES if n == name)
+    assert _fused_differs(fn, op, dtype) is None  # kept out ...
+    assert _fused_differs(fn, op, dtype, allow_all=True)  # ... and for a reason

@@ -1,0 +1,143 @@
+"""Fusion under a declared tolerance (`fuse={"rtol": r, "atol": a}`; runtime/checks/tolerance.py,
+fusion/inductor.py `_as_inductor_compiles`): Inductor as it compiles (its reductions, math
+library and pattern rewrites, so ops the exact recipe keeps out are fused), each checked
+call judged within the tolerance on the dense schedule, an op beyond it caught at its first
+checked call, named, cut out of the fused segments and remembered, the rest still fused.
+`fuse=True` stays bitwise beside it."""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+import graphdispatch_backend
+from graphdispatch_backend.diagnostics.render import render
+from graphdispatch_backend.examples.dit import ada_block as block
+from graphdispatch_backend.examples.dit import ada_inputs as inputs
+from graphdispatch_backend.runtime.checks import tolerance as tolerance_mod
+from graphdispatch_backend.runtime.checks.schedule import Due
+from graphdispatch_backend.testing import accounted_graphs, perturbed
+
+TOL = {"rtol": 1e-3, "atol": 1e-5}
+MUL = "aten.mul.Tensor"
+
+
+def run(options: dict[str, Any], calls: int, model: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = model or block()
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": TOL, **options})
+    with torch.no_grad():
+        got = [compiled(*inputs(i)) for i in range(calls)]
+        want = [model(*inputs(i)) for i in range(calls)]
+    return got, want
+
+
+def fusion() -> dict[str, Any]:
+    (graph,) = accounted_graphs()
+    return graph["fusion"]
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_inductor_as_it_compiles_serves_every_call_within_the_tolerance(cuda_graphs):
+    got, want = run({"cuda_graphs": cuda_graphs, "cache_dir": False}, 10)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+        assert g.stride() == w.stride()
+    f = fusion()
+    assert f["status"] == "fused" and f["kernels"] > 0 and f["rounds"] == 0 and f["kept"] == []
+    # what the exact recipe keeps out is handed to Inductor: the norm, the tanh GELU, the matmuls
+    assert {"aten.native_layer_norm.default", "aten.gelu.default", "aten.addmm.default"} <= set(f["fused_ops"])
+    # the dense schedule (1st, 2nd, 4th, 8th call), each judged within the tolerance
+    assert f["tolerance"] == TOL and f["checks"] == 4 and f["beyond"] == 0
+    largest = f["largest_error"]
+    assert 0 <= largest["budget"] <= 1 and largest["abs"] >= 0 and "output 0" in largest["abs_at"]
+    (graph,) = accounted_graphs()
+    assert graph["lowering_check"] == {"checked": 4, "status": "within_tolerance"}
+    if cuda_graphs == "emulate":
+        assert graph["cuda_graph"]["replays"] >= 5
+
+
+def test_fuse_true_stays_bitwise_where_the_tolerance_mode_is_not():
+    """The same block: the exact recipe's every call equals eager's bits; Inductor as it
+    compiles does not (its reductions and math library round otherwise), which is why the
+    tolerance is declared."""
+    model = block()
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": True, "cache_dir": False})
+    with torch.no_grad():
+        assert all(torch.equal(compiled(*inputs(i)), model(*inputs(i))) for i in range(4))
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    got, want = run({"cache_dir": False}, 4)
+    assert not all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_an_op_beyond_the_tolerance_is_caught_named_and_kept_the_rest_fused(tmp_path):
+    with mock.patch.object(*perturbed(MUL, by=0.05)):
+        got, want = run({"cuda_graphs": "emulate", "cache_dir": tmp_path}, 6)
+    for g, w in zip(got, want):  # eager's values answered the call that caught it
+        torch.testing.assert_close(g, w, **TOL)
+    f = fusion()
+    assert [(k["op"], k["why"], k["at_call"]) for k in f["kept"]] == [(MUL, "learned", 1)]
+    assert "not within rtol=0.001 atol=1e-05" in f["kept"][0]["detail"]
+    assert f["status"] == "fused" and f["kernels"] > 0 and MUL not in f["fused_ops"]
+    assert "aten.native_layer_norm.default" in f["fused_ops"]  # the rest stays fused
+    assert f["beyond"] == 1 and f["checks"] == 3 and f["largest_error"]["budget"] <= 1  # calls 1, 2, 4
+    # the next graph on this device and tolerance keeps it from its first call: no round
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    with mock.patch.object(*perturbed(MUL, by=0.05)):
+        got, want = run({"cache_dir": tmp_path}, 3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    assert fusion()["rounds"] == 0 and [k["why"] for k in fusion()["kept"]] == ["cache"]
+
+
+def test_a_call_judged_bit_for_bit_would_blame_every_fused_op():
+    """Mutation: the check ignores the declared tolerance. Inductor's own rounding is then a
+    mismatch, the graph learns ops it never had to and gives fusion up."""
+    with mock.patch.object(tolerance_mod.Tolerance, "compare",
+                           lambda self, e, a, check_strides=True: tolerance_mod.compare(e, a, "bitwise",
+                                                                                        check_strides=check_strides)):
+        run({"cache_dir": False, "recheck": "every"}, 6)
+    f = fusion()
+    assert f["status"] != "fused" or f["rounds"] > 0
+
+
+def test_the_dense_schedule_unless_recheck_says_otherwise():
+    run({"cache_dir": False}, 20)
+    due = Due("dense", "x")
+    assert fusion()["checks"] == sum(due() for _ in range(20))
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    run({"cache_dir": False, "recheck": 5}, 20)
+    assert fusion()["checks"] == 4
+
+
+def test_the_rendered_report_says_the_tolerance_and_the_largest_error():
+    run({"cache_dir": False}, 3)
+    text = render(graphdispatch_backend.latest_report())
+    assert "tolerance rtol=0.001 atol=1e-05" in text and "largest error" in text and "budget" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [True, TOL], ids=["bitwise", "tolerance"])
+def test_on_a_gpu_both_modes_are_captured_replayed_and_judged(fuse):
+    """The CUDA recipes (Triton; bench/gpu_check.sh runs every test marked cuda): fused,
+    captured and replayed, every call bitwise (`fuse=True`) or within the tolerance."""
+    model = block().cuda()
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": fuse, "cuda_graphs": True,
+                                                                      "cache_dir": False})
+    with torch.no_grad():
+        for i in range(8):
+            args = [t.cuda() for t in inputs(i)]
+            got, want = compiled(*args), model(*args)
+            if fuse is True:
+                assert torch.equal(got, want), i
+            else:
+                torch.testing.assert_close(got, want, **TOL)
+    (graph,) = accounted_graphs()
+    assert graph["fusion"]["status"] == "fused" and graph["fusion"]["kernels"] > 0
+    assert graph["cuda_graph"]["replays"] > 0
+    assert graph["lowering_check"]["status"] == ("bitwise" if fuse is True else "within_tolerance")
