@@ -77,6 +77,33 @@ def test_the_demo_paths_are_the_ones_it_writes():
     assert all("gd_demo" not in text for text in DOCS.values())
 
 
+def _normalized(text: str) -> list[str]:
+    """Lines as the demo prints them, less what differs per run: the compile time, the
+    staged bundles' folder, trailing blanks."""
+    text = re.sub(r"compiled\+ran in \d+(\.\d+)?s", "compiled+ran in Ns", text)
+    text = re.sub(r"/tmp/gd_bundles_\S+", "/tmp/gd_bundles_", text)
+    return [line.rstrip() for line in text.strip().splitlines()]
+
+
+def test_what_the_demo_prints_is_what_docs_report_shows(tmp_path):
+    """docs/report.md's two listings are the demo's output and its rendered report, line
+    for line (the log line the demo's demotion writes comes on stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHDISPATCH_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    demo = subprocess.run([sys.executable, "-m", "graphdispatch_backend", "demo"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    shown = REPORT.split("## What the demo prints", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    logged = [line for line in _normalized(shown) if line.startswith("graphdispatch: ")]
+    assert [line for line in _normalized(shown) if line not in logged] == _normalized(demo.stdout)
+    assert logged and all(line in demo.stderr for line in logged)
+    rendered = subprocess.run([sys.executable, "-m", "graphdispatch_backend", "report", "gd_out"], cwd=tmp_path,
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    shown = REPORT.split("then renders the report:", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    assert _normalized(shown) == _normalized(rendered.stdout)
+
+
 def test_the_design_document_is_the_projects_own():
     assert "docs/design.md" in README
     for name, text in DOCS.items():
