@@ -25,7 +25,11 @@ evidence for what it lets in):
 - matmuls, convolutions, attention: not fused by Inductor anyway (extern kernels), and
   `addmm` would be rewritten as `mm` plus an add.
 - `add`/`sub` with `alpha != 1`: eager computes `a + alpha * b` with one fused
-  multiply-add; a fused kernel rounds twice.
+  multiply-add; a fused kernel rounds twice. On CPU, `add`/`sub`/`rsub` of a bf16/fp16
+  tensor and a Python number the dtype does not hold: eager rounds the number to the
+  tensor's dtype first (its scalar is cast with the tensor operands; `mul` and `div` keep
+  it in float), Inductor adds it unrounded (`x - 0.5199` in bf16 differed: op_db's
+  `cosine_embedding_loss`).
 - `maximum`, `minimum`, `clamp`, `relu`, `amax`, `amin` are fused: the value is the same;
   the one bit that may differ is the sign of a zero result when +0 and -0 tie, which eager
   itself picks by position (its vector body returns the second operand, its scalar tail
@@ -190,9 +194,11 @@ def exact_node(node: fx.Node, device: str) -> bool:
     name, args, kwargs = node.target._opname, node.args, node.kwargs
     if name in ("add", "sub", "rsub") and kwargs.get("alpha", 1) != 1:
         return False  # eager's a + alpha * b is one fused multiply-add
+    dtypes = _dtypes(node)
+    if device == "cpu" and name in ("add", "sub", "rsub") and not all(_held(float(a), dtypes) for a in _numbers(node)):
+        return False  # eager rounds a number added to a bf16/fp16 tensor to that dtype first; Inductor does not
     if name == "div" and kwargs.get("rounding_mode") is not None:
         return False  # floor/trunc division: eager's formula, not a / b
-    dtypes = _dtypes(node)
     if device == "cpu" and name == "sqrt":
         return False  # eager's float32 sqrt is MKL's, not correctly rounded; bf16's rounds that
     if device == "cpu" and name == "rsqrt":
@@ -215,6 +221,12 @@ def exact_node(node: fx.Node, device: str) -> bool:
 # ops that store a Python number into their output (as its dtype); Inductor may fold the number
 # into the kernel that reads it, unrounded: measured (full(0.3, bf16) * x differs)
 _STORES = frozenset({"full", "full_like", "new_full", "fill", "scalar_tensor", "masked_fill", "where"})
+
+
+def _numbers(node: fx.Node) -> list[int | float]:
+    """The Python numbers among a node's arguments (not bools)."""
+    return [a for a in (*node.args, *node.kwargs.values())
+            if isinstance(a, (int, float)) and not isinstance(a, bool)]
 
 
 def _held(number: float, dtypes: set[torch.dtype]) -> bool:

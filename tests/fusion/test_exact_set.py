@@ -48,6 +48,12 @@ CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
                                                            (x.shape[0] + 1) // 2), "aten.slice_scatter.default"),
     ("div", lambda x: aten.div.Tensor(x, x.flip(0) + 0.5), "aten.div.Tensor"),
     ("rsub", lambda x: aten.rsub.Scalar(x, 1.5) * x, "aten.rsub.Scalar"),
+    # a Python number the dtype does not hold: eager rounds it to bf16/fp16 for add/sub/rsub, not for mul/div
+    ("add 0.3", lambda x: aten.add.Tensor(x, 0.3), "aten.add.Tensor"),
+    ("sub 0.5199", lambda x: aten.sub.Tensor(x, -0.5199), "aten.sub.Tensor"),
+    ("rsub 0.3", lambda x: aten.rsub.Scalar(x, 0.3), "aten.rsub.Scalar"),
+    ("mul 0.3", lambda x: aten.mul.Tensor(x, 0.3), "aten.mul.Tensor"),
+    ("div 0.3", lambda x: aten.div.Tensor(x, 0.3), "aten.div.Tensor"),
     # constructors, selections, gathers and copies written as ops Inductor lowers (fusion/canonical.py)
     ("zeros_like", lambda x: aten.zeros_like.default(x) + x, "aten.zeros_like.default"),
     ("new_ones", lambda x: aten.new_ones.default(x, [x.shape[0]]) * x, "aten.new_ones.default"),
@@ -64,7 +70,11 @@ CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
 # of the same one); sqrt differs where eager's is MKL's (float32, 32 elements or more)
 DIFFERS = [("pow 4", torch.float32), ("pow -2", torch.float32), ("pow 3", torch.bfloat16),
            ("sum of floats", torch.float32), ("arange by 3", torch.bfloat16), ("fill", torch.bfloat16),
-           ("full 0.3", torch.bfloat16)]
+           ("full 0.3", torch.bfloat16), ("add 0.3", torch.bfloat16), ("sub 0.5199", torch.bfloat16),
+           ("rsub 0.3", torch.bfloat16), ("sub 0.5199", torch.float16)]
+# the cases about a Python number in a bf16/fp16 graph, in float16 too
+SCALARS = [c for c in CASES if c[0] in ("rsub", "add 0.3", "sub 0.5199", "rsub 0.3", "mul 0.3", "div 0.3", "fill",
+                                        "full 0.3", "masked_fill")]
 
 
 def _x(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -101,6 +111,14 @@ def test_every_op_the_recipe_lets_in_is_eagers_bits_on_every_tail(name, fn, op, 
     if bad is None:
         pytest.skip(f"the recipe keeps {name} ({dtype}) out")
     assert bad == [], f"{name} ({dtype}) fused differs from eager on sizes {bad}"
+
+
+@pytest.mark.parametrize(("name", "fn", "op"), SCALARS, ids=[c[0] for c in SCALARS])
+def test_a_number_in_a_float16_graph_is_fused_only_where_eagers_bits(name, fn, op):
+    bad = _fused_differs(fn, op, torch.float16)
+    if bad is None:
+        pytest.skip(f"the recipe keeps {name} (float16) out")
+    assert bad == [], f"{name} (float16) fused differs from eager on sizes {bad}"
 
 
 @pytest.mark.parametrize(("name", "dtype"), DIFFERS, ids=[f"{n}-{d}" for n, d in DIFFERS])
