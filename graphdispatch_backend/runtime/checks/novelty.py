@@ -16,7 +16,13 @@ Watched: inputs that are not parameters or buffers, not written by the graph (a 
 is judged by its written rows, and reading it whole per call would cost its size), not
 marked with `torch._dynamo.mark_static_address` (state at a fixed address), floating or
 integer, on the CPU or CUDA, not empty. The statistic is one reduction per input (`aminmax`), so its cost
-is a read of what the graph reads anyway.
+is a read of what the graph reads anyway; on the CPU into outputs the site keeps, both values
+read back in one call (no `.item()` each: that and the plan a one-input site makes at its
+first call halve the fixed cost of a small input). Every call reads its inputs, even the
+tensor the last call passed: its version counter would say whether torch wrote it since, but
+not a write through a numpy view, `.data`, DLPack or a raw kernel (vLLM fills its CPU input
+buffers through numpy views), and a statistic kept for such an input would hide its new
+values from every later call.
 
 When the values are known. On the CPU (`Arrival.NOW`) the statistics are read in the call
 that took them, before it is decided: an input-dependent fault is met at its first call.
