@@ -18,7 +18,7 @@ marked with `torch._dynamo.mark_static_address` (state at a fixed address), floa
 integer, on the CPU or CUDA, not empty. The statistic is one reduction per input (`aminmax`), so its cost
 is a read of what the graph reads anyway; on the CPU into outputs the site keeps, both values
 read back in one call (no `.item()` each: that and the plan a one-input site makes at its
-first call halve the fixed cost of a small input). Every call reads its inputs, even the
+first call take a quarter off the cost of a small input). Every call reads its inputs, even the
 tensor the last call passed: its version counter would say whether torch wrote it since, but
 not a write through a numpy view, `.data`, DLPack or a raw kernel (vLLM fills its CPU input
 buffers through numpy views), and a statistic kept for such an input would hide its new
@@ -150,7 +150,7 @@ class Novelty:
         """This call's statistics, taken now, and whether it is checked for novelty. Lean on
         purpose: it runs on every call (bench/recheck.py part 4 measures it): per watched CPU
         input one `aminmax` into outputs the site keeps, read back in one call, no `.item()`
-        (that halves its cost at small sizes); the usual site (one watched input) decides
+        (a quarter less at small sizes); the usual site (one watched input) decides
         from a plan made at its first call."""
         one = self._one
         if one is not None:
