@@ -54,12 +54,21 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    runs faster than inside a call) plus the novelty checks made in the window times what
    a check costs, over the window's time. Target: <= 1.02.
 
+Flags: `--only server,steady,artifact,novelty` runs those parts (default: all); `--dim N`
+and `--batch B` size the stack's hidden state (default 64 and 4: a toy, where a call is so
+small that fixed per-call costs dominate; `--dim 512 --batch 16` is a call of realistic
+proportions); `--steady-calls N` the timed calls per variant (default 4096); `--clock cpu` times the
+windows by this thread's CPU time (`time.thread_time`: torch runs on this one thread here),
+which the other processes of a loaded machine do not add to, where wall time (the default)
+swings by more than the effect.
+
 `--smoke` (CI): every part at tiny sizes (a 2-block stack; 3 batch sizes, 6 rounds; one
 steady repeat of 48 calls after 16, windows of 16): the script's plumbing, no figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -81,8 +90,12 @@ from graphdispatch_backend.testing import write_bundle
 
 SIZES = list(range(2, 22))  # Dynamo specializes a size of 1
 ROUNDS = 6
-DEPTH, DIM = 8, 64
+DEPTH, DIM, BATCH = 8, 64, 4
 STEADY_CALLS, STEADY_AFTER = 4096, 64
+PARTS = ("server", "steady", "artifact", "novelty")
+# what the timed windows read: wall time, or (`--clock cpu`) this thread's CPU time, which a
+# loaded machine's other processes do not add to (the bench runs torch on one thread, this one)
+CLOCK = [time.perf_counter]
 STEADY_MAX = 1.01
 NO_RECHECK = 10**9
 VARIANTS = {"doubling": "doubling", "none": NO_RECHECK, "every": "every"}
@@ -167,7 +180,7 @@ def steady(variants: dict[str, dict[str, Any]] | None = None,
     model = block_stack(depth=DEPTH, dim=DIM)
     compiled = {name: torch.compile(block_stack(depth=DEPTH, dim=DIM), backend="graphdispatch", options=options)
                 for name, options in variants.items()}
-    xs = [torch.randn(4, DIM) for _ in range(8)]
+    xs = [torch.randn(BATCH, DIM) for _ in range(8)]
     before, after, novel_before, novel_after = {}, {}, {}, {}
     with torch.no_grad():
         for name, fn in compiled.items():
@@ -186,10 +199,10 @@ def steady(variants: dict[str, dict[str, Any]] | None = None,
             turn = chunk % len(names)
             for name in names[turn:] + names[:turn]:
                 fn = compiled[name]
-                start = time.perf_counter()
+                start = CLOCK[0]()
                 for i in range(CHUNK):
                     fn(xs[i % 8])
-                spent[name] += time.perf_counter() - start
+                spent[name] += CLOCK[0]() - start
                 after[name] = _checks(variants[name])  # untimed
                 novel_after[name] = _checks(variants[name], novel=True)
         for name, fn in compiled.items():  # still eager's bits after the window
@@ -258,17 +271,18 @@ def artifact_steady(root: str, repeats: int) -> dict[str, Any]:
 
 def observe_us(repeats: int = 5, calls: int = 20000) -> float:
     """us one site's novelty statistics cost per call, alone (runtime/checks/novelty.py
-    `observe`, its Observation and `checked`) on the bench stack's input, [4, DIM] float32:
-    the fastest of `repeats` windows of `calls`."""
+    `observe`, its Observation and `checked`) on the bench stack's inputs, [BATCH, DIM]
+    float32, 8 of them in turn as in the steady window: the fastest of `repeats` windows of
+    `calls`."""
     watch = novelty.Novelty([0], ["x"])
-    inputs = [torch.randn(4, DIM)]
-    watch.observe(inputs).checked()  # seen: the steady state's calls are not new
+    xs = [[torch.randn(BATCH, DIM)] for _ in range(8)]
+    watch.observe(xs[0]).checked()  # seen: the steady state's calls are not new
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            watch.observe(inputs)
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        start = CLOCK[0]()
+        for i in range(calls):
+            watch.observe(xs[i & 7])
+        best = min(best, (CLOCK[0]() - start) / calls * 1e6)
     return best
 
 
@@ -317,23 +331,65 @@ def _served_everywhere(root: str) -> None:
             raise SystemExit(f"recheck: the block artifact does not serve every block: {subs}")
 
 
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", default=",".join(PARTS), help=f"parts to run, of {','.join(PARTS)}")
+    parser.add_argument("--dim", type=int, default=DIM, help="the stack's hidden size")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rows per steady call")
+    parser.add_argument("--steady-calls", type=int, default=STEADY_CALLS, help="timed calls per variant")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time the windows by wall time or by this thread's CPU time (a loaded machine)")
+
+
 def main() -> None:
-    args = parse_args(__doc__)
+    global DIM, BATCH, STEADY_CALLS
+    args = parse_args(__doc__, _flags)
+    DIM, BATCH, STEADY_CALLS = args.dim, args.batch, args.steady_calls
+    CLOCK[0] = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.smoke:
         smoke_sizes()
+    parts = [p for p in args.only.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"recheck: unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
     raise_dynamo_limits()
     torch.set_num_threads(1)
     rows, targets = [], []
-    servers = {name: server(opts) for name, opts in (("defaults", {}), ("warmup=3", {"warmup": 3}))}
+    servers = {name: server(opts) for name, opts in (("defaults", {}), ("warmup=3", {"warmup": 3}))
+               if "server" in parts}
+    payload: dict[str, Any] = {"dim": DIM, "batch": BATCH, "steady_calls": STEADY_CALLS, "parts": parts,
+                               "clock": args.clock}
+    tables: list[Any] = []
     for name, result in servers.items():
         rows.append([name, result["sizes_replaying"], result["eager_before_every_size_replays"],
                      sorted(set(result["first_replay_call"].values()))])
-    got = servers["defaults"]
-    third = got["sizes_replaying"] == len(SIZES) and set(got["first_replay_call"].values()) == {3}
-    targets.append(Target("recheck server: every size first replays at its 3rd call (defaults)", "yes",
-                          f"{got['eager_before_every_size_replays']} eager calls before every size replays "
-                          f"(warmup=3: {servers['warmup=3']['eager_before_every_size_replays']})", third))
+    if servers:
+        got = servers["defaults"]
+        third = got["sizes_replaying"] == len(SIZES) and set(got["first_replay_call"].values()) == {3}
+        targets.append(Target("recheck server: every size first replays at its 3rd call (defaults)", "yes",
+                              f"{got['eager_before_every_size_replays']} eager calls before every size replays "
+                              f"(warmup=3: {servers['warmup=3']['eager_before_every_size_replays']})", third))
+        payload["server"] = servers
+        tables.append((f"a server cycling through {len(SIZES)} batch sizes, {ROUNDS} rounds (emulate)",
+                       ["options", "sizes replaying", "eager calls before every size replays", "first replay at call"],
+                       rows))
     repeats = 1 if args.smoke else 3 if args.quick else 7
+    payload["repeats"] = repeats
+    if "steady" in parts:
+        tables.append(_steady_part(repeats, payload, targets))
+    if "artifact" in parts or "novelty" in parts:
+        with tempfile.TemporaryDirectory(prefix="gd_recheck_") as folder:
+            root = artifact_bundle(Path(folder))
+            if "artifact" in parts:
+                tables.append(_artifact_part(artifact_steady(root, repeats), payload, targets))
+            if "novelty" in parts:
+                tables.append(_novelty_part(novelty_steady(root, repeats), repeats, payload, targets))
+    name = "recheck" if set(parts) == set(PARTS) else "recheck_" + "_".join(parts)
+    sized = (DIM, BATCH) != (64, 4)
+    emit(name + (f"_dim{DIM}_batch{BATCH}" if sized else ""), payload, tables, targets, args)
+
+
+def _steady_part(repeats: int, payload: dict[str, Any], targets: list[Target]) -> Any:
+    """Part 2: the graph's schedule in steady state; its table."""
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     checks: dict[str, list[int]] = {name: [] for name in VARIANTS}
     for _ in range(repeats):
@@ -356,10 +412,15 @@ def main() -> None:
                           f"timed directly {ratio:.3f}x", modeled <= STEADY_MAX,
                           "the direct ratio's spread across repeats is wider than the 1% it would show"))
     targets.append(Target("recheck steady: every / no re-checks (stated)", "(info)", f"{every:.2f}x", None))
-    with tempfile.TemporaryDirectory(prefix="gd_recheck_") as folder:
-        root = artifact_bundle(Path(folder))
-        artifacts = artifact_steady(root, repeats)
-        watched = novelty_steady(root, repeats)
+    payload.update({"steady_us": samples, "checks_in_window": checks, "per_check_us": per_check,
+                    "modeled_ratio": modeled, "timed_ratio": ratio})
+    return (f"steady state: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER} "
+            f"({repeats} repeats, windows of {CHUNK} calls rotated; ratio = median of paired ratios to no re-checks)",
+            ["recheck", "us/call", "x no re-checks", "checks in window"], steady_rows)
+
+
+def _artifact_part(artifacts: dict[str, Any], payload: dict[str, Any], targets: list[Target]) -> Any:
+    """Part 3's targets and table."""
     artifact_rows = []
     for mode, got in artifacts.items():
         base = got["steady_us"]["none"]
@@ -373,6 +434,14 @@ def main() -> None:
             f"{got['modeled_ratio']:.4f}x from its parts ({got['extra_checks']:g} checks x "
             f"{got['per_check_us']:.0f} us); timed directly {got['timed_ratio']:.3f}x",
             got["modeled_ratio"] <= ARTIFACT_MAX, f"DENSE_CAP={DENSE_CAP}; every block is an artifact"))
+    payload.update({"artifact_steady": artifacts, "dense_cap": DENSE_CAP})
+    return (f"artifact steady: every block an artifact, us per call over {STEADY_CALLS} calls after the first "
+            f"{STEADY_AFTER} ({payload['repeats']} repeats; checks: the graph's, and the gates' per call of all "
+            f"regions)", ["mode", "artifact_recheck", "us/call", "x none", "checks in window"], artifact_rows)
+
+
+def _novelty_part(watched: dict[str, Any], repeats: int, payload: dict[str, Any], targets: list[Target]) -> Any:
+    """Part 4's targets and table."""
     novelty_rows = []
     for mode, got in ((m, watched[m]) for m in NOVELTY_MODES):
         base = got["steady_us"]["unwatched"]
@@ -382,28 +451,19 @@ def main() -> None:
                                  f"{statistics.median(a / b for a, b in zip(samples_, base)):.3f}",
                                  f"{statistics.median(got['novelty_checks']):g}" if name == "watched" else "-"])
         targets.append(Target(
-            f"novelty checks, {mode}: with them / without over {STEADY_CALLS} calls", f"<= {NOVELTY_MAX}",
+            f"novelty checks, {mode}: with them / without over {STEADY_CALLS} calls (hidden {DIM}, batch {BATCH})",
+            f"<= {NOVELTY_MAX}",
             f"timed {got['timed_ratio']:.3f}x; from its parts {got['modeled_ratio']:.4f}x ({got['sites_per_call']} "
             f"site(s) x {watched['observe_us']:.2f} us per call, {statistics.median(got['novelty_checks']):g} novelty "
             f"checks x {got['per_check_us']:.0f} us)",
             got["timed_ratio"] <= NOVELTY_MAX,
             "judged on the timed ratio (the effect is larger than the noise); the parts' figure times `observe` "
             "alone, which runs faster than inside a call"))
-    emit("recheck", {"server": servers, "steady_us": samples, "checks_in_window": checks, "repeats": repeats,
-                     "per_check_us": per_check, "modeled_ratio": modeled, "timed_ratio": ratio,
-                     "artifact_steady": artifacts, "dense_cap": DENSE_CAP, "novelty": watched},
-         [(f"a server cycling through {len(SIZES)} batch sizes, {ROUNDS} rounds (emulate)",
-           ["options", "sizes replaying", "eager calls before every size replays", "first replay at call"], rows),
-          (f"steady state: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER} "
-           f"({repeats} repeats, windows of {CHUNK} calls rotated; ratio = median of paired ratios to no re-checks)",
-           ["recheck", "us/call", "x no re-checks", "checks in window"], steady_rows),
-          (f"artifact steady: every block an artifact, us per call over {STEADY_CALLS} calls after the first "
-           f"{STEADY_AFTER} ({repeats} repeats; checks: the graph's, and the gates' per call of all regions)",
-           ["mode", "artifact_recheck", "us/call", "x none", "checks in window"], artifact_rows),
-          (f"novelty checks: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER}, with the "
-           f"statistics (watched, the default) and without ({repeats} repeats; x: median of paired ratios)",
-           ["where", "novelty", "us/call", "x without", "novelty checks in window"], novelty_rows)],
-         targets, args)
+    payload["novelty"] = watched
+    return (f"novelty checks: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER}, with the "
+            f"statistics (watched, the default) and without ({repeats} repeats; x: median of paired ratios; "
+            f"hidden {DIM}, batch {BATCH})", ["where", "novelty", "us/call", "x without", "novelty checks in window"],
+            novelty_rows)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def test_dev_reuses_a_set_up_environment_and_runs_the_command(tmp_path):
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "setup.cfg").read_bytes()).hexdigest()
     (venv / ".graphdispatch-setup").write_text(digest + "\n")
     done = subprocess.run([str(ROOT / "dev"), "python", "-m", "graphdispatch_backend", "demo", "--help"],
-                          capture_output=True, text=True, env={**os.environ, "GD_VENV": str(venv)}, timeout=120)
+                          capture_output=True, text=True, env={**os.environ, "GD_VENV": str(venv)}, timeout=900)
     assert done.returncode == 0, done.stderr
     assert "setting up" not in done.stderr and "--report-dir" in done.stdout
 

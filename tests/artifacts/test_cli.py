@@ -174,7 +174,7 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     corrupt = bundle(tmp_path / "root" / "b", "b")
     _undeclared(corrupt)
     command = [sys.executable, "-m", "graphdispatch_backend", "artifacts", "verify", str(tmp_path / "root")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stderr
     rows = [re.split(r"\s{2,}", line) for line in done.stdout.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["a", "ok"], ["b", "rejected"]]

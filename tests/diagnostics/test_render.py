@@ -349,7 +349,7 @@ def test_artifact_checks_say_per_graph_and_per_artifact_what_was_served_unchecke
 
 def test_command_line_in_a_subprocess(report_dir):
     done = subprocess.run([sys.executable, "-m", "graphdispatch_backend", "report", str(report_dir)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert "Graphs" in done.stdout and "graph_0" in done.stdout and "mlp-exact" in done.stdout
 

@@ -102,7 +102,7 @@ def test_written_at_process_exit_with_final_counts(tmp_path):
                 compiled(torch.randn(2, 8))
         # no flush(): the report must still hold these five calls
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "dispatch.json").read_text())
     graph = _graph(report)

@@ -62,7 +62,7 @@ CUDA = scenario.startswith("cuda_")
 if CUDA:
     torch.cuda.set_device(rank)
 dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                        timeout=datetime.timedelta(seconds=60))
+                        timeout=datetime.timedelta(seconds=900))  # a hang guard: a loaded machine's compile is slow
 
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 

@@ -238,7 +238,7 @@ def test_artifact_that_does_not_load(tmp_path, counts, fault):
 
 def test_slower_artifact_is_demoted_by_the_speed_gate(tmp_path, counts):
     report = run(make(), {**EMULATE, "speed_gate": True,
-                          "artifacts": str(bundle(tmp_path, kernel("time.sleep(0.002)")))})
+                          "artifacts": str(bundle(tmp_path, kernel("time.sleep(0.02)")))})
     sub = substitution(report)
     assert sub["demoted"] and sub["reason"] == "slower" and sub["parity"] == "passed", sub
     counts["injected_faults"] += 1
@@ -626,7 +626,7 @@ DEMOTIONS = {
     "graph_check_on_an_eager_call": ({"cuda_graphs": False, "recheck": "every", "artifact_recheck": 10**9},
                                      kernel(LARGE_WRONG), (13,)),
     "graph_check_on_a_replayed_call": ({"recheck": 10**9}, kernel(LARGE_WRONG), (11,)),  # dense: call 12
-    "speed_gate": ({"speed_gate": True}, kernel("time.sleep(0.002)"), ()),
+    "speed_gate": ({"speed_gate": True}, kernel("time.sleep(0.02)"), ()),
 }
 
 

@@ -103,7 +103,7 @@ def test_a_new_process_with_the_same_cache_starts_with_the_op_unfused(tmp_path):
         run(block(), {"cuda_graphs": False, "recheck": "every", "cache_dir": tmp_path}, [inputs(0)])
     assert learned(fusion()) == [MUL]
     script = _NEW_PROCESS.format(tests=str(Path(__file__).parent), cache=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

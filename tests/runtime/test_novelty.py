@@ -82,6 +82,49 @@ def test_unwatched_inputs_and_values_are_skipped():
     assert watch.observe(inputs).why is None
 
 
+def test_every_call_reads_its_inputs_even_the_same_tensor_unwritten_by_torch():
+    """No call is skipped for passing the tensor the last call passed: a write through a
+    numpy view (or `.data`, DLPack, a raw kernel) does not move its version counter, so
+    identity and version cannot say it is unchanged. Each write is met at its call."""
+    watch = Novelty([0], ["x"])
+    x = torch.ones(4, 64)
+    view = x.numpy()
+    watch.observe([x]).checked()
+    assert watch.observe([x]).why is None
+    version = x._version
+    view[1, 2] = 1e6
+    assert x._version == version  # torch did not see the write ...
+    assert "x max|x| 1e+06" in watch.observe([x]).why  # ... the statistics did
+    x.data[0, 0] = -math.inf
+    assert "x holds inf" in watch.observe([x]).why
+
+
+def test_an_inference_tensor_and_bfloat16_are_read_right():
+    """The lean path's kept outputs are written under inference mode and outside it, and a
+    bfloat16 input (no numpy dtype) is read through torch."""
+    watch = Novelty([0], ["x"])
+    with torch.inference_mode():
+        x = torch.ones(16)
+        watch.observe([x]).checked()
+        assert watch.observe([x]).why is None
+        x[3] = -1e6
+    assert "x max|x| 1e+06" in watch.observe([x]).why
+    half = Novelty([0], ["h"])
+    half.observe([torch.ones(8, dtype=torch.bfloat16)]).checked()
+    assert half.observe([torch.full((8,), 1.5, dtype=torch.bfloat16)]).why is None
+    assert "h max|x| 96" in half.observe([torch.full((8,), -96.0, dtype=torch.bfloat16)]).why
+
+
+def test_several_inputs_of_several_dtypes_each_keep_their_own():
+    """Inputs of different dtypes at one site (a float activation, an int position) are
+    read into outputs of their own dtype: each one's statistic is its own."""
+    watch = Novelty([0, 1], ["h", "pos"])
+    watch.observe([torch.ones(4), torch.tensor([3])]).checked()
+    assert watch.observe([torch.full((4,), 1.5), torch.tensor([2])]).why is None
+    assert "pos max|x| 9" in watch.observe([torch.ones(4), torch.tensor([-9])]).why
+    assert "h max|x| 40" in watch.observe([torch.full((4,), 40.0), torch.tensor([1])]).why
+
+
 def test_off_when_nothing_is_watched_or_disabled(monkeypatch):
     assert not Novelty([]).on
     monkeypatch.setattr(novelty, "ENABLED", False)

@@ -16,7 +16,13 @@ Watched: inputs that are not parameters or buffers, not written by the graph (a 
 is judged by its written rows, and reading it whole per call would cost its size), not
 marked with `torch._dynamo.mark_static_address` (state at a fixed address), floating or
 integer, on the CPU or CUDA, not empty. The statistic is one reduction per input (`aminmax`), so its cost
-is a read of what the graph reads anyway.
+is a read of what the graph reads anyway; on the CPU into outputs the site keeps, both values
+read back in one call (no `.item()` each: that and the plan a one-input site makes at its
+first call take a quarter off the cost of a small input). Every call reads its inputs, even the
+tensor the last call passed: its version counter would say whether torch wrote it since, but
+not a write through a numpy view, `.data`, DLPack or a raw kernel (vLLM fills its CPU input
+buffers through numpy views), and a statistic kept for such an input would hide its new
+values from every later call.
 
 When the values are known. On the CPU (`Arrival.NOW`) the statistics are read in the call
 that took them, before it is decided: an input-dependent fault is met at its first call.
@@ -41,6 +47,7 @@ import enum
 import math
 from collections import deque
 from collections.abc import Sequence
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -125,33 +132,40 @@ class Novelty:
         self._positions = tuple(positions)
         self._names = tuple(names)
         self._arrival = arrival
+        self._next = arrival is Arrival.NEXT_CALL
         self._seen: dict[int, _Seen] = {p: _Seen() for p in self._positions}
         self._pending: deque[_InFlight] = deque()  # in flight (CUDA) or waiting for the next call (the model)
         self._due: str | None = None  # an earlier call's statistics were novel: this call is checked
         self.on = bool(self._positions) and ENABLED
-        # one watched input (most sites: an activation), on the CPU: the lean path
+        # one watched input (most sites: an activation), on the CPU: the lean path, planned at
+        # the first call that takes it (its dtype: Dynamo guards an input's dtype and device,
+        # so later calls match; one that does not takes the general path)
         self._one = self._positions[0] if len(self._positions) == 1 else None
         self._one_names = self._positions[:1]
+        self._one_dtype: torch.dtype | None = None
+        # per thread and dtype: aminmax's outputs and their reader (`_magnitude`)
+        self._outs: dict[tuple[int, torch.dtype], tuple[Any, Any]] = {}
 
     def observe(self, inputs: Sequence[Any]) -> Observation:
         """This call's statistics, taken now, and whether it is checked for novelty. Lean on
-        purpose: it runs on every call (one `aminmax` and two reads per watched input;
-        bench/recheck.py part 4 measures it)."""
-        if self._one is not None:
-            t = inputs[self._one]
-            if (type(t) is torch.Tensor and t.is_cpu and t.dtype in _WATCHED and t.layout is _STRIDED and t.numel()
+        purpose: it runs on every call (bench/recheck.py part 4 measures it): per watched CPU
+        input one `aminmax` into outputs the site keeps, read back in one call, no `.item()`
+        (a quarter less at small sizes); the usual site (one watched input) decides
+        from a plan made at its first call."""
+        one = self._one
+        if one is not None:
+            t = inputs[one]
+            if (type(t) is _Tensor and t.dtype is self._one_dtype and t.is_cpu and t.layout is _STRIDED and t.numel()
                     and not hasattr(t, _STATIC)):
-                lo, hi = _aminmax(t.detach() if t.requires_grad else t)
-                high, low = hi.item(), -lo.item()
-                m = high if high >= low else low  # NaN: neither comparison holds, and low is NaN
+                m = self._magnitude(t)
                 values = [m]
-                if self._arrival is Arrival.NEXT_CALL:  # as a GPU's would, they decide a later call
+                if self._next:  # as a GPU's would, they decide a later call
                     why = self._arrived()
                     flight = _InFlight(values, None, self._one_names)
                     self._pending.append(flight)
                     return Observation(self, flight, why)
                 return Observation(self, (self._one_names, values),
-                                   None if m < self._seen[self._one].limit else self._novel(self._one_names, values))
+                                   None if m < self._seen[one].limit else self._novel(self._one_names, values))
         names: list[int] = []
         values: list[float] = []
         cuda = False
@@ -166,10 +180,10 @@ class Novelty:
                 if cuda:
                     break
                 continue
-            lo, hi = _aminmax(t.detach() if t.requires_grad else t)
-            low, high = lo.item(), hi.item()
+            if p == self._one and type(t) is _Tensor:
+                self._one_dtype = t.dtype  # the lean path takes the next calls
             names.append(p)
-            values.append(high if high >= -low else -low)  # NaN: neither comparison holds, -low is NaN
+            values.append(self._magnitude(t))
         if cuda:
             why = self._arrived()
             watched = [(p, inputs[p]) for p in self._positions if _watchable(inputs[p])]
@@ -178,7 +192,7 @@ class Novelty:
             flight = _launch(watched)
             self._pending.append(flight)
             return Observation(self, flight, why)
-        if self._arrival is Arrival.NEXT_CALL:  # as a GPU's would, they decide a later call
+        if self._next:  # as a GPU's would, they decide a later call
             why = self._arrived()
             flight = _InFlight(values, None, tuple(names))
             self._pending.append(flight)
@@ -188,6 +202,23 @@ class Novelty:
             if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
                 return Observation(self, (names, values), self._novel(names, values))
         return Observation(self, (names, values), None)
+
+    def _magnitude(self, t: torch.Tensor) -> float:
+        """CPU tensor `t`'s largest magnitude, NaN if any is NaN, inf if any is infinite (and
+        none is NaN): `aminmax` into this thread's outputs for its dtype, both read back in one
+        call (numpy's `tolist` on a view where numpy has the dtype, not bfloat16; else torch's)."""
+        outs = self._outs.get((get_ident(), t.dtype))
+        if outs is None:
+            with torch.inference_mode(False):  # written by every call, in inference mode or not
+                buf = torch.empty(2, dtype=t.dtype)
+            try:
+                read = buf.numpy().tolist
+            except TypeError:
+                read = buf.tolist
+            outs = self._outs[(get_ident(), t.dtype)] = ((buf[0], buf[1]), read)
+        _aminmax(t.detach() if t.requires_grad else t, out=outs[0])
+        low, high = outs[1]()
+        return high if high >= -low else -low  # NaN: neither comparison holds, and -low is NaN
 
     def checked(self, stats: Any) -> None:
         if isinstance(stats, _InFlight):
@@ -236,6 +267,7 @@ class Novelty:
 
 _aminmax = torch.aminmax
 _STRIDED = torch.strided
+_Tensor = torch.Tensor
 # set by `torch._dynamo.mark_static_address`: its owner's state at a fixed address (a static
 # KV cache, a table), not an input that varies per call: read whole per call, it would cost its size
 _STATIC = "_dynamo_static_input_type"
