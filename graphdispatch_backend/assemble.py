@@ -10,7 +10,7 @@ After::    GraphRunner(FusedUnit(piece), scope, warmup, ...); EagerCheck(dynamo_
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -60,20 +60,30 @@ def runner_for(session: Session, scope: Any, piece: fx.GraphModule, fn: Callable
     return runner
 
 
+class Lowering(Protocol):
+    """What building the lowered graph left for its check (backend.py's builder)."""
+
+    origins: tuple[InputOrigin, ...]
+    mutated: list[int] | None  # inputs (aot positions) it writes into
+    write_plan: WritePlan | None
+    agreement: Agreement | None
+    runners: list[GraphRunner]
+    fusion: Fusion | None
+
+
 def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eager: Callable[..., Any],
-                  unwritten: Sequence[int], compiled: Callable[..., Any], plan: GraphPlan,
-                  origins: tuple[InputOrigin, ...], lifted: list[torch.Tensor], n_inputs: int, mutated: Sequence[int],
-                  write_plan: WritePlan | None, agreement: Agreement | None,
-                  runners: list[GraphRunner], fusion: Fusion | None) -> EagerCheck:
+                  unwritten: Sequence[int], compiled: Callable[..., Any], plan: GraphPlan, lowering: Lowering,
+                  lifted: list[torch.Tensor], n_inputs: int) -> EagerCheck:
     """The lowered graph (`compiled`, aot's; `plan`: its inference graph's or forward's)
     inside its eager check (runtime/checks/eager_check.py); `gm`: the Dynamo graph, `eager`
     its forward; `unwritten`: the outputs it makes and never writes (passes/ops.py)."""
+    origins, mutated, agreement = lowering.origins, lowering.mutated or [], lowering.agreement
     n_lifted = len(lifted)
     # the lowered graph's inputs are aot's (parameters and buffers lifted first): its write
     # plan locates regions of those, when they are these one to one (no effect token, no
     # merged duplicate or synthetic base; else written inputs are snapshotted whole)
     one_to_one = plan.inputs == n_lifted + n_inputs
-    writes = Writes(list(mutated), write_plan if one_to_one else None, session.options.max_snapshot_bytes,
+    writes = Writes(mutated, lowering.write_plan if one_to_one else None, session.options.max_snapshot_bytes,
                     [o.name for o in origins])
 
     def locate(args: Sequence[Any]) -> list[Region]:
@@ -100,5 +110,5 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                       recheck="every" if options.timing == "shadow" else graph_schedule(
                           plan.recheck(options), options.artifact_recheck,
                           bool(record.substitutions) and plan.engine is not Engine.OFF),
-                      runners=runners, draws=plan.draws, fusion=fusion,
+                      runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
                       unwritten=unwritten, novelty=novelty)

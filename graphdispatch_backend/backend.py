@@ -138,8 +138,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
         compiled = _as_traced(generated_forward(gm), record, Decline.NO_CAPTURABLE_PIECE)
     elif plan is not None and builder.mutated is not None:
         compiled = eager_checked(session, record, gm, generated_forward(gm), unwritten_outputs(gm), compiled,
-                                 plan, builder.origins, lifted, len(example_inputs), builder.mutated,
-                                 builder.write_plan, builder.agreement, builder.runners, builder.fusion)
+                                 plan, builder, lifted, len(example_inputs))
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, len(lifted))
