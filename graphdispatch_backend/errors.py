@@ -193,14 +193,14 @@ class LoweringStatus(str, enum.Enum):
 
 
 class FusionOff(str, enum.Enum):
-    """Why a graph is not fused under `fuse`: its report's `fusion.status` is `off`, with the detail."""
+    """Why plan.py leaves a graph unfused under `fuse`: its report's `fusion.status` is `off`,
+    with the detail (as it is where no run of the graph holds an op the recipe fuses)."""
 
     AUTOGRAD = "autograd"
     UNCHECKABLE = "uncheckable"  # aot did not say which inputs it writes: no check against eager
     COLLECTIVES = "collectives"
     DYNAMIC_SHAPES = "dynamic_shapes"
     NO_RECIPE = "no_recipe"  # no eager-numerics recipe for the device
-    NO_FUSABLE_OP = "no_fusable_op"  # no run of the graph holds an op the recipe fuses
 
 
 class KeptWhy(str, enum.Enum):

@@ -72,7 +72,7 @@ _FUSION_OFF = {
 }
 
 
-def decline_detail(reason: Decline, split_reasons: Mapping[str, int]) -> str | None:
+def _decline_detail(reason: Decline, split_reasons: Mapping[str, int]) -> str | None:
     """What a graph-level decline says; no capturable piece names its nodes' split reasons."""
     detail = _DETAILS.get(reason)
     if reason is not Decline.NO_CAPTURABLE_PIECE or not split_reasons:
@@ -161,7 +161,7 @@ class GraphPlan:
             how = Serve.PIECES
         if decline is None:
             return Serving(how, None, None, None, self.fused and how is not Serve.WHOLE, self.role.training)
-        words = decline_detail(decline, {k.value: v for k, v in split_reasons.items()})
+        words = _decline_detail(decline, {k.value: v for k, v in split_reasons.items()})
         # what runs instead: an autograd graph's lowered forward and backward, not the Dynamo graph
         runs = "the lowered forward and backward run, not captured" if self.role.training else "it runs eager"
         told = self.asked or decline is Decline.NO_CAPTURABLE_PIECE
