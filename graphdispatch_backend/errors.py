@@ -164,6 +164,45 @@ class FusionStatus(str, enum.Enum):
     FAILED = "failed"  # compiling raised: ATen kernels run
 
 
+class GraphKind(str, enum.Enum):
+    """What a graph's record describes: its report's `kind`."""
+
+    INFERENCE = "inference"
+    AUTOGRAD = "autograd"  # a graph that records autograd history: its forward (its backward has a record of its own)
+    BACKWARD = "backward"  # an autograd graph's backward
+    FALLBACK = "fallback"  # compiling it failed: the graph (or backward) runs as it was given (`backend_error`)
+
+
+class Engine(str, enum.Enum):
+    """What captures a graph's pieces: its report's `cuda_graph.mode`."""
+
+    CUDA = "cuda"
+    HOST = "host"  # cuda_graphs="emulate": the host model of a capture (runtime/cudagraph/host.py)
+    OFF = "off"  # none: the graph's decline says why
+
+
+class LoweringStatus(str, enum.Enum):
+    """How a graph's lowering compared with eager: its report's `lowering_check.status`.
+    A lowering found wrong says so with its Decline (lowering_mismatch, lowering_failed,
+    eager_nondeterministic, check_failed); these are the others."""
+
+    BITWISE = "bitwise"  # every check found the lowering equal to eager, bit for bit
+    WITHIN_TOLERANCE = "within_tolerance"  # fused under a declared tolerance: every check within it
+    UNCHECKED = "unchecked"  # no check ran yet
+    NOT_LOWERED = "not_lowered"  # nothing to serve: the Dynamo graph answers its calls, never lowered
+
+
+class FusionOff(str, enum.Enum):
+    """Why plan.py leaves a graph unfused under `fuse`: its report's `fusion.status` is `off`,
+    with the detail (as it is where no run of the graph holds an op the recipe fuses)."""
+
+    AUTOGRAD = "autograd"
+    UNCHECKABLE = "uncheckable"  # aot did not say which inputs it writes: no check against eager
+    COLLECTIVES = "collectives"
+    DYNAMIC_SHAPES = "dynamic_shapes"
+    NO_RECIPE = "no_recipe"  # no eager-numerics recipe for the device
+
+
 class KeptWhy(str, enum.Enum):
     """Why an op of a fused graph runs as its ATen kernel: `fusion.kept[].why`."""
 

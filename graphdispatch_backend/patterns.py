@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import fnmatch
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 MIN_RATIO = 0.5  # how alike (difflib ratio) a generalized name must be to be suggested
 
@@ -74,6 +74,3 @@ def suggest(pattern: str, names: Iterable[str], closest: int = 3) -> Suggestion:
         return Suggestion(None, 0, near)
     return Suggestion(best, kinds[best], near)
 
-
-def count_matching(pattern: str, names: Sequence[str]) -> int:
-    return sum(1 for n in names if matches(pattern, n))

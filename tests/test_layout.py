@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("passes",),
     ("export",),
     ("fusion",),
+    ("plan",),  # the compile-side plan: pure, never the runtime
     ("runtime", "runtime.cudagraph"),
     ("runtime.call",),
     ("runtime.checks",),
@@ -29,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime.program",),
     ("session",),
     ("graph_artifacts",),
-    ("__init__", "backend", "testing", "examples"),
+    ("__init__", "backend", "assemble", "testing", "examples"),
     ("__main__",),
 ]
 

@@ -1,6 +1,8 @@
 """The session report: counters and decisions as data, written as `dispatch.json`.
 
-The runtime and the passes fill these records; nothing here imports them. Every call is
+The runtime only increments counters; the compile side's fields (what plan.py decided, what
+the passes found, fallbacks, fusion) are written by record_fields.py and fusion_report.py;
+nothing here imports the runtime or the passes. Every call is
 accounted for: per graph (and per captured piece) `calls == replays + eager_calls`, and
 `eager_by_reason` sums to `eager_calls`. The file holds metadata only, never tensor values,
 and is written atomically (temp file + replace).
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.diagnostics.report_file import SCHEMA_VERSION, compact, write_json_atomic
+from graphdispatch_backend.errors import GraphKind, LoweringStatus
 
 
 @dataclasses.dataclass
@@ -135,7 +138,7 @@ class GraphRecord:
 
     index: int
     compile_id: str = ""
-    kind: str = "inference"  # inference | autograd | fallback; a backward's own record: backward | fallback
+    kind: GraphKind = GraphKind.INFERENCE  # a backward's own record: backward | fallback
     nodes: int = 0
     inputs: int = 0
     stripped_assertions: int = 0
@@ -147,10 +150,11 @@ class GraphRecord:
     novelty_checks: int = 0  # of those, the ones made for novel inputs (runtime/checks/novelty.py)
     unchecked: int = 0  # due checks skipped: what the call writes could not be snapshotted
     unchecked_detail: str | None = None
-    lowering: dict[str, Any] | None = None  # set when the lowering was found wrong
+    # set when the lowering was found wrong (its Decline) or never runs (errors.LoweringStatus.NOT_LOWERED)
+    lowering: dict[str, Any] | None = None
     contract_mismatches: int = 0
     contract_detail: str | None = None
-    cuda_graph_mode: str = "off"
+    cuda_graph_mode: str = "off"  # errors.Engine's value
     cuda_graph_reason: str | None = None
     cuda_graph_detail: str | None = None
     regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -233,12 +237,7 @@ class GraphRecord:
             declines[self.cuda_graph_reason] += 1
             details.setdefault(self.cuda_graph_reason, self.cuda_graph_detail or self.cuda_graph_reason)
         states = {s["state"] for s in pieces}
-        if not pieces:
-            state = "eager"
-        elif len(states) == 1:
-            state = states.pop()
-        else:
-            state = "mixed"
+        state = "eager" if not pieces else states.pop() if len(states) == 1 else "mixed"
         return {
             "mode": self.cuda_graph_mode,
             "state": state,
@@ -255,16 +254,13 @@ class GraphRecord:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        pieces = [
-            {**info, "cuda_graph": stats.to_dict()} if stats is not None else info
-            for info, stats in zip(self.pieces, self._stats_per_piece())
-        ]
+        pieces = self._piece_dicts()
         counts = self._counts()
         regions, region_graphs = self.region_detail()
         return {
             "name": self.name,
             "compile_id": self.compile_id,
-            "kind": self.kind,
+            "kind": GraphKind(self.kind).value,
             "nodes": self.nodes,
             "inputs": self.inputs,
             "calls": counts[0],
@@ -292,13 +288,10 @@ class GraphRecord:
         """A backward's record: what it ran as, its calls (the lowering check's among
         them) and its capture, accounted as a graph's are."""
         counts = self._counts()
-        pieces = [
-            {**info, "cuda_graph": stats.to_dict()} if stats is not None else info
-            for info, stats in zip(self.pieces, self._stats_per_piece())
-        ]
+        pieces = self._piece_dicts()
         return {
             "name": self.name,
-            "kind": self.kind,
+            "kind": GraphKind(self.kind).value,
             "nodes": self.nodes,
             "inputs": self.inputs,
             "calls": counts[0],
@@ -317,12 +310,15 @@ class GraphRecord:
         checked = {"checked": self.eager_checks, **({"novelty": self.novelty_checks} if self.novelty_checks else {})}
         if self.lowering is not None:
             return {**checked, **self.lowering, **skipped}
-        passed = "within_tolerance" if (self.fusion or {}).get("checks") and self.fusion.get("tolerance") else "bitwise"
-        return {**checked, "status": passed if self.eager_checks else "unchecked", **skipped}
+        tolerant = (self.fusion or {}).get("checks") and self.fusion.get("tolerance")
+        passed = LoweringStatus.WITHIN_TOLERANCE if tolerant else LoweringStatus.BITWISE
+        return {**checked, "status": (passed if self.eager_checks else LoweringStatus.UNCHECKED).value, **skipped}
 
-    def _stats_per_piece(self) -> list[CudaGraphStats | None]:
+    def _piece_dicts(self) -> list[dict[str, Any]]:
+        """Each piece, a captured one with its counters (piece_stats holds the capturable pieces')."""
         stats = iter(self.piece_stats)
-        return [next(stats, None) if p.get("capturable") else None for p in self.pieces]
+        found = [next(stats, None) if p.get("capturable") else None for p in self.pieces]
+        return [{**p, "cuda_graph": st.to_dict()} if st is not None else p for p, st in zip(self.pieces, found)]
 
 
 @dataclasses.dataclass
@@ -347,9 +343,9 @@ class SessionReport:
             self.authoring.append({"failure": failure, "artifact": artifact, "key": key, "message": message})
             return True
 
-    def new_graph(self) -> GraphRecord:
+    def new_graph(self, compile_id: str = "") -> GraphRecord:
         with self.lock:
-            record = GraphRecord(index=len(self.graphs))
+            record = GraphRecord(index=len(self.graphs), compile_id=compile_id)
             self.graphs.append(record)
             return record
 

@@ -20,6 +20,7 @@ After::    t = aten.permute.default(w, [1, 0]);  c = prims.convert_element_type.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
@@ -31,13 +32,30 @@ aten = torch.ops.aten
 ORIGIN = "gd_origin_op"
 
 
+class Composite(enum.Enum):
+    """The target of a canonical form that is more than one op: `rewrite` writes it as the
+    nodes it says; `lowered_by` is the op whose lowering the form rests on (its other nodes
+    are views, or ops as lowered), what `inductor_lowers` looks up."""
+
+    RSUB = "rsub"  # c - x: add(neg(x), c)
+    ARANGE = "arange"  # convert_element_type(iota(n, start, step, int64), dtype)
+    CLAMP = "clamp"  # clamp_max(clamp_min(x, lo), hi)
+    STACK = "stack"  # cat([unsqueeze(t, dim) for t in tensors], dim)
+
+    @property
+    def lowered_by(self) -> Any:
+        return {Composite.RSUB: aten.add.Tensor, Composite.ARANGE: torch.ops.prims.iota.default,
+                Composite.CLAMP: aten.clamp_max.default, Composite.STACK: aten.cat.default}[self]
+
+
 def _ndim(node: Any) -> int | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
 def canonical(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
-    """(target, args, kwargs) Inductor lowers, computing what `node` computes; None if none."""
+    """(target, args, kwargs) Inductor lowers, computing what `node` computes; None if none.
+    The target is an op, or a Composite that `rewrite` writes as the ops it says."""
     target, args, kwargs = node.target, node.args, node.kwargs
     if target is aten.t.default:
         ndim = _ndim(args[0])
@@ -63,7 +81,7 @@ def canonical(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | No
         val, src = node.meta.get("val"), args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
         if isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor) and val.dtype == src.dtype \
                 and val.is_floating_point():
-            return "rsub", args, {}
+            return Composite.RSUB, args, {}
     if target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
         val = node.meta.get("val")
         numbers = list(args) + [1] * (target is not aten.arange.start_step)
@@ -71,7 +89,7 @@ def canonical(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | No
         if not isinstance(val, torch.Tensor) or not all(type(a) is int for a in (start, end, step)) \
                 or set(kwargs) - {"dtype", "layout", "device", "pin_memory"} or kwargs.get("pin_memory"):
             return None
-        return "arange", (val.shape[0], start, step, val.dtype, val.device), {}
+        return Composite.ARANGE, (val.shape[0], start, step, val.dtype, val.device), {}
     return _constructor(node) or _selection(node)
 
 
@@ -118,7 +136,7 @@ def _selection(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | N
         lo, hi = (list(args[1:3]) + [None])[:2]
         if lo is None:
             return aten.clamp_max.default, (args[0], hi), {}
-        return (aten.clamp_min.default, (args[0], lo), {}) if hi is None else ("clamp", (args[0], lo, hi), {})
+        return (aten.clamp_min.default, (args[0], lo), {}) if hi is None else (Composite.CLAMP, (args[0], lo, hi), {})
     if target is aten.index_select.default:
         x, dim, index = args
         if _ndim(index) != 1 or _ndim(x) is None:
@@ -133,7 +151,7 @@ def _selection(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | N
         return aten.slice.Tensor, (x, dim, start, start + length), {}
     if target is aten.stack.default:
         tensors, dim = args[0], args[1] if len(args) > 1 else 0
-        return "stack", (list(tensors), dim % val.dim()), {}
+        return Composite.STACK, (list(tensors), dim % val.dim()), {}
     return None
 
 
@@ -149,19 +167,19 @@ def rewrite(gm: fx.GraphModule, nodes: set[fx.Node]) -> set[fx.Node]:
             continue
         target, args, kwargs = found
         origin = str(node.target)
-        if target == "rsub":  # c - x == -x + c, exactly
+        if target is Composite.RSUB:  # c - x == -x + c, exactly
             with gm.graph.inserting_before(node):
                 neg = gm.graph.call_function(aten.neg.default, (args[0],))
             neg.meta = {**node.meta, "val": args[0].meta.get("val"), ORIGIN: origin}
             nodes.add(neg)
             node.target, node.args, node.kwargs = aten.add.Tensor, (neg, args[1]), {}
-        elif target == "clamp":  # min(max(x, lo), hi), as eager's kernel
+        elif target is Composite.CLAMP:  # min(max(x, lo), hi), as eager's kernel
             with gm.graph.inserting_before(node):
                 low = gm.graph.call_function(aten.clamp_min.default, (args[0], args[1]))
             low.meta = {**node.meta, ORIGIN: origin}
             nodes.add(low)
             node.target, node.args, node.kwargs = aten.clamp_max.default, (low, args[2]), {}
-        elif target == "stack":  # cat of the tensors, each unsqueezed at dim
+        elif target is Composite.STACK:  # cat of the tensors, each unsqueezed at dim
             parts = []
             for t in args[0]:
                 with gm.graph.inserting_before(node):
@@ -170,7 +188,7 @@ def rewrite(gm: fx.GraphModule, nodes: set[fx.Node]) -> set[fx.Node]:
                 parts.append(part)
             nodes.update(parts)
             node.target, node.args, node.kwargs = aten.cat.default, (parts, args[1]), {}
-        elif target == "arange":  # start + step * i, counted in int64 and cast once
+        elif target is Composite.ARANGE:  # start + step * i, counted in int64 and cast once
             length, start, step, dtype, device = args
             with gm.graph.inserting_before(node):
                 iota = gm.graph.call_function(torch.ops.prims.iota.default, (length,), {

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
-from graphdispatch_backend.fusion.canonical import canonical, rewrite
+from graphdispatch_backend.fusion.canonical import Composite, canonical, rewrite
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import op_name, recipe_allows
 from graphdispatch_backend.passes.ops import is_view
@@ -104,17 +104,8 @@ def inductor_lowers(node: fx.Node) -> bool:
     from torch._inductor.lowering import fallbacks, lowerings
 
     found = canonical(node)
-    # the op a composite form's lowering rests on (its nodes' other ops are views or as lowered)
-    composite = {"rsub": aten.add.Tensor, "arange": torch.ops.prims.iota.default, "clamp": aten.clamp_max.default,
-                 "stack": aten.cat.default}
-    target = node.target if found is None else composite.get(found[0], found[0])
+    target = node.target if found is None else found[0].lowered_by if isinstance(found[0], Composite) else found[0]
     return target in lowerings and target not in fallbacks
-
-
-def fusable_ops(gm: fx.GraphModule, recipe: Recipe) -> Counter[str]:
-    """The ops of `gm` the recipe lets Inductor lower (nodes per op)."""
-    return Counter(op_name(n) for n in gm.graph.nodes
-                   if n.op == "call_function" and recipe_allows(n, recipe) and inductor_lowers(n))
 
 
 def _key_pass(digest: str) -> Any:

@@ -158,7 +158,7 @@ class Recipe:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def allows(self, node: fx.Node) -> bool:
-        """The recipe's numeric rule for one ATen node (segments.py adds the structural
+        """The recipe's numeric rule for one ATen node (fusion/segments.py adds the structural
         ones): any op under a tolerance; an exact op, on its arguments, otherwise."""
         if not self.exact:
             return True

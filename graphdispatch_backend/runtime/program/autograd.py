@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.diagnostics.events import Events
+from graphdispatch_backend.diagnostics.record_fields import failed
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import mark_eager
@@ -47,14 +48,9 @@ def backward_fallback(events: Events, record: GraphRecord, lowered: fx.GraphModu
                       exc: Exception) -> Callable[[list[Any]], Any]:
     """The lowered backward as aot made it (`lowered`, copied before any pass ran), for
     aot's boxed calling convention; `record` says why."""
-    record.kind, record.cuda_graph_mode = "fallback", "off"
-    record.pieces.clear()
-    record.piece_stats.clear()
-    record.error = f"{type(exc).__name__}: {exc}"
-    record.cuda_graph_reason, record.cuda_graph_detail = Decline.BACKEND_ERROR.value, record.error
+    error = failed(record, exc, whole=False)
     events.warn_once(f"backend_error:backward:{type(exc).__name__}",
-                     "graphdispatch: %s runs as aot lowered it because compiling it failed: %s", record.name,
-                     record.error)
+                     "graphdispatch: %s runs as aot lowered it because compiling it failed: %s", record.name, error)
     run = lowered.forward
 
     def call(args: list[Any]) -> Any:

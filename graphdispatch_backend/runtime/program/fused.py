@@ -34,7 +34,8 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.codegen import entry, module_of
-from graphdispatch_backend.errors import Contain, FusionStatus, KeptWhy, StrictModeError
+from graphdispatch_backend.diagnostics.fusion_report import FusionReport
+from graphdispatch_backend.errors import Contain, KeptWhy, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
@@ -136,15 +137,15 @@ class FusedUnit:
 class Fusion:
     """One graph's fusion: its units, the ops it keeps as ATen calls, its rounds."""
 
-    def __init__(self, recipe: Recipe, device: str, verdicts: Verdicts, record: dict[str, Any], contain: Contain,
+    def __init__(self, recipe: Recipe, device: str, verdicts: Verdicts, report: FusionReport, contain: Contain,
                  warn: Callable[[str, str], None], strict: bool, name: str = "") -> None:
         self.recipe = recipe
         self._name = name  # the graph's, as the report names it (where an op was learned)
         # fuse={"rtol": r, "atol": a}: how the eager check judges this graph while it serves fused code
-        self.tolerance = Tolerance(*recipe.tolerance, record) if recipe.tolerance is not None else None
+        self.tolerance = Tolerance(*recipe.tolerance, report.fields) if recipe.tolerance is not None else None
         self._device = device  # fusion/verdicts.py device_identity
         self._verdicts = verdicts
-        self._record = record  # the graph record's `fusion` dict (diagnostics/report.py)
+        self._entry = report  # the graph record's `fusion` entry (diagnostics/fusion_report.py)
         self._contain = contain
         self._warn = warn
         self._strict = strict
@@ -191,10 +192,9 @@ class Fusion:
                 self.keep |= {op}
         segments = sum(len(u.segments) for u in self.units)
         if not segments:
-            self._record.update(status=FusionStatus.OFF.value,
-                                detail="no run of the graph holds an op the recipe fuses")
+            self._entry.nothing_to_fuse()
             return
-        self._record.update(status=FusionStatus.FUSED.value, key=self._key, recipe=self.recipe.id)
+        self._entry.compiling(self._key, self.recipe.id)
         self._compile(self.keep)
 
     def _compile(self, keep: Keep) -> bool:
@@ -212,11 +212,7 @@ class Fusion:
         if not self.active:  # Inductor's wrapper would only call the ATen kernels: they run as the graph
             for unit in self.units:
                 unit.adopt(unit.native, [])
-            self._record.update(status=FusionStatus.NOTHING_FUSED.value,
-                                detail="Inductor generated no kernel (the ops it was given are views, or it left "
-                                       "them to ATen): the graph runs its ATen kernels")
-        else:
-            self._record.update(status=FusionStatus.FUSED.value, detail=None)
+        self._entry.compiled(kernels)
         self._report(time.perf_counter() - start, built)
         return True
 
@@ -296,7 +292,7 @@ class Fusion:
         for unit in self.units:
             unit.adopt(unit.native, [])
         self.active = False
-        self._record.update(status=FusionStatus.FUSION_MISMATCH.value, detail=detail, key=self._key)
+        self._entry.gave_up(detail, self._key)
         if not cached:
             self._verdicts.save(self._key, self._device, self.recipe.id, [], gave_up=True)
             self._warn(f"fusion_mismatch:{detail[:60]}", f"graphdispatch: a graph gave up fusion and runs its "
@@ -307,7 +303,7 @@ class Fusion:
         for unit in self.units:
             unit.adopt(unit.native, [])
         self.active = False
-        self._record.update(status=FusionStatus.FAILED.value, detail=detail)
+        self._entry.failed(detail)
         self._warn("fusion_failed", f"graphdispatch: a graph runs unfused: {detail}")
 
     def _notify(self, detail: str) -> None:
@@ -323,12 +319,11 @@ class Fusion:
             for c in unit.compiled:
                 fused.update(c.fused)
                 calls += c.aten_calls
-        self._record.update(
-            rounds=self.rounds, kernels=sum(c.kernels for u in self.units for c in u.compiled), aten_calls=calls,
-            fused_ops=dict(sorted(fused.items())), segments=sum(len(c) for _, c in built),
+        self._entry.figures(
+            seconds, rounds=self.rounds, kernels=sum(c.kernels for u in self.units for c in u.compiled),
+            aten_calls=calls, fused_ops=dict(sorted(fused.items())), segments=sum(len(c) for _, c in built),
             kept=[*({"op": op, "why": KeptWhy.RECIPE.value} for op in _recipe_kept(self.units, self.recipe)),
-                  *(dict(k) for k in self.learned)],
-            compile_seconds=round(self._record.get("compile_seconds", 0.0) + seconds, 3))
+                  *(dict(k) for k in self.learned)])
 
 
 def _unbound(*args: Any) -> Any:

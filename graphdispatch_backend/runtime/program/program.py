@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics.record_fields import contract_broken
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
@@ -95,9 +96,7 @@ class CompiledGraph:
 
     def _contract_fallback(self, args: Sequence[Any]) -> Sequence[Any]:
         detail = self._contract.explain(args) or "inputs differ from the traced placeholders"
-        with self._record.lock:
-            self._record.contract_mismatches += 1
-            self._record.contract_detail = self._record.contract_detail or detail
+        contract_broken(self._record, detail)
         self._on_mismatch(detail)
         out = self._native(*args)
         self._record.called(False, Decline.CONTRACT_MISMATCH.value)

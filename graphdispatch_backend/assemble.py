@@ -1,0 +1,114 @@
+"""The runtime objects of one graph, built from its plan (plan.py): a piece's runner and the
+eager check around its lowered form. backend.py wires them together
+for aot's compilers; nothing here decides what serves a graph (the plan did) or catches
+an exception.
+
+Before::   GraphPlan(engine=HOST, device="cpu", ...), a piece, the lowered graph
+After::    GraphRunner(FusedUnit(piece), scope, warmup, ...); EagerCheck(dynamo_forward, lowered, ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+
+from graphdispatch_backend.capture.lower import InputOrigin
+from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
+from graphdispatch_backend.errors import Engine
+from graphdispatch_backend.passes.context import PieceInfo
+from graphdispatch_backend.passes.locate_writes import WritePlan
+from graphdispatch_backend.plan import GraphPlan, Role, fixed_shapes
+from graphdispatch_backend.runtime.checks.agree import Agreement
+from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
+from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty
+from graphdispatch_backend.runtime.checks.schedule import graph_schedule
+from graphdispatch_backend.runtime.checks.suspects import Suspects
+from graphdispatch_backend.runtime.checks.world import Region, Writes
+from graphdispatch_backend.runtime.program.fused import Fusion
+from graphdispatch_backend.runtime.runner import GraphRunner
+from graphdispatch_backend.session import Session
+
+
+def runner_for(session: Session, scope: Any, piece: fx.GraphModule, fn: Callable[..., Any], info: PieceInfo,
+               plan: GraphPlan, record: GraphRecord, agreement: Agreement | None, fusion: Fusion | None) -> GraphRunner:
+    """The runner of one capturable piece (or of the whole graph; `fn` runs it), its counters in `record`."""
+    opts = session.options
+    stats = CudaGraphStats()
+    record.piece_stats.append(stats)
+    gates = [n.target for n in piece.graph.nodes if "gd_substitution" in n.meta]
+    state = {i: o.name for i, o in enumerate(info.input_origins) if o is not None and o.is_state}
+    names = [o.name if o is not None else "" for o in info.input_origins]
+    # A backward's inputs (saved tensors, gradients) pass no Dynamo guard: its runner
+    # keys every call by layout and checks the layouts of what it reads in place.
+    guarded = plan.role is not Role.BACKWARD
+    if fusion is not None:
+        fn = fusion.unit(piece, fn)
+    runner = GraphRunner(fn, f"{record.name}.piece_{info.index}", scope, stats,
+                         warmup=opts.warmup, max_captures=opts.max_captures,
+                         verify_inputs=opts.verify_inputs, state_names=state, input_names=names, gates=gates,
+                         # a piece holding collectives may not run again on this rank alone
+                         suspects=Suspects(piece, rerun=not info.collectives), device=plan.device,
+                         writes=Writes(info.mutated, info.write_plan, opts.max_snapshot_bytes, names),
+                         wide=info.wide, guarded=guarded, static_shapes=guarded and fixed_shapes(piece),
+                         agreement=agreement if info.collectives else None, unwritten=info.unwritten)
+    if fusion is not None:
+        fusion.on_change(runner.recompiled)
+    return runner
+
+
+class Lowering(Protocol):
+    """What building the lowered graph left for its check (backend.py's builder)."""
+
+    origins: tuple[InputOrigin, ...]
+    mutated: list[int] | None  # inputs (aot positions) it writes into
+    write_plan: WritePlan | None
+    agreement: Agreement | None
+    runners: list[GraphRunner]
+    fusion: Fusion | None
+
+
+def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eager: Callable[..., Any],
+                  unwritten: Sequence[int], compiled: Callable[..., Any], plan: GraphPlan, lowering: Lowering,
+                  lifted: list[torch.Tensor], n_inputs: int) -> EagerCheck:
+    """The lowered graph (`compiled`, aot's; `plan`: its inference graph's or forward's)
+    inside its eager check (runtime/checks/eager_check.py); `gm`: the Dynamo graph, `eager`
+    its forward; `unwritten`: the outputs it makes and never writes (passes/ops.py)."""
+    origins, mutated, agreement = lowering.origins, lowering.mutated or [], lowering.agreement
+    n_lifted = len(lifted)
+    # the lowered graph's inputs are aot's (parameters and buffers lifted first): its write
+    # plan locates regions of those, when they are these one to one (no effect token, no
+    # merged duplicate or synthetic base; else written inputs are snapshotted whole)
+    one_to_one = plan.inputs == n_lifted + n_inputs
+    writes = Writes(mutated, lowering.write_plan if one_to_one else None, session.options.max_snapshot_bytes,
+                    [o.name for o in origins])
+
+    def locate(args: Sequence[Any]) -> list[Region]:
+        return writes.regions([*lifted, *args])
+
+    keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
+    dynamic = any(o.kind == "symbol" for o in origins)
+    # calls whose inputs leave what the checked calls saw are checked too: the inputs it
+    # only reads (not parameters, not written: aot's positions must map onto these one to
+    # one, as for the write plan); not where ranks must check the same calls
+    written = {p - n_lifted for p in mutated}
+    novelty = None if agreement is not None or not one_to_one and mutated else Novelty(
+        [j for j in keyed if j not in written], [o.name for o in origins[n_lifted:]],
+        Arrival.NEXT_CALL if plan.engine is Engine.HOST else Arrival.NOW)
+    # an autograd graph's check also compares the gradients of one backward
+    gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
+        if plan.role is Role.FORWARD else None
+    options = session.options
+    return EagerCheck(eager, compiled, record, session.events, session.contain,
+                      options.strict, keyed, locate, dynamic, session.timing,
+                      # eager's own nondeterminism is named by running the Dynamo graph op
+                      # by op, where this rank may run it alone (runtime/checks/suspects.py)
+                      Suspects(gm, rerun=agreement is None and gradients is None), agreement, gradients,
+                      recheck="every" if options.timing == "shadow" else graph_schedule(
+                          plan.recheck(options), options.artifact_recheck,
+                          bool(record.substitutions) and plan.engine is not Engine.OFF),
+                      runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
+                      unwritten=unwritten, novelty=novelty)

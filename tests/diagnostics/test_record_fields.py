@@ -1,0 +1,52 @@
+"""A report field other than a counter has one writer: diagnostics/ (record_fields.py,
+fusion_report.py), from what plan.py decided. Read from the source (`ast`): in the modules
+below, an assignment to a field of GraphRecord, CudaGraphStats or SubstitutionRecord is
+an increment (`+=`, `-=`) or it is a defect. runtime/checks, runtime/gates and
+runtime/runner join the list as they are rewritten (issue 47)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
+
+PACKAGE = Path(__file__).resolve().parents[2] / "graphdispatch_backend"
+COVERED = ["backend.py", "assemble.py", "fusion", "runtime/program"]
+FIELDS = {f.name for cls in (GraphRecord, CudaGraphStats, SubstitutionRecord) for f in dataclasses.fields(cls)} - {
+    "lock"}
+
+
+def _assignments(source: str, name: str) -> list[str]:
+    """`file:line target` for each plain assignment to a report field (through any object
+    but `self`, and into a field's dict: `record.fusion["status"] = ...`, `.update(...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in (t for x in targets for t in (x.elts if isinstance(x, ast.Tuple) else [x])):
+                base = target
+                while isinstance(base, ast.Subscript):
+                    base = base.value
+                if isinstance(base, ast.Attribute) and base.attr in FIELDS and ast.unparse(base.value) != "self":
+                    found.append(f"{name}:{node.lineno} {ast.unparse(target)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and owner.attr in FIELDS:
+                found.append(f"{name}:{node.lineno} {ast.unparse(owner)}.update")
+    return found
+
+
+def test_only_diagnostics_writes_a_report_field_that_is_not_a_counter():
+    paths = [p for c in COVERED for p in ([PACKAGE / c] if c.endswith(".py") else sorted((PACKAGE / c).rglob("*.py")))]
+    found = [a for path in paths for a in _assignments(path.read_text("utf-8"), str(path.relative_to(PACKAGE)))]
+    assert not found, "report fields assigned outside diagnostics/:\n" + "\n".join(found)
+
+
+def test_the_reading_finds_an_assignment():
+    """The test above can fail: an assignment of the kind it looks for is found."""
+    source = ("def f(record, stats):\n    record.kind = 'x'\n    stats.replays += 1\n    record.fusion['a'] = 1\n"
+              "    record.fusion.update(status='off')\n")
+    found = [a.split(" ", 1)[1] for a in _assignments(source, "probe")]
+    assert found == ["record.kind", "record.fusion['a']", "record.fusion.update"]
