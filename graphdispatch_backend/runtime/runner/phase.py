@@ -12,8 +12,10 @@
   reads) and the progress of its verification (input sets verified, calls that repeated
   the verified values, their fingerprints). Eager answers its calls.
 - `Verified`: a `Capture`, replayed. Nothing optional: the replay path (runner/serve.py)
-  reads it as it is.
-- `Eager`: the reason the entry runs eager for good.
+  reads it as it is. A relocation (runner/relocate.py) takes its capture off (the entry
+  is Warming, one observation, while the capture for the new addresses is made or found
+  parked) and makes it Verified again at once.
+- `Eager`: the reason the entry runs eager for good (an eviction leaves it Eager).
 
 The phase of an entry is written in one place, runner/transitions.py (`Transitions`, the
 owner of every transition; tests/test_layout.py checks it); the other parts ask it. The
@@ -56,7 +58,7 @@ def observe(args: Sequence[Any]) -> Observation:
 
 @dataclasses.dataclass(eq=False)
 class Warming:
-    """Warmup calls seen so far (owned by runner/record.py's Warmup, which appends to it)."""
+    """Warmup calls seen so far (owned by runner/record.py's Capturer, which adds each)."""
 
     state: ClassVar[State] = State.WARMING
     observations: list[Observation] = dataclasses.field(default_factory=list)

@@ -20,7 +20,7 @@ replayed), `Eager` (its reason). `_dispatch` reads the phase once and hands it t
 that serves it; only Transitions assigns one.
 
 A step returns the call's outputs, or the Decline the call is answered eagerly with, in
-one place (`__call__`), which counts it; None from a replay means the entry changed state
+one place (`__call__`), which counts it; None from a replay means the entry changed phase
 under it, and the call looks again.
 
 One entry per shape key (shapes and strides of the non-parameter inputs, plus the type and
