@@ -146,3 +146,26 @@ def test_a_module_past_400_lines_says_why():
         if text.count("\n") > 400 and "400 lines" not in " ".join((ast.get_docstring(ast.parse(text)) or "").split()):
             long.append(f"{module}: {text.count(chr(10))} lines")
     assert not long, "modules past 400 lines that do not say why:\n" + "\n".join(long)
+
+
+def _phase_writes(path: Path) -> list[int]:
+    """Lines of `path` that assign an attribute named `phase` (`entry.phase = ...`, in a
+    tuple assignment too, or augmented)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in ast.walk(target)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Attribute) and t.attr == "phase" for t in targets):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_an_entrys_phase_is_assigned_in_one_file():
+    """A shape key's phase (runtime/runner/phase.py) changes only through the runner's
+    Transitions (runtime/runner/transitions.py): no other module assigns one."""
+    writers = {module: lines for module, path in sorted(_modules().items()) if (lines := _phase_writes(path))}
+    assert set(writers) == {"runtime.runner.transitions"}, f"modules that assign an entry's phase: {writers}"

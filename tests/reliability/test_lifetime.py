@@ -57,7 +57,7 @@ from graphdispatch_backend.runtime.program.program import CompiledGraph, _FirstC
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope
 from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.inputs import StaticBuffers
-from graphdispatch_backend.runtime.runner.runner import LockstepGraphRunner, TimedGraphRunner
+from graphdispatch_backend.runtime.runner.policy import Lockstep, Timed
 from graphdispatch_backend.testing import region_entry, write_bundle
 
 EMULATE = {"cuda_graphs": "emulate", "warmup": 1, "verify_inputs": 2}
@@ -307,7 +307,7 @@ def test_nothing_is_written_outside_report_dir(tmp_path):
 # -- nothing outlives the compiled model ---------------------------------------------------------
 
 # What a compiled model owns through graphdispatch: none of it may be alive once the model is gone.
-OWNED = (GraphRunner, TimedGraphRunner, LockstepGraphRunner, Entry, _HostGraph, HostPool, HostReplayEngine,
+OWNED = (GraphRunner, Timed, Lockstep, Entry, _HostGraph, HostPool, HostReplayEngine,
          RuntimeScope, StaticBuffers, CompiledGraph, _FirstCall, EagerCheck, GradientCheck, ArtifactGate)
 ROUNDS, MEASURED = 12, 8  # rounds per backend; RSS slopes over the last MEASURED of them (bench/scale.py runs 20)
 SLACK_MIB = 0.5  # RSS growth per round allowed beyond aot_eager's

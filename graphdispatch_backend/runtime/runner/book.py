@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.runner.entry import CHURN_LIMIT, Entry, Slot, State, _Storages
+from graphdispatch_backend.runtime.runner.entry import CHURN_LIMIT, Entry, Slot, _Storages
+from graphdispatch_backend.runtime.runner.phase import State, Verified
 
 # Parameter sets (blocks sharing one compiled graph, or parameters that moved) captured per
 # shape key; more run eager as parameter_moved. Bounds the graphs a runner can hold.
@@ -37,7 +38,8 @@ THRASH_LIMIT = 8  # captures in a row evicted before they verified: evicting sto
 
 
 class EntryBook:
-    def __init__(self, max_captures: int, lock: threading.RLock, report: Callable[..., None]) -> None:
+    def __init__(self, max_captures: int, lock: threading.RLock, report: Callable[..., None],
+                 evict: Callable[[Entry], None]) -> None:
         self.slots: dict[tuple[Any, ...], Slot] = {}  # shape key -> its entries
         self.entries: dict[tuple[Any, ...], Entry] = {}  # (shape key, parameter addresses) -> entry
         self.evictions = 0
@@ -45,6 +47,7 @@ class EntryBook:
         self.max_captures = max_captures
         self._device_lock = lock  # released graphs must not be mid-replay
         self._report = report
+        self._evict = evict  # an entry dropped: freed and out of its phase (runner/transitions.py)
         self._limits_hit: set[tuple[Decline, str]] = set()
         self._lock = threading.Lock()  # held only to add or forget entries
         self._tick = itertools.count(1)
@@ -98,7 +101,7 @@ class EntryBook:
                 return None
             _, victim = min(holding)
             slot = self.slots.pop(victim)
-            verified = any(e.state is State.VERIFIED for e in list(slot.entries.values()))
+            verified = any(isinstance(e.phase, Verified) for e in list(slot.entries.values()))
             self.wasted = 0 if verified else self.wasted + 1
             self._release(list(slot.entries.values()))
             self.evictions += 1
@@ -121,8 +124,7 @@ class EntryBook:
     def _release(self, entries: list[Entry]) -> None:
         with self._device_lock:  # no thread may be replaying what is released
             for entry in entries:
-                entry.release()
-                entry.state = State.EAGER if entry.state is State.EAGER else State.WARMING
+                self._evict(entry)
                 self.entries.pop(entry.key, None)
 
     def _prune(self, slot: Slot, names: Sequence[str]) -> bool:

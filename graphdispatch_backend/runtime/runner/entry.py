@@ -1,5 +1,6 @@
 """The records a GraphRunner keeps: one Entry per (shape key, parameter set), grouped in
-Slots per shape key.
+Slots per shape key. An entry's phase (warming, captured, verified, eager) is a typed
+record of its own (runner/phase.py).
 
 A Slot also notices parameters that never stay put. A graph shared by the blocks of a
 stack sees a handful of parameter sets that come back every forward; FSDP2's reshard,
@@ -11,28 +12,19 @@ the slot declines (`parameter_moved`) instead of warming a new entry on every ca
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import Decline
-from graphdispatch_backend.runtime.call.contract import LayoutIdentity
-from graphdispatch_backend.runtime.cudagraph.engine import CapturedGraph
 from graphdispatch_backend.runtime.runner.inputs import InputPlan
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
+from graphdispatch_backend.runtime.runner.phase import Capture, Captured, Eager, Phase, State, Verified, Warming
 
 CHURN_LIMIT = 3  # dead parameter sets per shape key before it declines parameter_moved
-
-
-class State(str, enum.Enum):
-    EAGER = "eager"
-    WARMING = "warming"
-    CAPTURED = "captured"
-    VERIFIED = "verified"
 
 
 class _Storages:
@@ -53,65 +45,83 @@ class _Storages:
 
 @dataclasses.dataclass(eq=False)
 class Entry:
+    """One shape key and parameter set: its phase (runner/phase.py, written only by
+    runner/transitions.py) and what outlives a phase: the classification re-captures
+    learned, their counts, the back-off, the captures parked for other addresses."""
+
     key: tuple[Any, ...]
     storages: _Storages | None = None
-    state: State = State.WARMING
-    observations: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
-    # the storages the first warmup call saw: an input is pinned only if its storage stayed
-    # alive through warmup (the same tensor passed again), not if a new tensor happened to
-    # land at the same address after the last one was freed
-    first_storages: list[StorageWeakRef | None] = dataclasses.field(default_factory=list)
-    forced_moving: set[int] = dataclasses.field(default_factory=set)
+    phase: Phase = dataclasses.field(default_factory=Warming)
+    forced_moving: set[int] = dataclasses.field(default_factory=set)  # moved under a capture: copied from now on
     held: set[int] = dataclasses.field(default_factory=set)  # never moving: pinned wherever warmup saw them
-    graph: CapturedGraph | None = None
-    static_args: list[Any] = dataclasses.field(default_factory=list)
-    moving: tuple[tuple[int, torch.Tensor], ...] = ()
-    inputs: InputPlan | None = None
-    outputs: OutputPlan | None = None
-    # the one check per replay: the addresses of the pinned inputs and parameters
-    pinned: tuple[int, ...] = ()
-    pick_pinned: Callable[[Sequence[Any]], Any] = lambda args: ()
-    ptrs: list[int] = dataclasses.field(default_factory=list)
-    identity: LayoutIdentity | None = None  # their layouts too, where no Dynamo guard ensures them
-    gate_state: tuple[bool, ...] = ()
-    verified: int = 0
-    last_inputs: list[torch.Tensor] | None = None  # digests of the moving inputs last verified on
-    waits: int = 0
-    recaptures: int = 0
+    recaptures: int = 0  # re-captures after an artifact was demoted
     repins: int = 0  # re-captures that kept a moved input pinned at its new address
-    replays_at_capture: int = 0  # the runner's replay count when this entry was captured
+    quick_moves: int = 0  # an input never copied whole moved before REPIN_AFTER replays, times in a row
     out_of_memory: int = 0  # failed allocations in a row; the next try waits 2**n calls
     skip: int = 0  # calls to answer eagerly before trying again (after an out-of-memory, a quick move)
     skip_reason: Decline = Decline.OUT_OF_MEMORY  # what those calls are counted as
-    quick_moves: int = 0  # an input never copied whole moved before REPIN_AFTER replays, times in a row
-    reason: Decline | None = None
     # captures of this entry for other addresses of its held inputs (runner/relocate.py), by
     # those addresses, least recently used first
     parked: OrderedDict[tuple[int, ...], Any] = dataclasses.field(default_factory=OrderedDict)
 
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes one replay copies: moving inputs in, mutated moving inputs back, outputs out."""
-        if self.inputs is None or self.outputs is None:
-            return 0
-        return self.inputs.bytes_in + self.inputs.bytes_back + self.outputs.bytes_out
-
-    def gates_changed(self, gates: Sequence[Any]) -> bool:
-        """An artifact of the piece was demoted or promoted since this entry was captured."""
-        return bool(gates) and tuple(g.demoted for g in gates) != self.gate_state
-
-    def gates_replayed(self, gates: Sequence[Any]) -> None:
-        for gate, demoted in zip(gates, self.gate_state):
-            gate.replayed(native=demoted)  # captured with the artifact's kernels in it, or the native region's
+    def waiting(self) -> Decline | None:
+        """Backing off: the reason this call is answered eagerly, counted down; else None."""
+        if self.skip > 0:
+            self.skip -= 1
+            return self.skip_reason
+        return None
 
     def release(self) -> None:
+        """Free the graphs it holds (its phase's capture, the parked ones); the caller then
+        gives it another phase (runner/transitions.py), under the device lock."""
         for parked in self.parked.values():
             parked.release()
         self.parked.clear()
-        if self.graph is not None:
-            self.graph.reset()
-        self.graph, self.static_args, self.moving, self.identity, self.last_inputs = None, [], (), None, None
-        self.inputs = self.outputs = None
+        if isinstance(self.phase, (Captured, Verified)):
+            self.phase.capture.release()
+
+    # -- what readers outside the runner see (the report, tests, bench/memory.py) -------
+    @property
+    def state(self) -> State:
+        return self.phase.state
+
+    @property
+    def reason(self) -> Decline | None:
+        return self.phase.reason if isinstance(self.phase, Eager) else None
+
+    @property
+    def capture(self) -> Capture | None:
+        """The capture of a captured or verified entry."""
+        phase = self.phase
+        return phase.capture if isinstance(phase, (Captured, Verified)) else None
+
+    @property
+    def graph(self) -> Any:
+        return None if self.capture is None else self.capture.graph
+
+    @property
+    def inputs(self) -> InputPlan | None:
+        return None if self.capture is None else self.capture.inputs
+
+    @property
+    def outputs(self) -> OutputPlan | None:
+        return None if self.capture is None else self.capture.outputs
+
+    @property
+    def moving(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        return () if self.capture is None else self.capture.moving
+
+    @property
+    def pinned(self) -> tuple[int, ...]:
+        return () if self.capture is None else self.capture.pinned
+
+    @property
+    def ptrs(self) -> list[int]:
+        return [] if self.capture is None else self.capture.ptrs
+
+    @property
+    def copy_bytes(self) -> int:
+        return 0 if self.capture is None else self.capture.copy_bytes
 
 
 class Slot:
@@ -131,7 +141,7 @@ class Slot:
 
     @property
     def captured(self) -> bool:
-        return any(e.graph is not None for e in list(self.entries.values()))
+        return any(isinstance(e.phase, (Captured, Verified)) for e in list(self.entries.values()))
 
     def find(self, ptrs: Sequence[int]) -> Entry | None:
         last = self.last
@@ -147,7 +157,7 @@ class Slot:
         releases captured ones under its device lock). Warming ones count toward churn."""
         gone = [k for k, e in self.entries.items() if e.storages is not None and e.storages.dead()]
         dropped = [self.entries.pop(k) for k in gone]
-        self.dead += sum(1 for e in dropped if e.state is State.WARMING)
+        self.dead += sum(1 for e in dropped if isinstance(e.phase, Warming))
         if self.last[1] in dropped:
             self.last = ((), None)
         return dropped

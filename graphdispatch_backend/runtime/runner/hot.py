@@ -12,7 +12,9 @@ pointer check, the input copies, the replay). A runner keeps a hot entry only wh
 shape key serves every call (Dynamo guards the shapes, no scalar input), so no key is
 computed here; metadata Dynamo's guards ensure is not checked again.
 
-`Replayer` owns the hot entry and serves every replay of its runner, hot or not.
+`Replayer` owns the hot entry and serves every replay of its runner, hot or not: each
+takes a `Verified` phase (runner/phase.py) and serves its capture while the entry is still
+in it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import Answered, answer_eagerly
 from graphdispatch_backend.runtime.checks.isolate import Isolation
-from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.lookup import Lookup
+from graphdispatch_backend.runtime.runner.phase import Capture, Verified
 from graphdispatch_backend.runtime.runner.serve import serve, serve_timed
 from graphdispatch_backend.runtime.runner.transitions import Transitions
 
@@ -36,37 +39,33 @@ _data_ptr = torch.Tensor.data_ptr
 # does (torch/_inductor/cudagraph_trees.py, check_invariants); absent from CPU wheels
 PTRS_EQUAL: Callable[[list[Any], list[Any], list[int]], bool] | None = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-_VERIFIED = State.VERIFIED
 
-# (entry, its pinned addresses, its picker, on CUDA builds the addresses by position and
-# the positions, the bytes one replay copies)
+# (entry, its capture's pinned addresses, its picker, on CUDA builds the addresses by
+# position and the positions, the bytes one replay copies). Not the capture itself: what
+# an entry releases must not stay alive here; its `ptrs` list, one per capture, says
+# whether the entry still serves the capture these were read from.
 Hot = tuple[Entry, list[int], Callable[[Sequence[Any]], Any], "list[int | None] | None", "list[int] | None", int]
 
 
-def hot_of(entry: Entry) -> Hot:
-    """What the hot path reads of an entry, in one reference (a thread never sees half of
-    it), in the form `_tensors_data_ptrs_at_indices_equal` takes where torch has it."""
+def hot_of(entry: Entry, capture: Capture) -> Hot:
+    """What the hot path reads of an entry's capture, in one reference (a thread never sees
+    half of it), in the form `_tensors_data_ptrs_at_indices_equal` takes where torch has it."""
     if PTRS_EQUAL is None:
-        return entry, entry.ptrs, entry.pick_pinned, None, None, entry.copy_bytes
-    positions = [p for p, _ in zip(entry.pinned, entry.ptrs)]
+        return entry, capture.ptrs, capture.pick_pinned, None, None, capture.copy_bytes
+    positions = [p for p, _ in zip(capture.pinned, capture.ptrs)]
     at: list[int | None] = [None] * (max(positions, default=-1) + 1)
-    for pos, ptr in zip(positions, entry.ptrs):
+    for pos, ptr in zip(positions, capture.ptrs):
         at[pos] = ptr
-    return entry, entry.ptrs, entry.pick_pinned, at, positions, entry.copy_bytes
+    return entry, capture.ptrs, capture.pick_pinned, at, positions, capture.copy_bytes
 
 
-def in_place(hot: Hot, args: Sequence[Any]) -> bool:
-    """The pinned inputs are where the hot entry read them: the one check per call."""
-    _, ptrs, pick, at, positions, _ = hot
-    if at is None:
-        return ptrs == list(map(_data_ptr, pick(args)))
-    return PTRS_EQUAL(args if type(args) is list else list(args), at, positions)  # type: ignore[misc,arg-type]
 
 
 class Replayer:
     """Serves a runner's verified entries: `replay` for an entry the caller found and
-    checked, `replay_hot` for the one the last replay served (keyless runners keep it in
-    `hot`). It owns the hot entry; it counts replays in the stats under the device lock."""
+    checked, `replay_in_place` and `replay_hot` for the one the last replay served (keyless
+    runners keep it hot). It owns the hot entry; it counts replays in the stats under the
+    device lock."""
 
     def __init__(self, fn: Callable[..., Sequence[Any]], device: Any, stats: Any, gates: Sequence[Any],
                  lookup: Lookup, transitions: Transitions, timing: Timing | None) -> None:
@@ -79,36 +78,63 @@ class Replayer:
         self._transitions = transitions
         self._timing = timing
         self._lookup = lookup  # an entry is kept hot only where one shape key serves every call (`keyless`)
-        self.hot: Hot | None = None
+        self._hot: Hot | None = None
         self.last_replayed: Entry | None = None  # what a checked call blames (runtime/checks/isolate.py)
 
-    def replay(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any] | Decline | None:
-        """The replay of a verified entry whose inputs the caller checked: its outputs; the
-        Decline to answer the call eagerly with, when the replay raised; or None, having
-        done nothing, when the entry changed state meanwhile (the caller looks again)."""
+    def forget(self) -> None:
+        """No hot entry: the next call takes the full path (a verdict came from outside the call)."""
+        self._hot = None
+
+    def hot_in_place(self, args: Sequence[Any]) -> tuple[Entry, Verified] | None:
+        """The hot entry and its phase, where it is still verified and the call's pinned
+        inputs are where it read them (the one check per call); else None."""
+        hot = self._hot
+        if hot is None:
+            return None
+        entry, ptrs, pick, at, positions, _ = hot
+        if at is None:
+            if ptrs != list(map(_data_ptr, pick(args))):
+                return None
+        elif not PTRS_EQUAL(args if type(args) is list else list(args), at, positions):  # type: ignore[misc,arg-type]
+            return None
+        phase = entry.phase
+        return (entry, phase) if type(phase) is Verified and phase.capture.ptrs is ptrs else None
+
+    def replay_in_place(self, args: Sequence[Any]) -> Sequence[Any] | Decline | None:
+        """The hot entry's replay where the call's pinned inputs are where it read them (a
+        runner's `__call__` asks first); None, having done nothing, otherwise."""
+        found = self.hot_in_place(args)
+        return None if found is None else self.replay(found[0], found[1], args)
+
+    def replay(self, entry: Entry, verified: Verified, args: Sequence[Any]) -> Sequence[Any] | Decline | None:
+        """The replay of `verified`, the entry's phase when the caller checked the call's
+        inputs against it: its outputs; the Decline to answer the call eagerly with, when
+        the replay raised; or None, having done nothing, when the entry left that phase
+        meanwhile (the caller looks again)."""
         failed: BaseException | None = None
+        capture = verified.capture
         with self._device.lock:
-            if entry.state is _VERIFIED and not (self._gates and entry.gates_changed(self._gates)):
+            if entry.phase is verified and not (self._gates and capture.gates_changed(self._gates)):
                 try:  # free unless it raises; what a replay raises (CUDA errors included) is a RuntimeError
                     if self._timing is None:
-                        out = serve(entry, args, self._streams)
+                        out = serve(capture, args, self._streams)
                     else:
-                        out = serve_timed(entry, args, self._streams, self._timing)
+                        out = serve_timed(capture, args, self._streams, self._timing)
                 except (RuntimeError, MemoryError) as exc:
                     failed = exc
                 else:
                     stats = self._stats
                     stats.replays += 1  # under the device lock: no other replay counts meanwhile
                     self.last_replayed = entry
-                    stats.copy_bytes += entry.copy_bytes
+                    stats.copy_bytes += capture.copy_bytes
                     if self._gates:
-                        entry.gates_replayed(self._gates)
+                        capture.gates_replayed(self._gates)
                     if self._lookup.keyless:
-                        hot = self.hot
-                        if hot is None or hot[0] is not entry or hot[1] is not entry.ptrs:
-                            self.hot = hot_of(entry)
+                        hot = self._hot
+                        if hot is None or hot[0] is not entry or hot[1] is not capture.ptrs:
+                            self._hot = hot_of(entry, capture)
                     return out
-        self.hot = None
+        self._hot = None
         if failed is not None:
             return self._transitions.replay_failed(entry, failed)
         return None
@@ -120,7 +146,7 @@ class Replayer:
         takes the slow path, the runner's `__call__`). A replay that raises is answered
         eagerly here, and said by raising Answered (counted eager in the stats, not in
         `hot_replays`)."""
-        hot = self.hot
+        hot = self._hot
         if hot is None or Isolation.active:  # an isolation runs somewhere: the slow path decides
             return None
         entry, ptrs, pick, at, positions, nbytes = hot
@@ -132,11 +158,13 @@ class Replayer:
         failed: BaseException | None = None
         self._acquire()
         try:
-            # `ptrs is`: the entry was not captured anew since the addresses were read
             gates = self._gates
-            if entry.state is _VERIFIED and entry.ptrs is ptrs and not (gates and entry.gates_changed(gates)):
+            # `ptrs is`: the entry serves the capture whose addresses were read
+            verified = entry.phase
+            if (type(verified) is Verified and verified.capture.ptrs is ptrs
+                    and not (gates and verified.capture.gates_changed(gates))):
                 try:
-                    out = serve(entry, args, self._streams)
+                    out = serve(verified.capture, args, self._streams)
                 except (RuntimeError, MemoryError) as exc:
                     failed = exc
                 else:
@@ -146,11 +174,11 @@ class Replayer:
                     stats.hot_replays += 1
                     self.last_replayed = entry
                     if self._gates:
-                        entry.gates_replayed(self._gates)
+                        verified.capture.gates_replayed(self._gates)
                     return out
         finally:
             self._release()
-        self.hot = None
+        self._hot = None
         if failed is None:
             return None  # raced with a state change: the slow path decides
         reason = self._transitions.replay_failed(entry, failed)

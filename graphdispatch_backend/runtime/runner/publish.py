@@ -9,7 +9,9 @@
 Each verifying call is answered by the user's own eager run; its steps (the live set, a
 derived set) are a Trial's (runner/verify.py); a verdict that would change the
 schedule of a piece holding collectives is agreed over its ranks first (`agreed`).
-The verdicts' state changes are the runner's Transitions' (runner/transitions.py).
+The entry's verification progress is its `Captured` phase's (runner/phase.py), which the
+Publisher alone advances; the phases that follow a verdict, and `Verified`, are the
+runner's Transitions' to give (runner/transitions.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed, agreed_verdict
 from graphdispatch_backend.runtime.checks.digest import digest
-from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.entry import Entry
+from graphdispatch_backend.runtime.runner.phase import Capture, Captured
 from graphdispatch_backend.runtime.runner.serve import serve
 from graphdispatch_backend.runtime.runner.transitions import Transitions
 from graphdispatch_backend.runtime.runner.verify import NO_SET, Trial, Verdict, Verifier
@@ -31,7 +34,7 @@ NOT_DISTINCT_LIMIT = 8
 
 
 class Publisher:
-    """Verifies a runner's captured entries and publishes them (state VERIFIED). Each call
+    """Verifies a runner's captured entries and publishes them (`Verified`). Each call
     it takes is answered by the user's own eager run (or, after a verdict, by the Decline
     the runner answers eagerly with); the inputs were checked where the capture read them
     by the caller."""
@@ -45,53 +48,54 @@ class Publisher:
         self._transitions = transitions
         self._agreement = agreement  # the piece holds collectives: every verdict is agreed over the ranks
 
-    def verify(self, entry: Entry, args: Sequence[Any], first: bool) -> Sequence[Any] | Decline:
-        """A call to a captured entry: `first`, the call that captured it."""
-        trial = Trial(self._verifier, args, functools.partial(self._serve_locked, entry),
+    def verify(self, entry: Entry, captured: Captured, args: Sequence[Any], first: bool) -> Sequence[Any] | Decline:
+        """A call to a captured entry (`captured`, its phase): `first`, the call that captured it."""
+        moving = captured.capture.moving
+        trial = Trial(self._verifier, args, functools.partial(self._serve_locked, captured.capture),
                       functools.partial(answer_eagerly, self._fn, self._stats, reason=Decline.VERIFYING))
         repeats = False
         if not first:
-            repeated = trial.repeats(entry.moving, entry.last_inputs)
+            repeated = trial.repeats(moving, captured.last_inputs)
             if repeated is None:
                 self._transitions.decline(entry, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
                 return Decline.CHECK_FAILED
             repeats = bool(agreed(self._agreement, int(repeated)))  # one rank repeating: every rank derives a set
         if repeats:  # the caller repeats the verified values: verify on a set derived from them
             expected = trial.answer()
-            verdict = trial.derived(entry.moving, expected, salt=entry.verified)
+            verdict = trial.derived(moving, expected, salt=captured.verified)
             if agreed(self._agreement, 2 if verdict is NO_SET else int(verdict is not None)) == 2:
                 verdict = NO_SET  # some rank has no derived set: every rank waits for distinct values
             if verdict is NO_SET:
-                self._wait(entry)
+                self._wait(entry, captured)
                 return expected
             verdicts, live = [verdict], False
         else:
             derived: Verdict = NO_SET
             printed: list[Any] = []
-            if first and self._verify_inputs > 1 and entry.moving:
+            if first and self._verify_inputs > 1 and moving:
                 # the capture call verifies a set derived from its values too, so the next call
                 # replays; derived first, while the call's own answer is not held yet
-                derived = trial.derived(entry.moving, None, salt=0, printed=printed)
+                derived = trial.derived(moving, None, salt=0, printed=printed)
                 if agreed(self._agreement, 2 if derived is NO_SET else int(derived is not None)) == 2:
                     derived = NO_SET  # some rank has no derived set: every rank waits for distinct values
             expected, verdict = trial.live()
             if derived is None and printed and not trial.tells(printed[-1], expected):
                 derived = NO_SET  # the derived set's outputs are the live ones: it verified nothing more
             verdicts, live = [verdict] if derived is NO_SET else [verdict, derived], True
-        return self._conclude(entry, args, expected, verdicts, live)
+        return self._conclude(entry, captured, args, expected, verdicts, live)
 
-    def _wait(self, entry: Entry) -> None:
+    def _wait(self, entry: Entry, captured: Captured) -> None:
         """No derived set: wait for a call with distinct values, NOT_DISTINCT_LIMIT calls at most."""
-        entry.waits += 1
-        if entry.waits > NOT_DISTINCT_LIMIT:
+        captured.waits += 1
+        if captured.waits > NOT_DISTINCT_LIMIT:
             self._transitions.decline(entry, Decline.VERIFY_NOT_DISTINCT, (
-                f"{entry.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
+                f"{captured.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
                 "derived from them (every moving input holds one repeated integer or bool value, or eager raised "
                 "on the derived values): call once with other values, or pass the same tensor object each call "
                 "(it is then read in place)"))
 
-    def _conclude(self, entry: Entry, args: Sequence[Any], expected: Sequence[Any], verdicts: list[Verdict],
-                  live: bool) -> Sequence[Any]:
+    def _conclude(self, entry: Entry, captured: Captured, args: Sequence[Any], expected: Sequence[Any],
+                  verdicts: list[Verdict], live: bool) -> Sequence[Any]:
         """Each verdict of the call in turn (the live set's, then a derived set's): a failure
         declines or backs off; each success counts one input set verified, and the last of
         `verify_inputs` publishes the entry. A `live` set that did not publish it waits for
@@ -99,9 +103,9 @@ class Publisher:
         state kept per compiled block until its next call would be the whole model's
         activations; runtime/checks/digest.py)."""
         for i, verdict in enumerate(verdicts):
-            if i and entry.state is not State.CAPTURED:
+            if i and entry.phase is not captured:
                 return expected
-            changed = entry.gates_changed(self._gates)
+            changed = captured.capture.gates_changed(self._gates)
             if changed and self._agreement is None:
                 # an artifact in this piece failed a parity re-check during this very call: the
                 # capture holds it, so capture again without it rather than declining for good
@@ -119,18 +123,17 @@ class Publisher:
                 else:
                     self._transitions.backoff(entry, verdict[1])  # the capture stays; verification tries again
                 return expected
-            entry.verified, entry.waits = entry.verified + 1, 0
-            if entry.verified >= self._verify_inputs:
-                entry.state, entry.last_inputs = State.VERIFIED, None
-                self._transitions.states_changed()
-        if live and entry.state is State.CAPTURED:  # the next call's distinct values verify again
-            last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in entry.moving])
+            captured.verified, captured.waits = captured.verified + 1, 0
+            if captured.verified >= self._verify_inputs:
+                self._transitions.verified(entry, captured.capture)
+        if live and entry.phase is captured:  # the next call's distinct values verify again
+            last, exc = self._scope.contain(lambda: [digest(args[pos]) for pos, _ in captured.capture.moving])
             if exc is not None:
                 self._transitions.decline(entry, Decline.CHECK_FAILED,
                                           f"fingerprinting the verified inputs raised {type(exc).__name__}")
-            entry.last_inputs = last
+            captured.last_inputs = last
         return expected
 
-    def _serve_locked(self, entry: Entry, args: Sequence[Any]) -> list[Any]:
+    def _serve_locked(self, capture: Capture, args: Sequence[Any]) -> list[Any]:
         with self._device.lock:
-            return serve(entry, args, self._device.streams)
+            return serve(capture, args, self._device.streams)

@@ -1,8 +1,9 @@
 """Record one runner entry's graph: warm it up, classify its inputs, bind static buffers, capture.
 
-Recorder takes a warming entry's calls: `warmup` eager calls, each recording every tensor
-input's layout identity; then, after evicting the least recently used shape key past
-max_captures (runner/book.py), the capture (`record`).
+Capturer takes a warming entry's calls: `warmup` eager calls, each recording every tensor
+input's layout identity (its `Warming` phase, runner/phase.py); then, after evicting the
+least recently used shape key past max_captures (runner/book.py), the capture (`record`),
+which makes a `Capture`; runner/transitions.py makes the entry `Captured` with it.
 
 Given an entry's warmup observations and the live inputs of the capture call:
 - scalars are constants (they are in the shape key);
@@ -38,20 +39,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
-from graphdispatch_backend.runtime.call.contract import LayoutIdentity, layout_identity
+from graphdispatch_backend.runtime.call.contract import LayoutIdentity
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.world import World, Writes
 from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
 from graphdispatch_backend.runtime.runner.book import EntryBook
-from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.hints import CHURN_CALLS, churn_detail
 from graphdispatch_backend.runtime.runner.inputs import InputPlan, fixed_address, picker
 from graphdispatch_backend.runtime.runner.lookup import Lookup
 from graphdispatch_backend.runtime.runner.outputs import OutputPlan
+from graphdispatch_backend.runtime.runner.phase import Capture, Captured, Warming, bound
 from graphdispatch_backend.runtime.runner.scope import DeviceRuntime, RuntimeScope
 from graphdispatch_backend.runtime.runner.serve import follow
 from graphdispatch_backend.runtime.runner.transitions import Transitions
@@ -60,13 +61,13 @@ CONSTANT_OUTPUTS = (type(None), bool, int, float)
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _kept(entry: Entry, args: Sequence[Any], i: int) -> bool:
+def _kept(warming: Warming, args: Sequence[Any], i: int) -> bool:
     """The tensor at `i` is backed by the storage the first warmup call saw, kept alive since."""
-    ref = entry.first_storages[i] if i < len(entry.first_storages) else None
+    ref = warming.first_storages[i] if i < len(warming.first_storages) else None
     return ref is not None and not ref.expired() and ref.cdata == args[i].untyped_storage()._cdata
 
 
-class Recorder:
+class Capturer:
     """Warms a runner's entries up and captures them: the observations of `warmup` calls,
     the eviction that makes room, the capture (`record`), the agreement of the ranks on
     it. It owns the count of the static buffers the piece's captures hold."""
@@ -83,15 +84,11 @@ class Recorder:
         self._names = names
         self._buffers_used: dict[int, int] = {}  # id(static buffer) -> bytes, for the report
 
-    def warm(self, entry: Entry, key: tuple[Any, ...], args: Sequence[Any]) -> Decline | None:
-        """A call to a warming entry: observed, and captured once `warmup` calls were.
-        None: captured (state CAPTURED; this call verifies it); else the Decline the call
-        is answered eagerly with."""
-        if not entry.observations:
-            entry.first_storages = [StorageWeakRef(a.untyped_storage()) if isinstance(a, torch.Tensor) else None
-                                    for a in args]
-        entry.observations.append(tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args))
-        if len(entry.observations) <= self._warmup:
+    def warm(self, entry: Entry, warming: Warming, key: tuple[Any, ...], args: Sequence[Any]) -> Captured | Decline:
+        """A call to a warming entry (`warming`, its phase): observed, and captured once
+        `warmup` calls were: the entry's Captured phase (this call verifies it), or the
+        Decline the call is answered eagerly with."""
+        if warming.see(args) <= self._warmup:
             return self._warming()
         # not in a piece holding collectives: a rank declining alone would leave the others
         # waiting in the capture's agreement below
@@ -101,8 +98,9 @@ class Recorder:
             with self._stats.lock:
                 self._stats.evictions += 1
         refusal: CudaGraphUnavailable | None = None
+        captured = None
         try:
-            self.capture(entry, args)
+            captured = self.capture(entry, warming, args)
         except CudaGraphUnavailable as exc:
             refusal = exc
         own = (refusal.reason, refusal.detail) if refusal is not None else None
@@ -110,8 +108,9 @@ class Recorder:
         if verdict != own:  # another rank failed to capture
             self._transitions.decline(entry, *verdict)
             return verdict[0]
-        if refusal is None:
-            return None
+        if captured is not None:
+            return captured
+        assert refusal is not None
         if refusal.reason is Decline.OUT_OF_MEMORY and self._agreement is None:
             return self._transitions.out_of_memory(entry, refusal.detail)
         self._transitions.decline(entry, refusal.reason, refusal.detail)
@@ -130,35 +129,36 @@ class Recorder:
         made once per layout; runner/inputs.py)."""
         return self._scope.buffers.get(pos, like, wide=pos in self._wide)
 
-    def capture(self, entry: Entry, args: Sequence[Any], like: Like | None = None,
-                buffers: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Capture `entry` now (`record`), counted; raises CudaGraphUnavailable."""
-        buffers = record(entry, args, self._fn, self._scope, self._device, self._lookup.state, self._gates,
+    def capture(self, entry: Entry, warming: Warming, args: Sequence[Any], like: Like | None = None,
+                buffers: Mapping[int, torch.Tensor] | None = None) -> Captured:
+        """Capture `entry` now (`record`), counted: its new phase, Captured; raises
+        CudaGraphUnavailable."""
+        capture = record(entry, warming, args, self._fn, self._scope, self._device, self._lookup.state, self._gates,
                          self._writes, self._wide, self._guarded, lockstep=self._agreement is not None, like=like,
-                         buffers=buffers)
-        entry.replays_at_capture = self._stats.replays  # hot replays included (runner/hot.py counts both)
+                         buffers=buffers, replays=self._stats.replays)  # hot replays included (runner/hot.py)
         with self._stats.lock:
             self._stats.captures += 1
-            self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in buffers)
+            self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in capture.moving)
             # what this piece holds; the buffers are shared across pieces (session total in the report)
             self._stats.static_bytes = sum(self._buffers_used.values())
-        self._transitions.states_changed()
+        return self._transitions.captured(entry, capture)
 
 
-def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], scope: RuntimeScope,
-           device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], writes: Writes,
+def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[..., Sequence[Any]],
+           scope: RuntimeScope, device: DeviceRuntime, state: dict[int, str], gates: Sequence[Any], writes: Writes,
            wide: Sequence[int], guarded: bool, lockstep: bool = False,
-           like: Like | None = None, buffers: Mapping[int, torch.Tensor] | None = None,
-           ) -> list[tuple[int, torch.Tensor]]:
-    """Capture `entry` (state CAPTURED on return) and return its (position, buffer) pairs;
-    raise CudaGraphUnavailable with the reason otherwise. `like`: the entry's verified
+           like: Like | None = None, buffers: Mapping[int, torch.Tensor] | None = None, replays: int = 0,
+           ) -> Capture:
+    """The capture of `entry` from its warmup (`warming`) and this call's inputs; raise
+    CudaGraphUnavailable with the reason otherwise. `replays`: the runner's replay count
+    now (runner/transitions.py's REPIN_AFTER counts from it). `like`: the entry's verified
     capture and its arguments, when this one is the same graph at other addresses
     (runner/relocate.py; the engine may rebind it, cudagraph/engine.py); `buffers`: the
     static buffers its moving inputs keep (a relocation's: the verified capture's, the
     graph's own memory, whatever alignment this call's inputs have)."""
-    first = entry.observations[0]
+    first = warming.observations[0]
     stable = {i for i, ident in enumerate(first)
-              if ident is not None and all(o[i] == ident for o in entry.observations) and _kept(entry, args, i)}
+              if ident is not None and all(o[i] == ident for o in warming.observations) and _kept(warming, args, i)}
     for pos, name in state.items():
         if pos not in stable:
             raise CudaGraphUnavailable(Decline.PARAMETER_MOVED, f"{name} changed address or layout during warmup")
@@ -200,17 +200,16 @@ def record(entry: Entry, args: Sequence[Any], fn: Callable[..., Sequence[Any]], 
     for pos, buf in buffers:
         if buf.stride() == args[pos].stride():
             views[buf.untyped_storage().data_ptr()] = pos
-    entry.outputs = OutputPlan(graph.outputs, static_args, views)
-    entry.graph, entry.static_args, entry.moving, entry.inputs = graph, static_args, tuple(buffers), inputs
-    entry.pinned = tuple(pinned)
-    entry.pick_pinned = picker(entry.pinned)
-    entry.ptrs = list(map(_data_ptr, entry.pick_pinned(args)))
-    # Dynamo guards every graph input's sizes and strides: only the addresses need a check
-    # then; a runner driven by anything else checks the pinned inputs' layouts too
-    entry.identity = None if guarded else LayoutIdentity(pinned, args, addressed=())
-    entry.gate_state = tuple(g.demoted for g in gates)
-    entry.state, entry.verified, entry.waits, entry.out_of_memory = State.CAPTURED, 0, 0, 0
-    return buffers
+    pick_pinned = picker(tuple(pinned))
+    return Capture(
+        graph=graph, **bound(static_args),
+        moving=tuple(buffers), inputs=inputs,
+        outputs=OutputPlan(graph.outputs, static_args, views), pinned=tuple(pinned), pick_pinned=pick_pinned,
+        ptrs=list(map(_data_ptr, pick_pinned(args))),
+        # Dynamo guards every graph input's sizes and strides: only the addresses need a check
+        # then; a runner driven by anything else checks the pinned inputs' layouts too
+        identity=None if guarded else LayoutIdentity(pinned, args, addressed=()),
+        gate_state=tuple(g.demoted for g in gates), seen=first, replays_at=replays)
 
 
 def _fill(inputs: InputPlan, args: Sequence[Any], device: DeviceRuntime) -> None:

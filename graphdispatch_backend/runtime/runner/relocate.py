@@ -48,14 +48,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphdispatch_backend.errors import CudaGraphUnavailable
 from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.runner import transitions
-from graphdispatch_backend.runtime.runner.entry import Entry, State
-from graphdispatch_backend.runtime.runner.record import Recorder
+from graphdispatch_backend.runtime.runner.entry import Entry
+from graphdispatch_backend.runtime.runner.phase import Capture, Verified, Warming
+from graphdispatch_backend.runtime.runner.record import Capturer
 from graphdispatch_backend.runtime.runner.transitions import Transitions
 
 ALIGNMENT = {"cuda": 256, "cpu": 64}
@@ -70,12 +70,7 @@ def alignment(device: torch.device) -> int:
 class Parked:
     """One capture of an entry for other held addresses, off duty."""
 
-    graph: Any
-    moving: tuple[tuple[int, torch.Tensor], ...]
-    inputs: Any
-    outputs: Any
-    ptrs: list[int]
-    identity: Any
+    capture: Capture
     held: list[weakref.ref[torch.Tensor]]  # the held inputs it reads, as the caller passed them
 
     @property
@@ -83,71 +78,74 @@ class Parked:
         return all(ref() is not None for ref in self.held)
 
     def release(self) -> None:
-        if self.graph is not None:
-            self.graph.reset()
-        self.graph = self.inputs = self.outputs = None
+        self.capture.release()
 
 
 class Relocator:
     """Relocates a runner's verified entries (module docstring). It owns nothing but the
-    alignment class; the parked captures live on their entries."""
+    alignment class; the parked captures live on their entries, and their phases change
+    through the runner's Transitions."""
 
-    def __init__(self, device: Any, stats: Any, book: Any, lookup: Any, recorder: Recorder,
-                 transitions: Transitions, writes: Writes, gates: Sequence[Any], verify_inputs: int) -> None:
+    def __init__(self, device: Any, stats: Any, book: Any, lookup: Any, capturer: Capturer,
+                 transitions: Transitions, writes: Writes, gates: Sequence[Any]) -> None:
         self._device = device
         self._align = alignment(torch.device(device.device))
         self._stats, self._book, self._lookup = stats, book, lookup
-        self._recorder, self._transitions = recorder, transitions
-        self._writes, self._gates, self._verify_inputs = writes, tuple(gates), verify_inputs
+        self._capturer, self._transitions = capturer, transitions
+        self._writes, self._gates = writes, tuple(gates)
 
-    def relocate(self, entry: Entry, args: Sequence[Any]) -> bool:
-        """Whether the entry now serves the call's addresses (verified, ready to replay):
-        only held inputs moved, and the capture parked for their new addresses, or one made
-        now as the verified one was, is in place; or only inputs it reads moved (`_reread`).
-        False: not a relocation, or its capture failed (the usual paths decide)."""
+    def relocate(self, entry: Entry, args: Sequence[Any]) -> Verified | None:
+        """The entry's new phase where it now serves the call's addresses (verified, ready
+        to replay): only held inputs moved, and the capture parked for their new addresses,
+        or one made now as the verified one was, is in place; or only inputs it reads moved
+        (`_reread`). None: not a relocation, or its capture failed (the usual paths decide)."""
+        phase = entry.phase
+        if not isinstance(phase, Verified):  # another thread moved it on
+            return None
+        verified = phase.capture
         state = self._lookup.state
-        moved = {p for p, ptr in zip(entry.pinned, entry.ptrs) if p not in state and _data_ptr(args[p]) != ptr}
+        moved = {p for p, ptr in zip(verified.pinned, verified.ptrs) if p not in state and _data_ptr(args[p]) != ptr}
         held = transitions.never_moving(moved, args, self._writes.positions)
-        if not moved or entry.gates_changed(self._gates):
-            return False
+        if not moved or verified.gates_changed(self._gates):
+            return None
         if not held:
-            return self._reread(entry, args, moved)
+            return self._reread(entry, phase, args, moved)
         if held != moved:  # a cache and an input it only reads moved together: the usual paths
-            return False
+            return None
         entry.held |= held
-        if not only_held_moved(entry, args, list(state), self._align):
-            return False
+        if not only_held_moved(entry, verified, args, list(state), self._align):
+            return None
         key = held_key(entry, args)
+        warming = Warming.seen_once(args)
         with self._device.lock:  # no replay of it may be running while it is taken off
-            old_key, pinned, moving = held_key(entry, entry.static_args), entry.pinned, [p for p, _ in entry.moving]
+            if not self._transitions.take_off(entry, phase, warming):
+                return None
             # aliases, not the caller's tensors: a cache the caller dropped dies at park (`keep`)
-            old_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in entry.static_args]
-            old = park(entry)
+            old_key, old_args = held_key(entry, verified.static_args), verified.static_args
+            old = park(entry, verified)
             found = take(entry.parked, key)
             if found is not None:
-                unpark(entry, found, args)
+                now = self._transitions.verified(entry, found.capture.reading(args))
         if found is None:
-            observe(entry, args, moving)
+            entry.forced_moving |= {p for p, _ in verified.moving}  # classified as the verified capture was
             try:  # the same graph, other addresses: its static buffers too
-                self._recorder.capture(entry, args, like=(old.graph, old_args), buffers=dict(old.moving))
-            except CudaGraphUnavailable:
-                entry.state = State.WARMING  # the usual paths re-capture it, or decline
+                made = self._capturer.capture(entry, warming, args, like=(old.capture.graph, old_args),
+                                              buffers=dict(old.capture.moving))
+            except CudaGraphUnavailable:  # still warming: the usual paths re-capture it, or decline
                 old.release()
-                return False
-            if entry.pinned != pinned:  # not the verified classification: verify it as any capture
+                return None
+            if made.capture.pinned != verified.pinned:  # not the verified classification: verify it as any capture
                 old.release()
-                return False
-            entry.state, entry.verified, entry.last_inputs = State.VERIFIED, self._verify_inputs, None
+                return None
+            now = self._transitions.verified(entry, made.capture)
             with self._stats.lock:
                 self._stats.relocations += 1
         with self._device.lock:
             keep(entry.parked, old_key, old, self._book.max_captures - 1)
             self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
-        self._transitions.states_changed()
-        return True
+        return now
 
-
-    def _reread(self, entry: Entry, args: Sequence[Any], moved: set[int]) -> bool:
+    def _reread(self, entry: Entry, phase: Verified, args: Sequence[Any], moved: set[int]) -> Verified | None:
         """Inputs the graph only reads moved, nothing else (a pipeline's new prompt
         embeddings and attention mask per request): the graph only moved. Captured again at
         once, as a relocation is (no warmup, no verification: the same kernels on the same
@@ -158,41 +156,42 @@ class Relocator:
         must lie as the verified capture read them (offset, strides, alignment class), or
         this is no relocation: the usual paths re-capture and verify. The old capture is
         released, and so is every parked one (they read these inputs where they were)."""
-        state = list(self._lookup.state)
-        if not only_moved(entry, args, state, self._align, moved):
-            return False
-        repin = (self._stats.replays - entry.replays_at_capture >= transitions.REPIN_AFTER
+        verified, state = phase.capture, list(self._lookup.state)
+        if not only_moved(verified, args, state, self._align, moved):
+            return None
+        repin = (self._stats.replays - verified.replays_at >= transitions.REPIN_AFTER
                  and entry.repins < transitions.MAX_REPINS)
-        ptrs = dict(zip(entry.pinned, entry.ptrs))
-        if not repin and not all(_lies_as(self._recorder.buffer(p, args[p]), args[p], ptrs[p], self._align)
+        ptrs = dict(zip(verified.pinned, verified.ptrs))
+        if not repin and not all(_lies_as(self._capturer.buffer(p, args[p]), args[p], ptrs[p], self._align)
                                  for p in moved):
-            return False
-        pinned = entry.pinned if repin else tuple(p for p in entry.pinned if p not in moved)
-        moving = [p for p, _ in entry.moving] + ([] if repin else sorted(moved))
+            return None
+        pinned = verified.pinned if repin else tuple(p for p in verified.pinned if p not in moved)
+        moving = [p for p, _ in verified.moving] + ([] if repin else sorted(moved))
+        warming = Warming.seen_once(args)
         with self._device.lock:  # no replay of it may be running while it is taken off
-            old_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in entry.static_args]
-            old = park(entry)
+            if not self._transitions.take_off(entry, phase, warming):
+                return None
             for stale in entry.parked.values():
                 stale.release()
             entry.parked.clear()
-        observe(entry, args, moving)
+        entry.forced_moving |= set(moving)  # the next capture classifies as meant
         try:
-            self._recorder.capture(entry, args, like=(old.graph, old_args), buffers=dict(old.moving))
+            # the same graph, other addresses (its arguments: aliases, not the caller's tensors)
+            made = self._capturer.capture(entry, warming, args, like=(verified.graph, verified.static_args),
+                                          buffers=dict(verified.moving))
         except CudaGraphUnavailable:
-            entry.state = State.WARMING
-            old.release()
-            return False
-        old.release()
-        if entry.pinned != pinned:  # not the classification meant: verified as any capture
-            return False
-        entry.state, entry.verified, entry.last_inputs = State.VERIFIED, self._verify_inputs, None
+            verified.release()
+            return None
+        verified.release()
+        if made.capture.pinned != pinned:  # not the classification meant: verified as any capture
+            return None
+        now = self._transitions.verified(entry, made.capture)
         entry.repins += repin
         self._transitions.relocated(moved, repin)
         with self._stats.lock:
             self._stats.relocations += 1
             self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
-        self._transitions.states_changed()
-        return True
+        return now
 
 
 def _lies_as(buffer: torch.Tensor, t: torch.Tensor, ptr: int, align: int) -> bool:
@@ -202,12 +201,12 @@ def _lies_as(buffer: torch.Tensor, t: torch.Tensor, ptr: int, align: int) -> boo
             and buffer.data_ptr() % align == ptr % align)
 
 
-def only_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: int, moved: set[int]) -> bool:
-    """Whether the pinned inputs that are not where the entry reads them are all of
-    `moved`, at another address of the same alignment class, with the same layout; and no
-    parameter moved."""
-    first = entry.observations[0] if entry.observations else ()
-    for pos, ptr in zip(entry.pinned, entry.ptrs):
+def only_moved(verified: Capture, args: Sequence[Any], state: Sequence[int], align: int, moved: set[int]) -> bool:
+    """Whether the pinned inputs that are not where the verified capture reads them are
+    all of `moved`, at another address of the same alignment class, with the same layout;
+    and no parameter moved."""
+    first = verified.seen
+    for pos, ptr in zip(verified.pinned, verified.ptrs):
         t = args[pos]
         now = _data_ptr(t)
         if now == ptr:
@@ -220,13 +219,13 @@ def only_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: i
     return bool(moved)
 
 
-def only_held_moved(entry: Entry, args: Sequence[Any], state: Sequence[int], align: int) -> bool:
-    """Whether the pinned inputs that are not where the entry reads them are all held
-    inputs, at another address of the same alignment class, with the same layout; and no
-    parameter moved."""
-    first = entry.observations[0] if entry.observations else ()
+def only_held_moved(entry: Entry, verified: Capture, args: Sequence[Any], state: Sequence[int], align: int) -> bool:
+    """Whether the pinned inputs that are not where the verified capture reads them are
+    all held inputs, at another address of the same alignment class, with the same layout;
+    and no parameter moved."""
+    first = verified.seen
     moved = False
-    for pos, ptr in zip(entry.pinned, entry.ptrs):
+    for pos, ptr in zip(verified.pinned, verified.ptrs):
         t = args[pos]
         now = _data_ptr(t)
         if now == ptr:
@@ -244,17 +243,11 @@ def held_key(entry: Entry, args: Sequence[Any]) -> tuple[int, ...]:
     return tuple(_data_ptr(args[p]) for p in sorted(entry.held))
 
 
-def park(entry: Entry) -> Parked:
-    """The entry's capture, taken off it (the entry holds no capture until one is put back)."""
-    held = [weakref.ref(entry.static_args[p]) for p in sorted(entry.held)]
-    parked = Parked(entry.graph, entry.moving, entry.inputs, entry.outputs, entry.ptrs, entry.identity, held)
-    entry.graph, entry.static_args, entry.inputs, entry.outputs = None, [], None, None
-    return parked
-
-
-def unpark(entry: Entry, parked: Parked, args: Sequence[Any]) -> None:
-    entry.graph, entry.moving, entry.inputs, entry.outputs = parked.graph, parked.moving, parked.inputs, parked.outputs
-    entry.ptrs, entry.identity, entry.static_args = parked.ptrs, parked.identity, list(args)
+def park(entry: Entry, capture: Capture) -> Parked:
+    """A capture taken off the entry, to keep beside it: the held inputs it reads weakly
+    (a cache the caller dropped lets it go), no other argument of its call."""
+    held = [ref for p in sorted(entry.held) if (ref := capture.refs[p]) is not None]  # held: tensors
+    return Parked(dataclasses.replace(capture, static_args=[], refs=[]), held)
 
 
 def keep(shelf: OrderedDict[tuple[int, ...], Parked], key: tuple[int, ...], parked: Parked, most: int) -> None:
@@ -278,13 +271,3 @@ def take(shelf: OrderedDict[tuple[int, ...], Parked], key: tuple[int, ...]) -> P
         parked.release()
         return None
     return parked
-
-
-def observe(entry: Entry, args: Sequence[Any], moving: Sequence[int]) -> None:
-    """Make the entry's next capture classify its inputs as its verified one did: every
-    tensor seen once, stable where it is, the moving ones forced moving."""
-    entry.observations = [tuple(layout_identity(a) if isinstance(a, torch.Tensor) else None for a in args)]
-    entry.first_storages = [StorageWeakRef(a.untyped_storage()) if isinstance(a, torch.Tensor) else None
-                            for a in args]
-    entry.forced_moving |= set(moving)
-

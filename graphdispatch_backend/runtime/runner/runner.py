@@ -7,13 +7,20 @@ calling back into it:
     Lookup (runner/lookup.py)            the shape key and parameter set: the entry
     EntryBook (runner/book.py)           the entries, and the bounds on them
     Replayer (runner/hot.py)             every replay, and the hot entry
-    Recorder (runner/record.py)          warmup and capture (input and output plans)
+    Capturer (runner/record.py)          warmup and capture (input and output plans)
     Publisher (runner/publish.py)        verification (a Trial per call, runner/verify.py)
     Relocator (runner/relocate.py)       a verified graph whose held inputs moved
-    Transitions (runner/transitions.py)  declines, re-captures and back-offs, reported
+    Transitions (runner/transitions.py)  every change of an entry's phase: captured,
+                                         verified, declines, re-captures and back-offs, reported
+    Timed, Lockstep (runner/policy.py)   the call's first step under timing, or collectives
+
+An entry's phase is a typed record (runner/phase.py): `Warming` (its observations, no
+graph), `Captured` (a capture and its verification's progress), `Verified` (a capture,
+replayed), `Eager` (its reason). `_dispatch` reads the phase once and hands it to the part
+that serves it; only Transitions assigns one.
 
 A step returns the call's outputs, or the Decline the call is answered eagerly with, in
-one place (`__call__`), which counts it; None from a replay means the entry changed state
+one place (`__call__`), which counts it; None from a replay means the entry changed phase
 under it, and the call looks again.
 
 One entry per shape key (shapes and strides of the non-parameter inputs, plus the type and
@@ -23,7 +30,7 @@ buffers: with `inline_inbuilt_nn_modules`, the blocks of a stack share one compi
 and each gets its own capture). Per entry:
 
 1. warming: `warmup` eager calls, each recording every tensor input's layout identity.
-2. capture (runner/record.py): pinned inputs are read in place, moving ones copied into
+2. capture (runner/record.py, `Capturer`): pinned inputs are read in place, moving ones copied into
    shared static buffers; the least recently used shape key is evicted past max_captures.
 3. captured: replay and compare with eager, bit for bit (values, strides, views, and the
    inputs the piece writes into), on `verify_inputs` distinct input sets (the capture
@@ -50,17 +57,19 @@ import torch
 from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
-from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
+from graphdispatch_backend.runtime.checks.agree import Agreement
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
-from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.hints import input_label
-from graphdispatch_backend.runtime.runner.hot import Replayer, in_place
+from graphdispatch_backend.runtime.runner.hot import Replayer
 from graphdispatch_backend.runtime.runner.lookup import Lookup
+from graphdispatch_backend.runtime.runner.phase import Captured, Eager, State, Verified, Warming
+from graphdispatch_backend.runtime.runner.policy import Answer, Lockstep, Timed
 from graphdispatch_backend.runtime.runner.publish import NOT_DISTINCT_LIMIT, Publisher
-from graphdispatch_backend.runtime.runner.record import Recorder
+from graphdispatch_backend.runtime.runner.record import Capturer
 from graphdispatch_backend.runtime.runner.relocate import Relocator
 from graphdispatch_backend.runtime.runner.scope import RuntimeScope
 from graphdispatch_backend.runtime.runner.transitions import Transitions
@@ -69,7 +78,6 @@ from graphdispatch_backend.runtime.runner.verify import Verifier
 __all__ = ["MAX_PARAMETER_SETS", "NOT_DISTINCT_LIMIT", "GraphRunner", "State"]
 
 _data_ptr = torch.Tensor.data_ptr
-Answer = Sequence[Any] | Decline | None  # outputs; the eager answer's reason; look again
 
 
 class GraphRunner:
@@ -110,28 +118,28 @@ class GraphRunner:
         # the piece holds collectives (NCCL, captured inside): every rank keeps one schedule
         self._agreement = agreement
         timing = scope.timing if scope.timing.enabled else None
-        # the parts (module docstring); the book reports its limits through the transitions
-        self._book = book = EntryBook(max_captures, self._device.lock, lambda *a: transitions.report(*a))
+        # the parts (module docstring); the book reports its limits and evicts through the transitions
+        self._book = book = EntryBook(max_captures, self._device.lock, lambda *a: transitions.report(*a),
+                                      lambda entry: transitions.evicted(entry))
         self._lookup = lookup = Lookup(book, stats, state_names, static_shapes)
         transitions = self._transitions = Transitions(name, scope, stats, book, self._device, lookup, writes,
                                                       self._names, lockstep=agreement is not None)
-        self._replayer = Replayer(fn, self._device, stats, gates, lookup, transitions, timing)
-        self._recorder = recorder = Recorder(
+        self._replayer = replayer = Replayer(fn, self._device, stats, gates, lookup, transitions, timing)
+        self._capturer = capturer = Capturer(
             fn, scope, self._device, stats, book, lookup, transitions, warmup=warmup, gates=gates,
             writes=writes, wide=wide, guarded=guarded, agreement=agreement, names=self._names)
         verifier = Verifier(fn, scope.contain, writes, suspects, wide, unwritten)
         self._publisher = Publisher(fn, verifier, verify_inputs, scope, self._device, stats, gates, transitions,
                                     agreement)
-        self._relocator = Relocator(self._device, stats, book, lookup, recorder, transitions, writes, gates,
-                                    verify_inputs)
+        self._relocator = Relocator(self._device, stats, book, lookup, capturer, transitions, writes, gates)
         # the hot path (runtime/program/program.py): none where every call counts toward an agreement
-        self.replay_hot = None if agreement is not None else self._replayer.replay_hot
-        self._calls = 0
+        self.replay_hot = None if agreement is not None else replayer.replay_hot
+        # the call's first step (runner/policy.py): a plain runner's pays for no policy
+        self._first: Callable[[Sequence[Any]], Answer] = replayer.replay_in_place
         if agreement is not None:
-            self.__class__ = LockstepGraphRunner
-        elif timing is not None:  # only then: the untimed hot path pays nothing for timing
-            self.__class__ = TimedGraphRunner
-            self._timing = timing
+            self._first = Lockstep(agreement, replayer, transitions).first
+        elif timing is not None:
+            self._first = Timed(timing, replayer, lookup, self._dispatch).first
 
     @property
     def stats(self) -> CudaGraphStats:
@@ -153,9 +161,8 @@ class GraphRunner:
     def __call__(self, *args: Any) -> Sequence[Any]:
         if Isolation.active and isolating_here():  # runtime/checks/isolate.py: the piece, eagerly, uncounted
             return self._fn(*args)
-        hot = self._replayer.hot
-        out = self._replayer.replay(hot[0], args) if hot is not None and in_place(hot, args) else None
-        while out is None:  # no entry served the call, or its entry changed state meanwhile
+        out = self._first(args)  # the hot entry's replay, or (a policy's) the full path
+        while out is None:  # no entry served the call, or its entry changed phase meanwhile
             out = self._dispatch(args)
         if type(out) is Decline:
             return answer_eagerly(self._fn, self._stats, args, out)
@@ -170,51 +177,58 @@ class GraphRunner:
             if slot.declined is not None:
                 return Decline.PARAMETER_MOVED
             entry = lookup.find(slot, args)
-        if entry is not None and entry.state is State.VERIFIED:
-            problem = self._check(entry, args)
-            if problem is None:
-                self._book.touch(slot)  # type: ignore[arg-type]  # found through it
-                return self._replayer.replay(entry, args)
-            return self._moved(entry, args, problem)
+            if entry is not None and type(entry.phase) is Verified:
+                verified = entry.phase
+                problem = self._check(entry, args)
+                if problem is None:
+                    self._book.touch(slot)
+                    return self._replayer.replay(entry, verified, args)
+                return self._moved(entry, verified, args, problem)
         if entry is None:
             entry, refusal = lookup.add(key, args)
             if entry is None:
                 return refusal
             self._transitions.states_changed()
-        if entry.state is State.EAGER:
-            return entry.reason or Decline.BUSY
-        if entry.skip > 0:  # backing off (an out-of-memory, a fixed-address input that moves quickly)
-            entry.skip -= 1
-            return entry.skip_reason
+        phase = entry.phase
+        if type(phase) is Eager:
+            return phase.reason
+        waiting = entry.waiting()  # backing off (an out-of-memory, a fixed-address input that moves quickly)
+        if waiting is not None:
+            return waiting
         if not self._lock.acquire(blocking=False):
             return Decline.BUSY
         try:
-            first = entry.state is State.WARMING
-            if entry.state is State.CAPTURED:  # verifying: checked as a replay is
+            phase = entry.phase
+            if type(phase) is Warming:
+                warmed = self._capturer.warm(entry, phase, key, args)
+                if type(warmed) is not Captured:
+                    return warmed
+                return self._publisher.verify(entry, warmed, args, first=True)  # the call that captured it
+            if type(phase) is Captured:  # verifying: checked as a replay is
                 problem = self._check(entry, args)
                 if problem is not None:
-                    self._transitions.transition(entry, args, *problem)
+                    self._transitions.transition(entry, phase.capture, args, *problem)
                     return problem[0]
-            elif not first:  # another thread moved it on meanwhile
-                return entry.reason or Decline.BUSY
-            else:
-                refusal = self._recorder.warm(entry, key, args)
-                if refusal is not None:
-                    return refusal
-            return self._publisher.verify(entry, args, first)  # `first`: the call that captured it
+                return self._publisher.verify(entry, phase, args, first=False)
+            return phase.reason if type(phase) is Eager else Decline.BUSY  # another thread moved it on meanwhile
         finally:
             self._lock.release()
 
     def _check(self, entry: Entry, args: Sequence[Any]) -> tuple[Decline, str, int] | None:
         """Is the call's input where the entry's capture reads it? The one check per call:
-        the pinned inputs' addresses (and layouts, where no Dynamo guard ensures them)."""
-        if entry.gates_changed(self._gates):
+        the pinned inputs' addresses (and layouts, where no Dynamo guard ensures them).
+        None also where the entry holds no capture now (another thread moved it on): the
+        replay, which serves only the phase it was given, finds that."""
+        capture = entry.capture
+        if capture is None:
+            return None
+        if capture.gates_changed(self._gates):
             return Decline.ARTIFACT_DEMOTED, "an artifact in this piece was demoted after capture", -1
         pos = None
-        if entry.ptrs != list(map(_data_ptr, entry.pick_pinned(args))):
-            pos = next(p for p, ptr in zip(entry.pinned, entry.ptrs) if _data_ptr(args[p]) != ptr)
-        elif entry.identity is not None:
-            pos = entry.identity.mismatch(args)
+        if capture.ptrs != list(map(_data_ptr, capture.pick_pinned(args))):
+            pos = next(p for p, ptr in zip(capture.pinned, capture.ptrs) if _data_ptr(args[p]) != ptr)
+        elif capture.identity is not None:
+            pos = capture.identity.mismatch(args)
         if pos is None:
             return None
         state = self._lookup.state
@@ -223,22 +237,24 @@ class GraphRunner:
         return (Decline.PINNED_INPUT_MOVED,
                 f"{input_label(pos, self._names)} is not the tensor the graph was captured with", pos)
 
-    def _moved(self, entry: Entry, args: Sequence[Any], problem: tuple[Decline, str, int]) -> Answer:
+    def _moved(self, entry: Entry, verified: Verified, args: Sequence[Any],
+               problem: tuple[Decline, str, int]) -> Answer:
         """A verified entry's input is not where its capture reads it: relocated (only held
         inputs moved, or only inputs it reads: runner/relocate.py) and replayed, or its
         transition."""
         if self._agreement is not None:  # eager runs the same collectives: decide with the other ranks
-            self._transitions.pending = problem[0], problem[1]
+            self._transitions.hold(problem[0], problem[1])
             return problem[0]
         # Never block here: another thread may hold the lock for a whole capture.
         if not self._lock.acquire(blocking=False):
             return problem[0]
         try:
-            if entry.state is not State.VERIFIED:  # another thread already handled it
+            if entry.phase is not verified:  # another thread already handled it
                 return problem[0]
-            if problem[0] is Decline.PINNED_INPUT_MOVED and self._relocator.relocate(entry, args):
-                return self._replayer.replay(entry, args)
-            self._transitions.transition(entry, args, *problem)
+            relocated = problem[0] is Decline.PINNED_INPUT_MOVED and self._relocator.relocate(entry, args)
+            if relocated:
+                return self._replayer.replay(entry, relocated, args)
+            self._transitions.transition(entry, verified.capture, args, *problem)
             return problem[0]
         finally:
             self._lock.release()
@@ -248,72 +264,15 @@ class GraphRunner:
         """A checked call's replay of this piece differed from eager (runtime/checks/isolate.py):
         the entry that served it declines."""
         entry = self._replayer.last_replayed
-        if entry is None or entry.state is not State.VERIFIED:
+        if entry is None or type(entry.phase) is not Verified:
             return
         with self._lock:
-            self._replayer.hot = None
+            self._replayer.forget()
             self._transitions.decline(entry, reason, detail)
 
     def recompiled(self, detail: str) -> None:
         """The piece's code changed (a fused piece recompiled after a check, runtime/program/fused.py):
-        every captured entry records it again; none replays the old code meanwhile."""
+        every captured entry records again; none replays the old code meanwhile."""
         with self._lock:
-            self._replayer.hot = None
-            for entry in list(self._book.entries.values()):
-                if entry.state in (State.CAPTURED, State.VERIFIED):
-                    self._transitions.recapture(entry, "fusion_changed", detail, set())
-
-
-class TimedGraphRunner(GraphRunner):
-    """A GraphRunner under `timing`: the lookup (pointer check, shape key) is the
-    `shape_key` phase."""
-
-    _timing: Any
-
-    def __call__(self, *args: Any) -> Sequence[Any]:
-        if Isolation.active and isolating_here():
-            return self._fn(*args)
-        timing = self._timing
-        start = timing.now()
-        hot = self._replayer.hot
-        if hot is not None and in_place(hot, args):
-            timing.add("shape_key", timing.now() - start)
-            out = self._replayer.replay(hot[0], args)
-        else:
-            key = self._lookup.key(args)
-            timing.add("shape_key", timing.now() - start)
-            out = self._dispatch(args, key)
-        while out is None:
-            out = self._dispatch(args)
-        if type(out) is Decline:
-            return answer_eagerly(self._fn, self._stats, args, out)
-        return out
-
-
-class LockstepGraphRunner(GraphRunner):
-    """A runner of a piece that holds collectives (NCCL, captured inside, as vLLM does):
-    every rank must capture, verify and replay it on the same calls, or the collectives go
-    out of step. Every decision that would change the schedule is agreed (checks/agree.py's
-    `agreed`); a rank that finds a problem in steady state (a moved input, a failed replay)
-    answers eagerly, which runs the same collectives, and raises it at the next agreement
-    point, the runner's 1st, 2nd, 4th, 8th, ... call: then every rank declines the piece
-    (every rank with the reason the rank at fault found: checks/agree.py's `agreed_verdict`). No hot path:
-    every call counts toward the agreement schedule."""
-
-    def __call__(self, *args: Any) -> Sequence[Any]:
-        n = self._calls = self._calls + 1
-        if n & (n - 1) == 0:
-            self._settle_pending()
-        return GraphRunner.__call__(self, *args)
-
-    def _settle_pending(self) -> None:
-        transitions = self._transitions
-        pending, transitions.pending = transitions.pending, None
-        verdict = agreed_verdict(self._agreement, pending)  # every rank, one reason: the rank at fault's
-        if verdict is None:
-            return
-        self._replayer.hot = None
-        reason, detail = verdict
-        for entry in list(self._book.entries.values()):
-            if entry.state is not State.EAGER:
-                transitions.decline(entry, reason, detail)
+            self._replayer.forget()
+            self._transitions.recapture_all("fusion_changed", detail)

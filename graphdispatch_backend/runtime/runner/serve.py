@@ -31,13 +31,12 @@ from typing import Any
 
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.runtime.cudagraph.streams import Streams
-from graphdispatch_backend.runtime.runner.entry import Entry
+from graphdispatch_backend.runtime.runner.phase import Capture
 
 
-def copy_out(entry: Entry, dsts: list[Any], args: Sequence[Any]) -> None:
-    assert entry.outputs is not None and entry.inputs is not None
-    entry.outputs.copy_out(dsts)
-    entry.inputs.copy_back(args)
+def copy_out(capture: Capture, dsts: list[Any], args: Sequence[Any]) -> None:
+    capture.outputs.copy_out(dsts)
+    capture.inputs.copy_back(args)
 
 
 def follow(streams: Streams, caller: Any) -> None:
@@ -50,38 +49,37 @@ def follow(streams: Streams, caller: Any) -> None:
     streams.replayed_on = caller
 
 
-def serve(entry: Entry, args: Sequence[Any], streams: Streams) -> list[Any]:
-    """Copy in, replay and copy out; the caller holds the device lock."""
-    outputs, inputs, graph = entry.outputs, entry.inputs, entry.graph
+def serve(capture: Capture, args: Sequence[Any], streams: Streams) -> list[Any]:
+    """Copy in, replay and copy out `capture` (a verified entry's, or one being verified);
+    the caller holds the device lock."""
+    outputs, inputs, graph = capture.outputs, capture.inputs, capture.graph
     caller = streams.current()
     if caller is not streams.replayed_on:
         follow(streams, caller)
     if streams.immediate:  # each call below launches its work now, on the caller's stream
-        if outputs.late and not inputs.writes_pinned:  # type: ignore[union-attr]
-            if inputs.copies:  # type: ignore[union-attr]
-                inputs.copy_in(args)  # type: ignore[union-attr]
-            graph.replay()  # type: ignore[union-attr]
-            dsts = outputs.clones()  # type: ignore[union-attr]
+        if outputs.late and not inputs.writes_pinned:
+            if inputs.copies:
+                inputs.copy_in(args)
+            graph.replay()
+            dsts = outputs.clones()
         else:
-            dsts = outputs.allocate()  # type: ignore[union-attr]
-            inputs.copy_in(args)  # type: ignore[union-attr]
-            graph.replay()  # type: ignore[union-attr]
-            outputs.copy_out(dsts)  # type: ignore[union-attr]
-        if inputs.backs:  # type: ignore[union-attr]
-            inputs.copy_back(args)  # type: ignore[union-attr]
-        return dsts if outputs.plain else outputs.assemble(dsts, args)  # type: ignore[union-attr]
-    assert outputs is not None and inputs is not None and graph is not None
+            dsts = outputs.allocate()
+            inputs.copy_in(args)
+            graph.replay()
+            outputs.copy_out(dsts)
+        if inputs.backs:
+            inputs.copy_back(args)
+        return dsts if outputs.plain else outputs.assemble(dsts, args)
     dsts = outputs.allocate()
     streams.launch(inputs.copy_in, args)
     streams.launch(graph.replay)
-    streams.launch(copy_out, entry, dsts, args)
+    streams.launch(copy_out, capture, dsts, args)
     return outputs.assemble(dsts, args)
 
 
-def serve_timed(entry: Entry, args: Sequence[Any], streams: Streams, timing: Timing) -> list[Any]:
+def serve_timed(capture: Capture, args: Sequence[Any], streams: Streams, timing: Timing) -> list[Any]:
     """`serve` with its phases timed (host time of the launches; `sync` mode synchronizes)."""
-    outputs, inputs, graph = entry.outputs, entry.inputs, entry.graph
-    assert outputs is not None and inputs is not None and graph is not None
+    outputs, inputs, graph = capture.outputs, capture.inputs, capture.graph
     start = timing.now()
     caller = streams.current()
     if caller is not streams.replayed_on:
@@ -91,7 +89,7 @@ def serve_timed(entry: Entry, args: Sequence[Any], streams: Streams, timing: Tim
     mid = timing.now()
     streams.launch(graph.replay)
     end = timing.now()
-    streams.launch(copy_out, entry, dsts, args)
+    streams.launch(copy_out, capture, dsts, args)
     out = outputs.assemble(dsts, args)
     timing.add("copy_in", mid - start)
     timing.add("replay", end - mid)

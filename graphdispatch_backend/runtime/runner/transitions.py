@@ -31,8 +31,11 @@
   `max_captures`, reported once, naming the scalar inputs whose values the keys differ in.
 - Anything else declines the entry for the session, counted, logged once at WARNING.
 
-Transitions is an object of its runner's: it changes entries' states and reports; the call
-is answered by its caller (runner/runner.py).
+Transitions is an object of its runner's and the one writer of an entry's phase
+(runner/phase.py; tests/test_layout.py checks that no other file assigns one): every
+transition is one of its methods, asked for by the part that found the reason (a capture,
+a verdict, a relocation, an eviction). It reports; the call is answered by its caller
+(runner/runner.py).
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 from graphdispatch_backend.runtime.runner.book import THRASH_LIMIT
-from graphdispatch_backend.runtime.runner.entry import Entry, State
+from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.hints import input_label, thrash_detail
 from graphdispatch_backend.runtime.runner.inputs import fixed_address
+from graphdispatch_backend.runtime.runner.phase import Capture, Captured, Eager, State, Verified, Warming
 
 MAX_RECAPTURES = 2
 MAX_BACKOFF = 1 << 10  # calls
@@ -71,7 +75,15 @@ class Transitions:
         self._names = names
         self._lockstep = lockstep  # the piece holds collectives: a replay's failure waits for the agreement
         # a lockstep piece's verdict found in steady state, raised at its next agreement
-        self.pending: tuple[Decline, str] | None = None
+        self._pending: tuple[Decline, str] | None = None
+
+    def hold(self, reason: Decline, detail: str) -> None:
+        """A lockstep piece's verdict found in steady state: raised at its next agreement."""
+        self._pending = reason, detail
+
+    def take_pending(self) -> tuple[Decline, str] | None:
+        pending, self._pending = self._pending, None
+        return pending
 
     def states_changed(self) -> None:
         """The piece's state in the stats: its most advanced entry's, and its live captures."""
@@ -83,19 +95,21 @@ class Transitions:
     def thrashing(self, entry: Entry) -> Decline:
         """A warm key that would evict while captures thrash: eager for good (it holds no
         capture yet), the captured keys go on replaying."""
-        entry.state, entry.reason = State.EAGER, Decline.MAX_CAPTURES
+        entry.phase = Eager(Decline.MAX_CAPTURES)
         detail = thrash_detail(THRASH_LIMIT, self._book.max_captures, list(self._book.slots),
                                self._lookup.key_positions or (), self._names)
         self._book.limit(Decline.MAX_CAPTURES, detail, kind="thrashing")
         self.states_changed()
         return Decline.MAX_CAPTURES
 
-    def transition(self, entry: Entry, args: Sequence[Any], reason: Decline, detail: str, pos: int) -> None:
+    def transition(self, entry: Entry, capture: Capture, args: Sequence[Any], reason: Decline, detail: str,
+                   pos: int) -> None:
+        """The call's inputs are not where `capture` (the entry's) reads them: the rules above."""
         state = self._lookup.state
         if reason is Decline.PINNED_INPUT_MOVED:
-            moved = {p for p, ident in zip(entry.pinned, _identities(entry))
+            moved = {p for p, ident in zip(capture.pinned, _identities(capture))
                      if p not in state and ident is not None and layout_identity(args[p]) != ident}
-            stayed = self._stats.replays - entry.replays_at_capture >= REPIN_AFTER
+            stayed = self._stats.replays - capture.replays_at >= REPIN_AFTER
             held = never_moving(moved | {pos}, args, self._writes.positions)
             if held:
                 entry.held |= held
@@ -109,6 +123,37 @@ class Transitions:
             self.demoted(entry, detail)
         else:
             self.decline(entry, reason, detail)
+
+    # -- the phases a capture goes through ------------------------------------------------
+    def captured(self, entry: Entry, capture: Capture) -> Captured:
+        """A warming entry captured: verified next (runner/publish.py)."""
+        phase = entry.phase = Captured(capture)
+        entry.out_of_memory = 0
+        self.states_changed()
+        return phase
+
+    def verified(self, entry: Entry, capture: Capture) -> Verified:
+        """Replayed from now on: a capture that verified, or one a relocation put in place."""
+        phase = entry.phase = Verified(capture)
+        self.states_changed()
+        return phase
+
+    def take_off(self, entry: Entry, verified: Verified, warming: Warming) -> bool:
+        """A relocation takes a verified entry's capture off it (not released: parked, or
+        the graph the new capture is made like); the entry warms meanwhile, so no replay
+        serves it. False where the entry left `verified` meanwhile (a replay failed on
+        another thread). The caller holds the device lock."""
+        if entry.phase is not verified:
+            return False
+        entry.phase = warming
+        return True
+
+    def evicted(self, entry: Entry) -> None:
+        """Dropped from its book (runner/book.py): what it holds is freed; a thread that
+        still holds it finds it warming (or eager, as it was). The caller holds the device lock."""
+        entry.release()
+        if not isinstance(entry.phase, Eager):
+            entry.phase = Warming()
 
     def relocated(self, moved: set[int], repinned: bool) -> None:
         """Inputs the graph only reads moved and nothing else: captured again at once
@@ -148,7 +193,7 @@ class Transitions:
         with self._device.lock:
             entry.release()
             entry.forced_moving |= now_moving
-            entry.state, entry.observations = State.WARMING, []
+            entry.phase = Warming()
         with self._stats.lock:
             self._stats.recaptures += 1
         self._scope.timing.note(f"recapture {self.name}: {getattr(reason, 'value', reason)}: {detail}")
@@ -158,7 +203,7 @@ class Transitions:
         """A capture ran out of memory: warm up again after backing off."""
         with self._device.lock:
             entry.release()
-            entry.state, entry.observations = State.WARMING, []
+            entry.phase = Warming()
         self.backoff(entry, detail)
         return Decline.OUT_OF_MEMORY
 
@@ -181,7 +226,7 @@ class Transitions:
         if is_out_of_memory(exc):
             return Decline.OUT_OF_MEMORY
         if self._lockstep:
-            self.pending = Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}"
+            self.hold(Decline.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
             return Decline.REPLAY_FAILED
 
         def reraise() -> None:
@@ -194,9 +239,21 @@ class Transitions:
     def decline(self, entry: Entry, reason: Decline, detail: str) -> None:
         with self._device.lock:
             entry.release()
-            entry.state, entry.reason = State.EAGER, reason
+            entry.phase = Eager(reason)
         self.report(reason, detail)
         self.states_changed()
+
+    def decline_all(self, reason: Decline, detail: str) -> None:
+        """Every entry not eager yet declines (the ranks agreed on a verdict: runner/policy.py)."""
+        for entry in list(self._book.entries.values()):
+            if not isinstance(entry.phase, Eager):
+                self.decline(entry, reason, detail)
+
+    def recapture_all(self, reason: str, detail: str) -> None:
+        """Every captured entry records again (the piece's code changed)."""
+        for entry in list(self._book.entries.values()):
+            if isinstance(entry.phase, (Captured, Verified)):
+                self.recapture(entry, reason, detail, set())
 
     def report(self, reason: Decline, detail: str, then: str | None = None) -> None:
         """Count and log a decline; `then` says what becomes of the calls (by default the
@@ -221,7 +278,7 @@ def never_moving(positions: set[int], args: Sequence[Any], written: Sequence[int
     return {p for p in positions if p in written or fixed_address(args[p])}
 
 
-def _identities(entry: Entry) -> list[Any]:
+def _identities(capture: Capture) -> list[Any]:
     """The layout identity each pinned position had at capture (the first observation)."""
-    first = entry.observations[0] if entry.observations else ()
-    return [first[p] if p < len(first) else None for p in entry.pinned]
+    first = capture.seen
+    return [first[p] if p < len(first) else None for p in capture.pinned]
