@@ -133,6 +133,11 @@ def measure(family: str, dtype: torch.dtype, repeats: int, inner: int, variants:
             _fusion_row(row, name)
         args = inputs(9, dtype)
         callables[name] = lambda fn=fn, args=args: under(lambda **_: fn(**args), 9)
+    # Warmed only now: Dynamo's reset between variants dropped each earlier variant's compiled
+    # code, which its next call compiles again (a graphdispatch variant's check schedules
+    # starting over at call 1); warmed before the reset, they would be timed on their dense
+    # first checks, not past the 1024th call
+    for name in variants:
         for _ in range(2 if smoke else WARM_CALLS):
             callables[name]()
     times = interleaved(callables, repeats=repeats, inner=inner, baseline=variants[0], clock=clock)

@@ -69,6 +69,47 @@ def test_inductor_as_it_compiles_serves_every_call_within_the_tolerance(cuda_gra
         assert graph["cuda_graph"]["replays"] >= 5
 
 
+class _Views(torch.nn.Module):
+    """Outputs that are views of one fused value: a slice with an offset, a transposed
+    select, a flattening view."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = torch.sin(x) * 2 + 1
+        return y.transpose(0, 1)[1:, 2], y.reshape(-1)[3:], y[2:, 1:].permute(1, 0)
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_views_of_a_fused_output_are_eager_s_views_made_as_one_alias(cuda_graphs):
+    """The views of a segment's output run as ATen once per layout, then as one alias of the
+    same size, strides and offset (runtime/program/fused_views.py); every output laid
+    out as eager's, aliasing what eager's aliases. Fails if the alias drops the offset or
+    the views' strides."""
+    from graphdispatch_backend.runtime.program import fused_views
+
+    model = _Views()
+    made = []
+
+    def alias(base: torch.Tensor, *layout: Any) -> torch.Tensor:
+        made.append(layout)
+        return torch._C._dynamo.guards._reinterpret_tensor(base, *layout)
+
+    xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    compiled = torch.compile(model, backend="graphdispatch", options={"fuse": TOL, "cache_dir": False,
+                                                                      "cuda_graphs": cuda_graphs})
+    with mock.patch.object(fused_views, "_alias", alias), torch.no_grad():
+        for x in xs:
+            got, want = compiled(x), model(x)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, **TOL)
+                assert (g.shape, g.stride()) == (w.shape, w.stride())
+                # (a replay's outputs lie in its pool, at offsets of the pool's: compared unreplayed)
+                assert cuda_graphs or g.storage_offset() == w.storage_offset()
+            assert len({g.untyped_storage().data_ptr() for g in got}) == 1  # one value viewed, as eager's
+    assert fusion()["status"] == "fused"
+    if cuda_graphs is False:
+        assert len(made) >= 3 * 4  # past each output's first call (and not in the checked calls' runs)
+
+
 def test_fuse_true_stays_bitwise_where_the_tolerance_mode_is_not():
     """The same block: the exact recipe's every call equals eager's bits; Inductor as it
     compiles does not (its reductions and math library round otherwise), which is why the

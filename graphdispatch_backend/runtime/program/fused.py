@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import threading
 import time
 from collections import Counter
@@ -43,6 +44,7 @@ from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.checks.tolerance import Tolerance
 from graphdispatch_backend.runtime.cudagraph.tape import opaque
+from graphdispatch_backend.runtime.program.fused_views import chain_views
 
 MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
 _SERVING = object()  # Fusion.tried: the thread tries nothing, its units run what they serve
@@ -52,8 +54,13 @@ Keep = frozenset[str]
 
 def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callable[..., Any]:
     """`outer`'s forward with each segment call bound to its compiled code (and the ATen
-    calls between segments to their C++ entries, as codegen.py binds every graph's)."""
+    calls between segments to their C++ entries, as codegen.py binds every graph's); each
+    chain of views of a segment's output made one alias (runtime/program/fused_views.py); the tensors it reads
+    as attributes (lifted constants) read from the module's own dict, not through
+    nn.Module's `__getattr__` (a Python call per read, per call)."""
     graph = copy.deepcopy(outer.graph)
+    chain_views(graph, {u for n in graph.nodes if SEGMENT_META in n.meta for u in n.users
+                         if u.target is operator.getitem})
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             node.target = entry(node.target)
@@ -65,7 +72,12 @@ def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callabl
 
             segment.__name__ = segment.__qualname__ = f"gd_segment_{node.meta[SEGMENT_META]}"
             node.target = segment
-    return module_of(outer, graph).forward
+    gm = module_of(outer, graph)
+    for node in graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor) and "." not in node.target:
+            object.__setattr__(gm, node.target, value)  # found in the instance dict first (the same tensor)
+    return gm.forward
 
 
 class FusedUnit:
