@@ -172,6 +172,11 @@ class World:
         return compare(other._copies, self._copies, mode, rtol, atol, check_strides=False)
 
     @property
+    def values(self) -> list[torch.Tensor]:
+        """The regions' values at `take`."""
+        return self._copies
+
+    @property
     def empty(self) -> bool:
         return not self._regions
 
