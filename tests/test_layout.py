@@ -145,3 +145,27 @@ def test_a_module_past_400_lines_says_why():
         if text.count("\n") > 400 and "400 lines" not in " ".join((ast.get_docstring(ast.parse(text)) or "").split()):
             long.append(f"{module}: {text.count(chr(10))} lines")
     assert not long, "modules past 400 lines that do not say why:\n" + "\n".join(long)
+
+
+def test_the_world_is_taken_swapped_and_restored_only_in_checks():
+    """One side-by-side comparison owns the world of every extra run
+    (runtime/checks/side_by_side.py): outside runtime/checks/, no module names `World` nor
+    calls a `swap()` or `restore()` (a judge asks its SideBySide; an extra run compared
+    with nothing keeps the world with `held`)."""
+    import re
+
+    found = []
+    for module, path in sorted(_modules().items()):
+        if module.startswith("runtime.checks"):
+            continue
+        for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+            if re.search(r"\bWorld\b|\.swap\(|\.restore\b", line):
+                found.append(f"{module}:{number}: {line.strip()}")
+    assert not found, "the world handled outside runtime/checks/:\n" + "\n".join(found)
+
+
+def test_the_nondeterminism_message_is_written_once():
+    """Every judge that runs eager again says an eager that disagrees with itself in the same
+    words, written once (runtime/checks/side_by_side.py `nondeterministic`)."""
+    texts = [path.read_text("utf-8") for path in _modules().values()]
+    assert sum(text.count('f"eager disagrees with itself (') for text in texts) == 1

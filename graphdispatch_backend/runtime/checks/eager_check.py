@@ -41,7 +41,6 @@ from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Decline
 from graphdispatch_backend.runtime.call.calls import mark_entry
-from graphdispatch_backend.runtime.call.keys import layout_key
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
@@ -51,7 +50,7 @@ from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
-from graphdispatch_backend.runtime.checks.schedule import Due, KeyedDue
+from graphdispatch_backend.runtime.checks.schedule import GraphDue
 from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, Kind, SideBySide, within
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region
@@ -94,14 +93,12 @@ class EagerCheck:
         self._record = record
         self._events = events
         self._contain = contain
-        self._keyed = tuple(keyed)  # positions of call inputs (parameters are not keyed)
         self._locate = locate  # where in its inputs this call will write (runtime/checks/world.py)
         self._suspects = suspects if suspects is not None else Suspects()  # who to name when eager disagrees
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
-        self._dynamic = dynamic
-        # which calls are checked (runtime/checks/schedule.py); dynamic graphs: per shape key
-        self._schedules = KeyedDue(recheck, record.name)
-        self._schedule = Due(recheck, record.name)  # static graphs: one shape key (Dynamo guards it)
+        # which calls are checked (runtime/checks/schedule.py): by position per shape key, and
+        # those whose inputs leave what the checked calls saw (runtime/checks/novelty.py)
+        self._due = GraphDue(recheck, record.name, dynamic, keyed, novelty)
         self._on = MAX_KEYS > 0
         self._lowering = Lowering(eager, compiled, record, events, contain, strict)  # who answers, who is declined
         self._timing = timing if timing.enabled else None
@@ -112,12 +109,9 @@ class EagerCheck:
         self._isolates = gradients is None and agreement is None
         self._draws = draws  # the graph draws random numbers: the extra runs draw privately
         self._fusion = fusion  # the graph's runtime/program/fused.py Fusion: a party isolation may blame
-        self._n = self._previous = 0  # the checked call's number in its shape key, and the last check's
         # outputs the Dynamo graph makes uninitialized and returns unwritten (its caller fills
         # them: a collective after a graph break): compared but for their values
         self._unwritten = frozenset(unwritten)
-        # calls whose inputs leave what the checked calls saw are checked too (runtime/checks/novelty.py)
-        self._novelty = novelty if novelty is not None and novelty.on else None
 
     def __call__(self, *args: Any) -> Any:
         if self._timing is not None:
@@ -132,23 +126,6 @@ class EagerCheck:
             return self._compiled(*args)
         except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
             return self._lowering.failed_later(args, exc)
-
-    def _due(self, args: Sequence[Any]) -> tuple[Observation | None, str | None] | None:
-        """None, or why this call is checked: (what it saw, to widen what the checked calls
-        saw; a description of its new inputs when they, not the `recheck` schedule of its
-        shape key, made it due)."""
-        due = self._schedule
-        if self._dynamic:
-            due = self._schedules(layout_key(map(args.__getitem__, self._keyed)))
-        scheduled = due()
-        seen = self._novelty.observe(args) if self._novelty is not None else None
-        novel = None if scheduled or seen is None else seen.why
-        if novel is not None:
-            due.checked_now()
-        elif not scheduled:
-            return None
-        self._n, self._previous = due.n, due.previous
-        return seen, novel
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -235,7 +212,7 @@ class EagerCheck:
         """The served call differed from eager, which agrees with itself: the party at fault,
         found by running (runtime/checks/isolate.py `culprit`) and its consequence (`blame`);
         None: the graph keeps its lowering. The world is left as eager left it."""
-        checked = Checked(self._record, self._n, self._previous, novel)
+        checked = Checked(self._record, self._due.n, self._due.previous, novel)
         tolerance = self._tolerance()
         found = culprit(ref.extra(self._compiled), args, side, lambda got: ref.compare(got, tolerance),
                         self._record.substitutions, checked.call, self._contain, self._fusion, tolerance)
@@ -246,8 +223,8 @@ class EagerCheck:
         tolerance.judged(within)
         if not within:
             return
-        _, exc = self._contain(lambda: (tolerance.observe(self._n, ref.outputs, got),
-                                        tolerance.observe(self._n, *side.pairs(), what="written input")))
+        _, exc = self._contain(lambda: (tolerance.observe(self._due.n, ref.outputs, got),
+                                        tolerance.observe(self._due.n, *side.pairs(), what="written input")))
         if exc is not None:  # the served values passed; only the error figures are missing
             self._events.warn_once(f"tolerance:{self._record.name}", "graphdispatch: %s: measuring the errors of a "
                                    "checked call raised %s: %s", self._record.name, type(exc).__name__, exc)
