@@ -51,7 +51,7 @@ from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import GraphDue
-from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, Kind, SideBySide, within
+from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, Compared, Kind, SideBySide, within
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
@@ -133,9 +133,9 @@ class EagerCheck:
     # -- the check: eager the reference, the served call the candidate (side_by_side.py) --
     def _check(self, args: Sequence[Any], seen: Observation | None = None, novel: str | None = None) -> Any:
         lowering = self._lowering
-        side, exc = self._contain(lambda: SideBySide.take(self._locate(args), self._contain))
-        if exc is not None:  # nothing ran yet
-            return lowering.unsnapshotted(args, exc)
+        side = SideBySide.open(lambda: self._locate(args), self._contain)
+        if isinstance(side, Compared):  # refused: nothing ran yet
+            return lowering.unsnapshotted(args, side.raised)
         start = Start() if self._draws else None  # before anything draws
         raw, exc = self._contain(lambda: privately(start, self._eager)(*args))
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
@@ -157,13 +157,13 @@ class EagerCheck:
         ref.drop()
         del raw
         with native_regions():  # judge the lowering; each artifact's gate judges the artifact
-            out, exc = self._contain(lambda: self._compiled(*args))
-        raised = exc is not None  # then the call was not counted (CompiledGraph counts as it returns)
+            out, failed = side.run(lambda: self._compiled(*args))
+        raised = failed is not None  # then the call was not counted (CompiledGraph counts as it returns)
         gradients: Sequence[str] = ()  # the inputs whose gradients differ from eager's
         forward = False  # the verdict comes from comparing the forward's results and world
-        if raised:
-            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(exc) else Decline.LOWERING_FAILED
-            local: Verdict = (reason, f"raised {type(exc).__name__}: {exc}")
+        if failed is not None:
+            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed.raised) else Decline.LOWERING_FAILED
+            local: Verdict = (reason, f"raised {failed.detail}")
         else:
             got = flat(out)
             compared = side.compare(lambda: ref.compare(got, tolerance), within(tolerance))

@@ -56,12 +56,18 @@ class Compared:
     kind: Kind
     detail: str = ""
     mismatch: Mismatch | None = None  # MISMATCH: what differed first
-    error: BaseException | None = None  # RAISED, REFUSED
-    party: str = ""  # RAISED: REFERENCE, CANDIDATE or OWN (a snapshot, a comparison)
+    error: Exception | None = None  # RAISED, REFUSED: what raised
+    party: str = ""  # RAISED: CANDIDATE (its run) or OWN (a comparison)
 
     @property
     def equal(self) -> bool:
         return self.kind is Kind.EQUAL
+
+    @property
+    def raised(self) -> Exception:
+        """What raised (RAISED, REFUSED)."""
+        assert self.error is not None, self.kind
+        return self.error
 
 
 EQUAL = Compared(Kind.EQUAL)
@@ -109,6 +115,20 @@ class SideBySide:
     def take(cls, regions: Sequence[Region], contain: Contain) -> SideBySide:
         """The world before either party runs (raises SnapshotRefused past max_snapshot_bytes)."""
         return cls(World.take(regions), contain)
+
+    @classmethod
+    def open(cls, regions: Callable[[], Sequence[Region]], contain: Contain) -> SideBySide | Compared:
+        """The world before either party runs, or REFUSED with what raised (SnapshotRefused past
+        max_snapshot_bytes, an allocation failure): nothing ran yet."""
+        side, exc = contain(lambda: cls.take(regions(), contain))
+        return side if exc is None else Compared(Kind.REFUSED, f"{type(exc).__name__}: {exc}", error=exc)
+
+    def run(self, fn: Callable[[], Any]) -> tuple[Any, Compared | None]:
+        """The candidate's run, contained: (its result, None), or (None, RAISED with what it raised)."""
+        out, exc = self._contain(fn)
+        if exc is not None:
+            return None, Compared(Kind.RAISED, f"{type(exc).__name__}: {exc}", error=exc, party=CANDIDATE)
+        return out, None
 
     def set_aside(self, party: str) -> None:
         """`party` ran first: its world kept aside, the world before put back for the other."""

@@ -31,7 +31,7 @@ from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.checks.digest import same_values
 from graphdispatch_backend.runtime.checks.parity import Mismatch, differ
 from graphdispatch_backend.runtime.checks.prints import PRINTED, Printed, differs, outputs_differ, take_print
-from graphdispatch_backend.runtime.checks.side_by_side import CANDIDATE, REFERENCE, Kind, SideBySide
+from graphdispatch_backend.runtime.checks.side_by_side import CANDIDATE, REFERENCE, Compared, Kind, SideBySide
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
@@ -60,9 +60,9 @@ class Verifier:
         """A call's live set alone, without the publisher's other steps (Trial.live)."""
         return Trial(self, args, serve, eager).live()
 
-    def world(self, args: Sequence[Any]) -> SideBySide:
-        """The world before a replay and eager run beside each other on `args`."""
-        return SideBySide.take(self._writes.regions(args), self.contain)
+    def world(self, args: Sequence[Any]) -> SideBySide | Compared:
+        """The world before a replay and eager run beside each other on `args` (or REFUSED)."""
+        return SideBySide.open(lambda: self._writes.regions(args), self.contain)
 
     def judge(self, args: Sequence[Any], expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
               side: SideBySide, serve: Serve | None = None) -> Verdict:
@@ -131,10 +131,10 @@ class Trial:
         """A replay on the live inputs, then the user's own eager run (which answers the
         call and advances the world once); the replay's effect on the world is undone."""
         args, verifier = self._args, self._verifier
-        side, exc = self._contain(lambda: verifier.world(args))
-        if exc is not None:
-            return self.answer(), unsnapshotted(exc)
-        replayed, failed = self._contain(lambda: self._serve(args))
+        side = verifier.world(args)
+        if isinstance(side, Compared):
+            return self.answer(), unsnapshotted(side.raised)
+        replayed, failed = side.run(lambda: self._serve(args))
         if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
             # (printed before the world goes back: an output may view an input it puts back)
             printed, oops = self._contain(lambda: take_print(replayed, args, verifier.skip))
@@ -148,8 +148,8 @@ class Trial:
             del replayed, side  # freed before eager runs again
             return verifier.fn(*args), (Decline.OUT_OF_MEMORY, f"eager beside the replay: {type(oom).__name__}: {oom}")
         if failed is not None:
-            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
-            return expected, (reason, f"{type(failed).__name__}: {failed}")
+            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed.raised) else Decline.REPLAY_FAILED
+            return expected, (reason, failed.detail)
         if exc is not None:
             return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
         _, exc = self._contain(lambda: side.keep(REFERENCE))
@@ -180,6 +180,8 @@ class Trial:
             for (pos, _), value in zip(moving, values):
                 derived[pos] = value
             side = verifier.world(derived)
+            if isinstance(side, Compared):
+                return unsnapshotted(side.raised, "a derived verification set")
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
                     expected, exc = self._contain(lambda: verifier.fn(*derived))  # noqa: B023 (run at once)
