@@ -169,3 +169,27 @@ def test_an_entrys_phase_is_assigned_in_one_file():
     Transitions (runtime/runner/transitions.py): no other module assigns one."""
     writers = {module: lines for module, path in sorted(_modules().items()) if (lines := _phase_writes(path))}
     assert set(writers) == {"runtime.runner.transitions"}, f"modules that assign an entry's phase: {writers}"
+
+
+def test_the_world_is_taken_swapped_and_restored_only_in_checks():
+    """One side-by-side comparison owns the world of every extra run
+    (runtime/checks/side_by_side.py): outside runtime/checks/, no module names `World` nor
+    calls a `swap()` or `restore()` (a judge asks its SideBySide; an extra run compared
+    with nothing keeps the world with `held`)."""
+    import re
+
+    found = []
+    for module, path in sorted(_modules().items()):
+        if module.startswith("runtime.checks"):
+            continue
+        for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+            if re.search(r"\bWorld\b|\.swap\(|\.restore\b", line):
+                found.append(f"{module}:{number}: {line.strip()}")
+    assert not found, "the world handled outside runtime/checks/:\n" + "\n".join(found)
+
+
+def test_the_nondeterminism_message_is_written_once():
+    """Every judge that runs eager again says an eager that disagrees with itself in the same
+    words, written once (runtime/checks/side_by_side.py `nondeterministic`)."""
+    texts = [path.read_text("utf-8") for path in _modules().values()]
+    assert sum(text.count('f"eager disagrees with itself (') for text in texts) == 1

@@ -331,7 +331,7 @@ def test_a_nondeterministic_model_reports_eager_nondeterministic_not_lowering_mi
 
 def test_without_the_second_eager_run_the_lowering_would_be_blamed(monkeypatch):
     monkeypatch.setattr(eager_check_mod.EagerCheck, "_blame",
-                        lambda self, args, before, after, expected, detail: (Decline.LOWERING_MISMATCH, detail))
+                        lambda self, args, side, expected, detail: (Decline.LOWERING_MISMATCH, detail))
     assert noisy_model_through_compile()["lowering_check"]["status"] == "lowering_mismatch"
 
 

@@ -30,10 +30,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.errors import Contain, Decline
 from graphdispatch_backend.runtime.checks.modes import judging
 from graphdispatch_backend.runtime.checks.parity import Mismatch
-from graphdispatch_backend.runtime.checks.world import World
+from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, within
 
 
 class Isolation:
@@ -71,17 +71,19 @@ class Culprit:
     ops: list[str] | None = None  # FUSION: the ops whose fused result differs (None: none explains it)
 
 
-def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, after: World,
+def culprit(compiled: Callable[..., Any], args: Sequence[Any], side: SideBySide,
             differs: Callable[[list[Any]], Mismatch | None], substitutions: Sequence[Any], call: str,
             contain: Contain, fusion: Any = None, tolerance: Any = None) -> Culprit:
-    """The party at fault (see module docstring); `fusion` is the graph's runtime/program/fused.py
+    """The party at fault (see module docstring); `side` holds the checked call's world before
+    and eager's (runtime/checks/side_by_side.py); `fusion` is the graph's runtime/program/fused.py
     Fusion, if it serves fused code, and `tolerance` its declared tolerance (runtime/checks/tolerance.py),
-    which judges every run here as it judged the call. The world is left as eager left it (`after`)."""
+    which judges every run here as it judged the call. The world is left as eager left it."""
     demoted = [s.demoted for s in substitutions]
+    judge = within(tolerance)
 
     def again() -> Mismatch | None | Exception:
         """The call run again from the world before, compared (an exception: it raised)."""
-        _, exc = contain(before.restore)
+        _, exc = contain(side.back)
         if exc is not None:
             return exc
         with isolating(call):
@@ -89,11 +91,11 @@ def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, af
         if raised is not None:
             return raised
         mismatch, exc = contain(lambda: differs(list(out) if isinstance(out, (list, tuple)) else [out])
-                                or after.compare(tolerance))
+                                or side.writes(judge))
         return exc if exc is not None else mismatch
 
     found = again()
-    contain(after.restore)
+    contain(lambda: side.back(REFERENCE))
     newly = [s for s, was in zip(substitutions, demoted) if s.demoted and not was]
     if newly:
         return Culprit(ARTIFACT, "; ".join(f"artifact {s.artifact} at {s.region}: {s.detail}" for s in newly), newly)
@@ -101,7 +103,7 @@ def culprit(compiled: Callable[..., Any], args: Sequence[Any], before: World, af
         return Culprit(CAPTURE, "run eagerly, it matches eager: the replay differed")
     if fusion is not None and fusion.active:
         party = _fusion(fusion, again, found)
-        contain(after.restore)
+        contain(lambda: side.back(REFERENCE))
         if party is not None:
             return party
     if isinstance(found, Exception):
@@ -126,3 +128,56 @@ def _fusion(fusion: Any, again: Callable[[], Any], fused: Any) -> Culprit | None
 def _trying(fusion: Any, keep: Any, again: Callable[[], Any]) -> bool:
     with fusion.trying(keep):
         return again() is None
+
+
+@dataclasses.dataclass
+class Checked:
+    """The checked call a culprit is blamed at: its graph's record, its number in its shape
+    key and the last check's before it, and why it was checked (`novel`: its new inputs,
+    runtime/checks/novelty.py; else the recheck schedule)."""
+
+    record: Any  # the graph's GraphRecord
+    n: int
+    previous: int
+    novel: str | None = None
+
+    @property
+    def call(self) -> str:
+        why = f"checked for novel inputs: {self.novel}" if self.novel is not None else "checked by the recheck schedule"
+        return f"call {self.n} of {self.record.name} ({why})"
+
+
+def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events: Any, fusion: Any,
+          runners: Sequence[Any], replays: Sequence[int]) -> tuple[Decline, str] | None:
+    """The policy over a culprit: an artifact was demoted by its gate, a fusion learns (keeps
+    the ops as ATen calls, recompiles) or gives up (runtime/program/fused.py), the pieces that
+    replayed in the checked call are declined (`verify_mismatch`): each time the
+    graph keeps its lowering (None) and eager's values answer. The lowering's fault stays the
+    verdict, naming the call."""
+    record, call, n = checked.record, checked.call, checked.n
+    party, detail = found.party, found.detail
+    unchecked = n - checked.previous - 1  # served since the last check, which passed
+    message = f"{record.name}: a served call differed from eager at {call}: the {party} was at fault"
+    if checked.previous:
+        message += f"; the {unchecked} call(s) since the last check (call {checked.previous}) were served unchecked"
+    for sub in found.demoted:
+        with sub.lock:
+            sub.caught_at_call, sub.unchecked_calls = n, unchecked
+            sub.caught_by = "novelty" if checked.novel is not None else "recheck"
+    if party == ARTIFACT:
+        events.warn_once(f"culprit:{record.name}:{detail}", "graphdispatch: %s (%s); eager's values answered it",
+                         message, detail)
+        return None
+    if party == FUSION:  # learned (kept as ATen calls, recompiled) or given up: runtime/program/fused.py
+        fusion.learn(found.ops, n, f"{verdict[1]}; {detail}")
+        return None
+    if party == CAPTURE:
+        now = [s.replays for s in record.piece_stats]
+        for runner, was, is_ in zip(runners, replays, now):
+            if is_ > was:  # it replayed in the checked call
+                runner.distrust(Decline.VERIFY_MISMATCH,
+                                f"a replay differed from eager at {call}: {verdict[1]}; {detail}")
+        events.warn_once(f"culprit:{record.name}:capture", "graphdispatch: %s; eager's values answered it, and the "
+                         "pieces that replayed run eager", message)
+        return None
+    return verdict[0], f"{verdict[1]} (at {call}; {detail})" if detail else verdict[1]

@@ -15,7 +15,7 @@ from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.checks.draws import Start, privately
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing
 from graphdispatch_backend.runtime.checks.prints import Printed, differs, take_print
-from graphdispatch_backend.runtime.checks.world import World
+from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide
 
 
 def flat(out: Any) -> list[Any]:
@@ -71,8 +71,8 @@ class Reference:
         return compare(flat(self._raw), second, skip=self._skip)
 
     def forget_second(self) -> None:
-        """Eager ran again after its second run (the suspects' runs): the world is no longer
-        the second run's, so the answer runs eager once more (`answer`)."""
+        """Eager's second run disagreed with its first, whose world is put back: the answer
+        runs eager once more (`answer`)."""
         self._second = None
 
     def detail(self, detail: str) -> str:
@@ -84,15 +84,13 @@ class Reference:
                                                                                       self._args)
         return f"differs from eager: {full}" if full is not None else detail
 
-    def answer(self, eager: Callable[..., Any], before: World, after: World,
-               own: Callable[[Callable[[], Any]], None]) -> Any:
+    def answer(self, eager: Callable[..., Any], side: SideBySide, own: Callable[[Callable[[], Any]], None]) -> Any:
         """Eager's outputs, with the world as eager left it: kept, or run again (`own` runs
         graphdispatch's own steps, contained)."""
         if self._raw is not None:
-            if after is not None:
-                own(after.restore)
+            own(lambda: side.back(REFERENCE))
             return self._raw
-        if self._second is not None:  # the world is the second run's already
+        if self._second is not None:  # eager's second run agreed with its first: its outputs answer
             return tuple(self._second)
-        own(before.restore)
+        own(side.back)
         return eager(*self._args)

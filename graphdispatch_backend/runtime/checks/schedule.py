@@ -38,8 +38,11 @@ two, written "A|B" for `Due`.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import Any
 
 from graphdispatch_backend.options import is_recheck_mode
+from graphdispatch_backend.runtime.call.keys import layout_key
 
 CAP = 1024  # the longest interval between two checks of "doubling", in calls
 JITTER_FROM = 16  # intervals from this long on are jittered
@@ -154,3 +157,34 @@ class KeyedDue:
     def get(self, key: tuple[object, ...]) -> Due | None:
         """The key's schedule, if it has had a call since the last start-over."""
         return self._dues.get(key)
+
+
+class GraphDue:
+    """Which calls of one graph its eager check judges (runtime/checks/eager_check.py): its
+    `recheck` schedule, per shape key for a dynamic graph (keyed by the layouts of the call
+    inputs at `keyed`; Dynamo guards a static graph's one key), and the calls whose inputs
+    leave what the checked calls saw (`novelty`: runtime/checks/novelty.py)."""
+
+    def __init__(self, recheck: str | int, name: str, dynamic: bool, keyed: Sequence[int], novelty: Any) -> None:
+        self._keyed = tuple(keyed) if dynamic else None  # positions of call inputs (parameters are not keyed)
+        self._schedules = KeyedDue(recheck, name)
+        self._schedule = Due(recheck, name)
+        self._novelty = novelty if novelty is not None and novelty.on else None
+        self.n = self.previous = 0  # the checked call's number in its shape key, and the last check's
+
+    def __call__(self, args: Sequence[Any]) -> tuple[Any, str | None] | None:
+        """None, or why this call is checked: (what it saw, to widen what the checked calls
+        saw; a description of its new inputs when they, not the `recheck` schedule of its
+        shape key, made it due)."""
+        due = self._schedule
+        if self._keyed is not None:
+            due = self._schedules(layout_key(map(args.__getitem__, self._keyed)))
+        scheduled = due()
+        seen = self._novelty.observe(args) if self._novelty is not None else None
+        novel = None if scheduled or seen is None else seen.why
+        if novel is not None:
+            due.checked_now()
+        elif not scheduled:
+            return None
+        self.n, self.previous = due.n, due.previous
+        return seen, novel

@@ -3,7 +3,9 @@
 That is the regions of its inputs the graph writes (a KV cache's rows, a running buffer).
 Every extra run graphdispatch adds (the eager check, a verification, a derived verification
 set, a capture's own run, an artifact's gate) takes the world before it and puts it back
-after, so the user's state advances exactly once per call, as in eager. The RNG is not
+after, so the user's state advances exactly once per call, as in eager. Only
+runtime/checks/ handles a World: a judge through its side-by-side comparison
+(side_by_side.py), an extra run compared with nothing through `held`. The RNG is not
 part of it: a captured piece draws nothing (random ops stay outside pieces,
 passes/split_pieces.py), a region that draws is never substituted (artifacts/match.py),
 and the eager check's extra runs of a graph that draws draw from private copies of the
@@ -170,6 +172,11 @@ class World:
         """This snapshot's values against another snapshot's (`other`, the expected) of the
         same regions; bitwise, or allclose for an artifact with that parity."""
         return compare(other._copies, self._copies, mode, rtol, atol, check_strides=False)
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """The regions' values at `take`."""
+        return self._copies
 
     @property
     def empty(self) -> bool:

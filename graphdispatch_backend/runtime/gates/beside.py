@@ -4,7 +4,8 @@ An artifact is judged against its native region on the inputs of a live call (ru
 Both may write into those inputs: the ones the manifest declares (`signature.mutates`, a KV
 cache's rows) they must write alike; any other write is the artifact's fault. So:
 
-1. what the region writes is snapshotted where it writes it (runtime/checks/world.py: the rows);
+1. what the region writes is snapshotted where it writes it (runtime/checks/side_by_side.py, the
+   native region the reference and the artifact the candidate; world.py: the rows);
    every tensor input is also guarded: copied while the copies fit `max_snapshot_bytes`
    (a write the artifact should not have made is then undone, wherever it wrote), past
    that fingerprinted only (runtime/checks/digest.py: the write is caught, not undone, and the
@@ -37,7 +38,8 @@ import torch
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.checks.digest import digest
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
-from graphdispatch_backend.runtime.checks.world import World, Writes
+from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, by_parity, held
+from graphdispatch_backend.runtime.checks.world import Writes
 
 
 @dataclasses.dataclass
@@ -73,19 +75,18 @@ class Outcome:
     outside: bool = False  # a declared input differs from native's beyond the regions compared
     outside_undone: bool = True  # ... and a whole copy of it puts that back
     unjudged: str | None = None  # a snapshot step failed: nothing was judged; the inputs are native's
-    before: World | None = None
-    native_world: World | None = None
+    side: SideBySide | None = None  # the world before, and native's (runtime/checks/side_by_side.py)
 
     copied: list[Guard] = dataclasses.field(default_factory=list)  # declared inputs copied whole
 
     def keep_native(self) -> None:
         """Leave the declared inputs as the native run wrote them (wherever the artifact
         wrote, where a whole copy was kept; else on the regions the region writes)."""
-        if self.before is not None and self.native_world is not None:
+        if self.side is not None:
             for guard in self.copied:
                 guard.undo()
-            self.before.restore()
-            self.native_world.restore()
+            self.side.back()
+            self.side.back(REFERENCE)
 
 
 class Beside:
@@ -106,39 +107,39 @@ class Beside:
         declared = sorted(self._writes.positions)
         printed = parity.mode == "bitwise" and whole  # whose declared inputs are fingerprinted
         prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared), whole),
-                                               World.take(self._writes.regions(inputs))))
+                                               SideBySide.take(self._writes.regions(inputs), self._contain)))
         if exc is not None:
             return Outcome(None, unjudged=_failed("guarding the inputs", exc))
-        (guards, copied), before = prepared
+        (guards, copied), side = prepared
         native_out = native(*inputs)
-        kept, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if printed else [], before.swap()))
+        prints, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if printed else [],
+                                             side.set_aside(REFERENCE))[0])
         if exc is not None:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
-        prints, native_world = kept
         result, raised = self._contain_artifact(lambda: artifact(*inputs))
-        judged, exc = self._contain(lambda: self._judge(inputs, declared, guards, before, native_world, prints,
-                                                         parity))
+        judged, exc = self._contain(lambda: self._judge(inputs, declared, guards, side, prints, parity))
         if exc is not None:
-            outcome = Outcome(native_out, before=before, native_world=native_world, copied=copied,
+            outcome = Outcome(native_out, side=side, copied=copied,
                               unjudged=_failed("comparing the artifact's writes", exc))
             self._contain(outcome.keep_native)
             return outcome
         touched, undone, writes, outside = judged
         return Outcome(native_out, result, raised, touched, undone, writes, outside,
-                       not outside or len(copied) == len(declared), None, before, native_world, copied)
+                       not outside or len(copied) == len(declared), None, side, copied)
 
-    def _judge(self, inputs: Sequence[Any], declared: list[int], guards: list[Guard], before: World,
-               native_world: World, prints: list[torch.Tensor], parity: Any) -> tuple[list[int], bool, Any, bool]:
+    def _judge(self, inputs: Sequence[Any], declared: list[int], guards: list[Guard], side: SideBySide,
+               prints: list[torch.Tensor], parity: Any) -> tuple[list[int], bool, Any, bool]:
         touched = [g for g in guards if g.touched()]
         undone = all([g.undo() for g in touched])
-        writes = before.now().compare_with(native_world, parity.mode, parity.rtol, parity.atol) if declared else None
+        writes = side.writes(by_parity(parity.mode, parity.rtol, parity.atol)) if declared else None
         outside = bool(prints) and writes is None and not all(
             torch.equal(digest(inputs[p]), d) for p, d in zip(declared, prints))
         return [g.position for g in touched], undone, writes, outside
 
-    def snapshot(self, inputs: Sequence[Any]) -> World:
-        """The declared writes' regions now (the speed gate's repeated runs put them back)."""
-        return World.take(self._writes.regions(inputs))
+    def snapshot(self, inputs: Sequence[Any]) -> Callable[[], None]:
+        """The declared writes' regions now, kept: calling the result puts them back (the
+        speed gate's repeated runs)."""
+        return held(self._writes.regions(inputs))
 
     def _guards(self, inputs: Sequence[Any], declared: set[int], whole: bool) -> tuple[list[Guard], list[Guard]]:
         """Guards of the undeclared tensor inputs, and (`whole`) whole copies of the declared

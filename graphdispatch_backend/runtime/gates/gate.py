@@ -43,39 +43,22 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import CaptureRefused, Contain, Demotion
 from graphdispatch_backend.runtime.call.keys import layout_key
 from graphdispatch_backend.runtime.checks.modes import judging_call, natively
-from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty, Observation
-from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty
+from graphdispatch_backend.runtime.checks.parity import Mismatch
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
-from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
+from graphdispatch_backend.runtime.gates.beside import Beside
 from graphdispatch_backend.runtime.gates.checked import CheckBook
 from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta
+from graphdispatch_backend.runtime.gates.judge import GateJudge, as_tuple, meta
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
-
-# what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
-# failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
-_STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
-
-
-def _meta(outs: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs)
-
-
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _reason(mismatch: Mismatch) -> Demotion:
-    return Demotion.BAD_OUTPUT if mismatch.what in _STRUCTURE else Demotion.PARITY
 
 
 class ArtifactGate:
@@ -110,16 +93,12 @@ class ArtifactGate:
             self._artifact = tensors_only
         self._native = native
         self._record = record
-        self._parity = parity
         self._contain = contain  # graphdispatch's own steps (a snapshot, a comparison)
         # the kernel's runs: what it raises comes back even under strict, so that it is demoted
         # here, and under strict the demotion raises, naming the artifact, region and call
         self._contain_artifact = contain_artifact
-        self._events = events
         self._timing = timing
-        self._speed_gate = speed_gate
         self._strict = strict
-        self._passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # the region's inputs that are no parameters and that it does not write: watched for new values
         watched = [i for i, name in enumerate(input_names) if re.fullmatch(r"input\d+", name or "")
                    and i not in (writes.positions if writes is not None else ())]
@@ -127,13 +106,17 @@ class ArtifactGate:
         self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty))
         self._lock = threading.Lock()
         self.demoted = False
-        self._tolerant = parity.mode != "bitwise"
         record.parity_mode = parity.mode
         # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
         self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain, contain_artifact)
-        self._speed = SpeedTrial(self._artifact, native, self._beside, contain, contain_artifact)  # speed_gate only
+        speed = SpeedTrial(self._artifact, native, self._beside, contain, contain_artifact) if speed_gate else None
         self._demoter = Demoter(record, events, timing, strict, input_names)  # what a demotion records and says
+        # what a judged call means: a demotion or a pass (runtime/gates/judge.py)
+        self._judge = GateJudge(self._artifact, self._run_native, record, parity, self._beside, speed, self._checks,
+                                contain, events, timing, self._demote)
+        self._tolerant = self._judge.tolerant
+        self._passed = self._judge.passed
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:
@@ -158,14 +141,16 @@ class ArtifactGate:
             due, seen, novel = self._checks.take(key, inputs)
             if due:  # unlocked: a lost call under threads only shifts a re-check
                 with self._lock:
-                    return (self._judge(key, inputs, recheck=True, seen=seen, novel=novel) if not self.demoted
+                    return (self._judge.judge(key, inputs, recheck=True, seen=seen, novel=novel) if not self.demoted
                             else self._run_native(inputs))
         if self._timing.shadow and not replaying:  # a capture may not sync; a replay runs no Python
             if self._beside.mutates:  # both would write: every call is judged side by side instead
                 with self._lock:
-                    return (self._judge(key, inputs, recheck=True, seen=seen) if not self.demoted
+                    return (self._judge.judge(key, inputs, recheck=True, seen=seen) if not self.demoted
                             else self._run_native(inputs))
-            return self._shadow(inputs, expected, seen)
+            t0 = self._timing.now()
+            outs = self._outputs(inputs, expected)
+            return self._judge.shadow(inputs, outs, self._timing.now, t0, self._timing.now(), seen)
         outs = self._outputs(inputs, expected)
         if outs is None:
             return self._run_native(inputs)
@@ -192,33 +177,19 @@ class ArtifactGate:
         if exc is not None:
             self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}", cause=exc, counted=False, inputs=inputs)
             return None
-        outs = _as_tuple(result)
-        if _meta(outs) != expected:
+        outs = as_tuple(result)
+        if meta(outs) != expected:
             self._demote(Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {describe_meta(expected)}",
                          counted=False, inputs=inputs)
             return None
         return outs
 
     def _judge_call(self, inputs: Sequence[Any], call: str) -> Sequence[Any]:
-        """Inside judging(): the artifact beside native on this call's inputs; demoted if it
-        differs, naming the call and the inputs; the native outputs answer either way."""
+        """Inside judging(): the artifact beside native on this call's inputs (runtime/gates/judge.py)."""
         with self._lock:
             if self.demoted:
                 return self._run_native(inputs)
-            with self._record.lock:
-                self._record.gates += 1
-            o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity)
-            if o.unjudged is not None or o.native is None:
-                return o.native if o.native is not None else self._run_native(inputs)
-            verdict = self._verdict(layout_key(inputs), o, recheck=False)
-            self._contain(o.keep_native)
-            if verdict is not None:
-                reason, detail, mismatch = verdict
-                if not self._tolerant:  # its serving in this check counted as checked: it failed the check
-                    self._checks.reopen()
-                self._demote(reason, f"{detail}; caught at {call}, inputs {self._demoter.inputs(inputs)}", mismatch,
-                             cause=o.raised, at="")
-            return o.native
+            return self._judge.judge_call(layout_key(inputs), inputs, call, self._demoter.inputs(inputs))
 
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded
@@ -235,7 +206,7 @@ class ArtifactGate:
         with self._lock:
             if key not in self._passed and not self.demoted:
                 self._checks.due(key)  # the key's first call: its schedule starts here
-                return self._judge(key, inputs, native_answer=True)
+                return self._judge.judge(key, inputs, native_answer=True)
         return self._run_native(inputs)
 
     def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
@@ -253,130 +224,10 @@ class ArtifactGate:
         # the key's first call (checked, whatever the schedule): its schedule starts here
         seen = self._checks.first(key, inputs) if not in_recording() else None
         try:
-            return self._judge(key, inputs, seen=seen)
+            return self._judge.judge(key, inputs, seen=seen)
         finally:
             if self._timing.enabled:
                 self._timing.add("artifact_gate", self._timing.now() - start)
-
-    def _judge(self, key: tuple[Any, ...], inputs: Sequence[Any], recheck: bool = False,
-               native_answer: bool = False, seen: Observation | None = None,
-               novel: str | None = None) -> Sequence[Any]:
-        """The artifact judged beside its native region on this call's inputs; `seen`: what
-        the inputs hold (seen, once judged), `novel`: why they made the call due."""
-        with self._record.lock:
-            self._record.gates += 1
-        # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
-        # size) only at the first call of a shape key (runtime/gates/beside.py)
-        o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity,
-                             whole=not recheck)
-        if o.unjudged is not None:  # graphdispatch's own step failed (memory): no verdict this call
-            self._timing.note(f"artifact {self._record.artifact} not judged at {self._record.region}: {o.unjudged}")
-            return o.native if o.native is not None else self._run_native(inputs)
-        native = o.native
-        assert native is not None
-        verdict = self._verdict(key, o, recheck)
-        if seen is not None:  # judged: what this call's inputs hold counts as seen
-            seen.checked()
-        if novel is not None:
-            self._checks.novel_check()
-        if verdict is not None:
-            self._contain(o.keep_native)
-            reason, detail, mismatch = verdict
-            if o.outside and "beyond the rows" not in detail:
-                detail += f"; {self._beyond(o)}"
-            if recheck:
-                detail += self._checks.caught(key, novel)
-            self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
-            return native
-        # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
-        p = self._parity
-        with self._record.lock:
-            self._record.parity = "passed"
-        if self._speed_gate and not recheck and not self._faster(inputs):
-            return native
-        outs = _as_tuple(o.result)
-        self._passed[key] = _meta(outs)
-        if not recheck:  # a passed re-check is routine; a failed one is a demotion event
-            self._events.decision("parity", {"region": self._record.region, "artifact": self._record.artifact,
-                                             "verdict": "passed", "mode": p.mode})
-        if native_answer:  # the eager check wants the lowering's own bits (see native_regions)
-            self._contain(o.keep_native)
-            return native
-        if not in_recording():
-            with self._record.lock:
-                self._record.native_calls -= 1  # the native run here was the reference, not a fallback
-            self._checks.served(checked=True)
-        return outs
-
-    def _verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:
-        """Why the artifact is demoted after this side-by-side run, or None (it passed)."""
-        if o.touched:
-            names = ", ".join(f"input {i}" for i in o.touched)
-            undone = "" if o.undone else (" (too large to copy beforehand: the write could not be undone; "
-                                          "those inputs may hold what it wrote)")
-            return Demotion.MUTATED_INPUT, f"wrote into {len(o.touched)} of its inputs ({names}){undone}", None
-        if o.raised is not None:
-            return Demotion.RAISED, f"{type(o.raised).__name__}: {o.raised}", None
-        outs = _as_tuple(o.result)
-        if recheck and _meta(outs) != self._passed.get(key, _meta(outs)):  # what a later call would call bad
-            expected = describe_meta(self._passed[key])
-            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {expected}", None
-        if not all(isinstance(out, torch.Tensor) for out in outs):
-            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}; tensors expected", None
-        p = self._parity
-        assert o.native is not None
-        mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
-        if mismatch is not None:
-            return _reason(mismatch), str(mismatch), mismatch
-        if o.writes is not None:
-            return Demotion.PARITY, o.writes.describe(f"the rows it writes in place ({self._written()})"), o.writes
-        if o.outside:
-            return Demotion.PARITY, self._beyond(o), None
-        return None
-
-    def _beyond(self, o: Outcome) -> str:
-        undone = "undone" if o.outside_undone else ("not undone: too large to copy within max_snapshot_bytes; it may "
-                                            "hold what the artifact wrote")
-        return f"it wrote {self._written()} beyond the rows the region writes ({undone})"
-
-    def _written(self) -> str:
-        return ", ".join(self._record.mutates) or "its declared inputs"
-
-    def _faster(self, inputs: Sequence[Any]) -> bool:
-        speed, demotion = self._speed.judge(inputs)
-        if speed is not None:
-            self._record.speed = speed
-        if demotion is not None:
-            self._demote(*demotion, inputs=inputs)
-        return demotion is None
-
-    def _shadow(self, inputs: Sequence[Any], expected: tuple[Any, ...],
-                seen: Observation | None = None) -> Sequence[Any]:
-        t0 = self._timing.now()
-        outs = self._outputs(inputs, expected)
-        t1 = self._timing.now()
-        native = self._run_native(inputs)
-        t2 = self._timing.now()
-        with self._record.lock:
-            shadow = self._record.shadow
-            shadow["calls"] = shadow.get("calls", 0) + 1
-            shadow["artifact_s"] = shadow.get("artifact_s", 0.0) + (t1 - t0)
-            shadow["native_s"] = shadow.get("native_s", 0.0) + (t2 - t1)
-        if outs is None:  # demoted; the native run above answers (not run a second time)
-            return native
-        p = self._parity
-        mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
-        if seen is not None:
-            seen.checked()
-        if mismatch is not None:  # native ran anyway: every call is a parity check
-            with self._record.lock:
-                self._record.caught_by = "shadow"
-            self._demote(_reason(mismatch), f"{mismatch} (shadow check)", mismatch, inputs=inputs)
-            return native
-        with self._record.lock:
-            self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
-        self._checks.served(checked=True)
-        return outs
 
     def _demote(self, reason: Demotion, detail: str, mismatch: Mismatch | None = None, **how: Any) -> None:
         """Serve native from now on, the demotion recorded and said (runtime/gates/demote.py;

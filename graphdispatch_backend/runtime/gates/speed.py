@@ -35,13 +35,13 @@ class SpeedTrial:
         """The figures (None when not timed) and the demotion, or None: faster, or not timed."""
         if not self._beside.mutates:
             return self._timed(inputs)
-        world, exc = self._contain(lambda: self._beside.snapshot(inputs))
+        rewind, exc = self._contain(lambda: self._beside.snapshot(inputs))
         if exc is not None:
             return None, None  # not timed this call (memory): no verdict on speed
         try:
             return self._timed(inputs)
         finally:
-            self._contain(world.restore)
+            self._contain(rewind)
 
     def _timed(self, inputs: Sequence[Any]) -> tuple[Speed | None, tuple[Demotion, str] | None]:
         native_ms = _median_ms(lambda: self._native(*inputs), inputs)

@@ -43,7 +43,8 @@ import torch
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.call.contract import LayoutIdentity
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
-from graphdispatch_backend.runtime.checks.world import World, Writes
+from graphdispatch_backend.runtime.checks.side_by_side import held
+from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import Like, is_out_of_memory
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture, where
 from graphdispatch_backend.runtime.runner.book import EntryBook
@@ -180,15 +181,15 @@ def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[...
             raise _refusal(exc, "copying the inputs in")
         # the regions of the inputs (or their buffers) the capture's own runs write: put
         # back after the warmup run (the recording starts from the caller's state) and after
-        before, exc = scope.contain(lambda: World.take(writes.regions(static_args)))
+        rewind, exc = scope.contain(lambda: held(writes.regions(static_args)))
         if exc is not None:
             raise _refusal(exc, "snapshotting the inputs the graph writes")
         # collectives inside (lockstep): no warmup run that one rank would make alone
         with device.guard():
             graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device,
-                                                                    warmup=not lockstep, rewind=before.restore,
+                                                                    warmup=not lockstep, rewind=rewind,
                                                                     like=like))
-        before.restore()
+        rewind()
     if exc is not None:
         raise _refusal(exc, "capturing")
     for i, out in enumerate(graph.outputs):

@@ -11,8 +11,9 @@ not captured with?
     on a derived set (a data-dependent check) means there is none;
   - `tells`: did a derived set's outputs differ from the live ones (else it tested nothing)?
 - `Verifier.judge` compares one set's replay with eager's output (outputs: values,
-  strides, views; and the tensors the piece writes into). On a mismatch it runs eager a
-  second time from the same world: an eager that disagrees with itself is
+  strides, views; and the tensors the piece writes into) side by side
+  (runtime/checks/side_by_side.py, which owns the world of both runs). On a mismatch eager
+  runs a second time from the same world: an eager that disagrees with itself is
   `eager_nondeterministic` (atomics, `index_add_`), not the capture's fault.
 
 A verdict is None (verified) or (Decline, detail); graphdispatch's own steps run inside
@@ -30,8 +31,9 @@ from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.checks.digest import same_values
 from graphdispatch_backend.runtime.checks.parity import Mismatch, differ
 from graphdispatch_backend.runtime.checks.prints import PRINTED, Printed, differs, outputs_differ, take_print
-from graphdispatch_backend.runtime.checks.suspects import NONE_KNOWN, Suspects
-from graphdispatch_backend.runtime.checks.world import World, Writes
+from graphdispatch_backend.runtime.checks.side_by_side import CANDIDATE, REFERENCE, Compared, Kind, SideBySide
+from graphdispatch_backend.runtime.checks.suspects import Suspects
+from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory, recording
 from graphdispatch_backend.runtime.runner.derive import derive
 
@@ -58,69 +60,42 @@ class Verifier:
         """A call's live set alone, without the publisher's other steps (Trial.live)."""
         return Trial(self, args, serve, eager).live()
 
-    def world(self, args: Sequence[Any]) -> World:
-        return World.take(self._writes.regions(args))
+    def world(self, args: Sequence[Any]) -> SideBySide | Compared:
+        """The world before a replay and eager run beside each other on `args` (or REFUSED)."""
+        return SideBySide.open(lambda: self._writes.regions(args), self.contain)
 
     def judge(self, args: Sequence[Any], expected: Sequence[Any] | Printed, replayed: Sequence[Any] | Printed,
-              replay_state: World, before: World, eager_after: World,
-              serve: Serve | None = None) -> Verdict:
+              side: SideBySide, serve: Serve | None = None) -> Verdict:
         """Eager's outputs against the replay's (either side may be a print, runtime/checks/prints.py),
-        and eager's world (`eager_after`) against the replay's (`replay_state`); on a mismatch,
-        eager again from `before`. The world is left as eager left it."""
-        mismatch, exc = self.contain(lambda: outputs_differ(expected, replayed, args, self.skip)
-                                     or _states(eager_after, replay_state))
-        if exc is not None:
-            return Decline.CHECK_FAILED, f"comparing the replay raised {type(exc).__name__}: {exc}"
-        if mismatch is None:
-            return None
-
-        output = [-1]  # the output that differed (-1: none, the written inputs did)
-
-        def again() -> Any:
-            before.restore()
-            try:
-                with recording():  # an extra run: gates neither count nor re-check it
-                    second = self.fn(*args)
-                found = outputs_differ(expected, second, args, self.skip)
-                if found is not None:
-                    output[0] = found.output
-                return found or eager_after.compare()
-            finally:
-                eager_after.restore()
-
-        nondeterministic, exc = self.contain(again)
-        if exc is None and nondeterministic is not None:
-            named, _ = self.contain(lambda: self._name(output[0], args, before, eager_after))
-            return (Decline.EAGER_NONDETERMINISTIC,
-                    f"eager disagrees with itself ({nondeterministic}); suspects: {named or NONE_KNOWN}")
-        if mismatch is PRINTED and serve is not None:
-            mismatch = self._replayed_again(args, expected, serve, before, eager_after) or mismatch
-        return Decline.VERIFY_MISMATCH, str(mismatch)
-
-    def _name(self, output: int, args: Sequence[Any], before: World, eager_after: World) -> str:
-        """The op whose bits differed (runtime/checks/suspects.py), the piece run op by op from
-        the world before; the world is left as eager left it."""
-        def run(fn: Callable[..., Any]) -> Any:
-            before.restore()
-            with recording():  # extra runs: gates neither count nor re-check them
+        and eager's writes against the replay's (runtime/checks/side_by_side.py); on a mismatch,
+        eager again from the world before. The world is left as eager left it."""
+        def extra(fn: Callable[..., Any]) -> Any:
+            with recording():  # an extra run: gates neither count nor re-check it
                 return fn(*args)
 
-        try:
-            return self._suspects.name(output, run)
-        finally:
-            eager_after.restore()
+        compared = side.judge(lambda: outputs_differ(expected, replayed, args, self.skip), extra, self.fn,
+                              lambda second: outputs_differ(expected, second, args, self.skip), self._suspects)
+        if compared.kind is Kind.EQUAL:
+            return None
+        if compared.kind is Kind.RAISED:
+            return Decline.CHECK_FAILED, f"comparing the replay raised {compared.detail}"
+        if compared.kind is Kind.NONDETERMINISTIC:
+            return Decline.EAGER_NONDETERMINISTIC, compared.detail
+        mismatch = compared.mismatch
+        if mismatch is PRINTED and serve is not None:
+            mismatch = self._replayed_again(args, expected, serve, side) or mismatch
+        return Decline.VERIFY_MISMATCH, str(mismatch)
 
     def _replayed_again(self, args: Sequence[Any], expected: Sequence[Any] | Printed,
-                        serve: Serve, before: World,
-                        eager_after: World) -> Mismatch | None:
+                        serve: Serve, side: SideBySide) -> Mismatch | None:
         """The replay's outputs were printed: replay once more for a mismatch's values (the
         max abs diff, the first index), the world put back as eager left it."""
         def replay() -> Mismatch | None:
-            before.restore()
+            side.back()
             try:
                 return outputs_differ(expected, serve(args), args, self.skip)
             finally:
-                eager_after.restore()
+                side.back(REFERENCE)
 
         detail, _ = self.contain(replay)
         return detail
@@ -156,31 +131,31 @@ class Trial:
         """A replay on the live inputs, then the user's own eager run (which answers the
         call and advances the world once); the replay's effect on the world is undone."""
         args, verifier = self._args, self._verifier
-        before, exc = self._contain(lambda: verifier.world(args))
-        if exc is not None:
-            return self.answer(), unsnapshotted(exc)
-        replayed, failed = self._contain(lambda: self._serve(args))
+        side = verifier.world(args)
+        if isinstance(side, Compared):
+            return self.answer(), unsnapshotted(side.raised)
+        replayed, failed = side.run(lambda: self._serve(args))
         if failed is None:  # printed and freed: eager's run beside holds no second set of outputs
             # (printed before the world goes back: an output may view an input it puts back)
             printed, oops = self._contain(lambda: take_print(replayed, args, verifier.skip))
             replayed = printed if oops is None else replayed
-        replay_state, exc = self._contain(before.swap)
+        _, exc = self._contain(lambda: side.set_aside(CANDIDATE))
         try:  # the user's own run: it must not fail for the memory the replay's outputs hold
             expected = self.answer()
         except (RuntimeError, MemoryError) as oom:  # torch.OutOfMemoryError is a RuntimeError
             if not is_out_of_memory(oom):
                 raise  # the user's own error, as eager raises it
-            del replayed, replay_state  # freed before eager runs again
+            del replayed, side  # freed before eager runs again
             return verifier.fn(*args), (Decline.OUT_OF_MEMORY, f"eager beside the replay: {type(oom).__name__}: {oom}")
         if failed is not None:
-            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed) else Decline.REPLAY_FAILED
-            return expected, (reason, f"{type(failed).__name__}: {failed}")
+            reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed.raised) else Decline.REPLAY_FAILED
+            return expected, (reason, failed.detail)
         if exc is not None:
             return expected, (Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}")
-        eager_after, exc = self._contain(before.now)
+        _, exc = self._contain(lambda: side.keep(REFERENCE))
         if exc is not None:
             return expected, unsnapshotted(exc)
-        return expected, verifier.judge(args, expected, replayed, replay_state, before, eager_after, self._serve)
+        return expected, verifier.judge(args, expected, replayed, side, self._serve)
 
     def derived(self, moving: Sequence[tuple[int, torch.Tensor]], live: Sequence[Any] | None, salt: int,
                 printed: list[Printed] | None = None) -> Verdict:
@@ -204,7 +179,9 @@ class Trial:
             derived = list(self._args)
             for (pos, _), value in zip(moving, values):
                 derived[pos] = value
-            before = verifier.world(derived)
+            side = verifier.world(derived)
+            if isinstance(side, Compared):
+                return unsnapshotted(side.raised, "a derived verification set")
             try:
                 with recording():  # an extra run: gates neither count nor re-check it
                     expected, exc = self._contain(lambda: verifier.fn(*derived))  # noqa: B023 (run at once)
@@ -219,12 +196,12 @@ class Trial:
                 expected = take_print(expected, derived, verifier.skip)  # freed before the replay runs
                 if printed is not None:
                     printed.append(expected)
-                eager_after = before.swap()
+                side.set_aside(REFERENCE)
                 replayed = self._serve(derived)
-                replay_state = eager_after.swap()
-                return verifier.judge(derived, expected, replayed, replay_state, before, eager_after)
+                side.trade(CANDIDATE, back=REFERENCE)
+                return verifier.judge(derived, expected, replayed, side)
             finally:
-                before.restore()
+                side.back()
         return NO_SET
 
 
@@ -237,7 +214,3 @@ def unsnapshotted(exc: Exception, doing: str = "snapshot") -> tuple[Decline, str
         return Decline.OUT_OF_MEMORY, f"{doing}: {type(exc).__name__}: {exc}"
     return Decline.CHECK_FAILED, f"{doing} raised {type(exc).__name__}: {exc}"
 
-
-def _states(eager_after: World, replay_state: World) -> Any:
-    """The tensors the piece writes into, as the replay left them, against eager's."""
-    return None if eager_after.empty else replay_state.compare_with(eager_after)

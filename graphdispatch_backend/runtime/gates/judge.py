@@ -1,0 +1,203 @@
+"""GateJudge: an artifact's gate's policy over its side-by-side run with the native region.
+
+The gate (runtime/gates/gate.py) decides which calls are judged; this decides what one
+judged call means. The run itself is runtime/gates/beside.py (over runtime/checks/side_by_side.py:
+the native region the reference, the kernel the candidate); its outcome is a demotion
+(`verdict`: an undeclared write, a raise, a bad output, a parity failure of the outputs or
+the declared writes, a write beyond the rows) or a pass, after which the speed gate may
+still demote (`speed_gate`), and the call is answered by the artifact's outputs (a pass)
+or the native ones. Under `timing="shadow"` every call runs both, and is judged on its
+outputs (`shadow`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphdispatch_backend.diagnostics.events import Events
+from graphdispatch_backend.diagnostics.report import SubstitutionRecord
+from graphdispatch_backend.diagnostics.timing import Timing
+from graphdispatch_backend.errors import Contain, Demotion
+from graphdispatch_backend.runtime.checks.novelty import Observation
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.cudagraph.engine import in_recording
+from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
+from graphdispatch_backend.runtime.gates.checked import CheckBook
+from graphdispatch_backend.runtime.gates.demote import describe, describe_meta
+from graphdispatch_backend.runtime.gates.speed import SpeedTrial
+
+# what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
+# failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
+_STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
+
+Demote = Callable[..., None]  # the gate's demotion: (reason, detail, mismatch, **how)
+
+
+def meta(outs: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs)
+
+
+def as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def reason_of(mismatch: Mismatch) -> Demotion:
+    return Demotion.BAD_OUTPUT if mismatch.what in _STRUCTURE else Demotion.PARITY
+
+
+class GateJudge:
+    """One region's judged calls: `passed` holds, per shape key, the outputs' metadata of
+    the call that passed its gate."""
+
+    def __init__(self, artifact: Callable[..., Any], run_native: Callable[[Sequence[Any]], Sequence[Any]],
+                 record: SubstitutionRecord, parity: Any, beside: Beside, speed: SpeedTrial | None,
+                 checks: CheckBook, contain: Contain, events: Events, timing: Timing, demote: Demote) -> None:
+        self._artifact, self._run_native = artifact, run_native
+        self._record, self._parity = record, parity
+        self._beside, self._speed = beside, speed  # speed: with speed_gate only
+        self._checks = checks
+        self._contain, self._events, self._timing = contain, events, timing
+        self._demote = demote
+        self.passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.tolerant = parity.mode != "bitwise"
+
+    def judge(self, key: tuple[Any, ...], inputs: Sequence[Any], recheck: bool = False,
+              native_answer: bool = False, seen: Observation | None = None,
+              novel: str | None = None) -> Sequence[Any]:
+        """The artifact judged beside its native region on this call's inputs; `seen`: what
+        the inputs hold (seen, once judged), `novel`: why they made the call due."""
+        with self._record.lock:
+            self._record.gates += 1
+        # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
+        # size) only at the first call of a shape key (runtime/gates/beside.py)
+        o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity,
+                             whole=not recheck)
+        if o.unjudged is not None:  # graphdispatch's own step failed (memory): no verdict this call
+            self._timing.note(f"artifact {self._record.artifact} not judged at {self._record.region}: {o.unjudged}")
+            return o.native if o.native is not None else self._run_native(inputs)
+        native = o.native
+        assert native is not None
+        verdict = self.verdict(key, o, recheck)
+        if seen is not None:  # judged: what this call's inputs hold counts as seen
+            seen.checked()
+        if novel is not None:
+            self._checks.novel_check()
+        if verdict is not None:
+            self._contain(o.keep_native)
+            reason, detail, mismatch = verdict
+            if o.outside and "beyond the rows" not in detail:
+                detail += f"; {self._beyond(o)}"
+            if recheck:
+                detail += self._checks.caught(key, novel)
+            self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
+            return native
+        # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
+        p = self._parity
+        with self._record.lock:
+            self._record.parity = "passed"
+        if self._speed is not None and not recheck and not self._faster(inputs):
+            return native
+        outs = as_tuple(o.result)
+        self.passed[key] = meta(outs)
+        if not recheck:  # a passed re-check is routine; a failed one is a demotion event
+            self._events.decision("parity", {"region": self._record.region, "artifact": self._record.artifact,
+                                             "verdict": "passed", "mode": p.mode})
+        if native_answer:  # the eager check wants the lowering's own bits (see native_regions)
+            self._contain(o.keep_native)
+            return native
+        if not in_recording():
+            with self._record.lock:
+                self._record.native_calls -= 1  # the native run here was the reference, not a fallback
+            self._checks.served(checked=True)
+        return outs
+
+    def judge_call(self, key: tuple[Any, ...], inputs: Sequence[Any], call: str, named: str) -> Sequence[Any]:
+        """Inside judging(): the artifact beside native on this call's inputs (`named`: them,
+        described); demoted if it differs, naming the call and the inputs; the native outputs
+        answer either way."""
+        with self._record.lock:
+            self._record.gates += 1
+        o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity)
+        if o.unjudged is not None or o.native is None:
+            return o.native if o.native is not None else self._run_native(inputs)
+        verdict = self.verdict(key, o, recheck=False)
+        self._contain(o.keep_native)
+        if verdict is not None:
+            reason, detail, mismatch = verdict
+            if not self.tolerant:  # its serving in this check counted as checked: it failed the check
+                self._checks.reopen()
+            self._demote(reason, f"{detail}; caught at {call}, inputs {named}", mismatch, cause=o.raised, at="")
+        return o.native
+
+    def verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:
+        """Why the artifact is demoted after this side-by-side run, or None (it passed)."""
+        if o.touched:
+            names = ", ".join(f"input {i}" for i in o.touched)
+            undone = "" if o.undone else (" (too large to copy beforehand: the write could not be undone; "
+                                          "those inputs may hold what it wrote)")
+            return Demotion.MUTATED_INPUT, f"wrote into {len(o.touched)} of its inputs ({names}){undone}", None
+        if o.raised is not None:
+            return Demotion.RAISED, f"{type(o.raised).__name__}: {o.raised}", None
+        outs = as_tuple(o.result)
+        if recheck and meta(outs) != self.passed.get(key, meta(outs)):  # what a later call would call bad
+            expected = describe_meta(self.passed[key])
+            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {expected}", None
+        if not all(isinstance(out, torch.Tensor) for out in outs):
+            return Demotion.BAD_OUTPUT, f"returned {describe(outs)}; tensors expected", None
+        p = self._parity
+        assert o.native is not None
+        mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
+        if mismatch is not None:
+            return reason_of(mismatch), str(mismatch), mismatch
+        if o.writes is not None:
+            return Demotion.PARITY, o.writes.describe(f"the rows it writes in place ({self._written()})"), o.writes
+        if o.outside:
+            return Demotion.PARITY, self._beyond(o), None
+        return None
+
+    def _beyond(self, o: Outcome) -> str:
+        undone = "undone" if o.outside_undone else ("not undone: too large to copy within max_snapshot_bytes; it may "
+                                            "hold what the artifact wrote")
+        return f"it wrote {self._written()} beyond the rows the region writes ({undone})"
+
+    def _written(self) -> str:
+        return ", ".join(self._record.mutates) or "its declared inputs"
+
+    def _faster(self, inputs: Sequence[Any]) -> bool:
+        assert self._speed is not None
+        speed, demotion = self._speed.judge(inputs)
+        if speed is not None:
+            self._record.speed = speed
+        if demotion is not None:
+            self._demote(*demotion, inputs=inputs)
+        return demotion is None
+
+    def shadow(self, inputs: Sequence[Any], outs: tuple[Any, ...] | None, time: Callable[[], float],
+               t0: float, t1: float, seen: Observation | None = None) -> Sequence[Any]:
+        """`timing="shadow"`: the artifact ran (`outs`; None: demoted) from t0 to t1; native
+        runs now, timed beside it, and every call is a parity check of the outputs."""
+        native = self._run_native(inputs)
+        t2 = time()
+        with self._record.lock:
+            shadow = self._record.shadow
+            shadow["calls"] = shadow.get("calls", 0) + 1
+            shadow["artifact_s"] = shadow.get("artifact_s", 0.0) + (t1 - t0)
+            shadow["native_s"] = shadow.get("native_s", 0.0) + (t2 - t1)
+        if outs is None:  # demoted; the native run above answers (not run a second time)
+            return native
+        p = self._parity
+        mismatch = compare(list(native), list(outs), p.mode, p.rtol, p.atol)
+        if seen is not None:
+            seen.checked()
+        if mismatch is not None:  # native ran anyway: every call is a parity check
+            with self._record.lock:
+                self._record.caught_by = "shadow"
+            self._demote(reason_of(mismatch), f"{mismatch} (shadow check)", mismatch, inputs=inputs)
+            return native
+        with self._record.lock:
+            self._record.native_calls -= 1  # the shadow's native run was timing, not a fallback
+        self._checks.served(checked=True)
+        return outs
