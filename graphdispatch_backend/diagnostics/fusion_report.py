@@ -2,8 +2,8 @@
 
 Its status (errors.FusionStatus, reported by its value) and detail, the verdict key and
 recipe, and the figures of the last compile: kernels, ops fused and kept (errors.KeptWhy),
-rounds, compile time. runtime/program/fused.py says what happened; a tolerance's checks and
-largest error are counted into `fields` by runtime/checks/tolerance.py.
+rounds, compile time. runtime/program/fused.py says what happened; a tolerance's checks are
+counted into `fields` by runtime/checks/tolerance.py, which reports its largest error here.
 """
 
 from __future__ import annotations
@@ -62,3 +62,11 @@ class FusionReport:
         """What the graph serves and keeps (rounds, kernels, aten_calls, fused_ops, segments,
         kept); `seconds` of compiling added to the graph's total."""
         self.fields.update(figures, compile_seconds=round(self.fields.get("compile_seconds", 0.0) + seconds, 3))
+
+    def tolerance(self, rtol: float, atol: float) -> None:
+        """Fused under a declared tolerance: its checks and the largest error start at none."""
+        self.fields.update(tolerance={"rtol": rtol, "atol": atol}, checks=0, beyond=0, largest_error=None)
+
+    def largest_error(self, largest: dict[str, Any]) -> None:
+        """The largest errors the checks within the tolerance saw (runtime/checks/tolerance.py)."""
+        self.fields["largest_error"] = largest

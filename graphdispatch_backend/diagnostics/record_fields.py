@@ -1,8 +1,13 @@
-"""The writers of a graph record's fields that are not counters: what the compile plan
-decided (plan.py), what the passes found, a graph or backward that fell back, a lowering
-that serves nothing, an input contract broken. Every such field of GraphRecord is written
-here or in fusion_report.py; the runtime only increments counters (`called`, the stats').
-Statuses are the enums of errors.py, reported by their value.
+"""The writers of the report's fields that are not counters. A graph's record: what the
+compile plan decided (plan.py), what the passes found, a graph or backward that fell back, a
+lowering that serves nothing or was declined by its check, a call left unchecked, an input
+contract broken. An artifact's record (SubstitutionRecord): its parity mode and verdict, its
+speed, its demotion, the check that caught it, its run of unchecked calls. A piece's stats
+(CudaGraphStats): its state, shape keys, live captures, static bytes, parked captures. Every
+such field is written here or in fusion_report.py; the rest of the package only increments
+counters (`called`, the stats'). Statuses are the enums of errors.py, reported by their
+value. A writer that says "under the lock" is called with the record's lock held (it is one
+step of a larger locked block); the others take it themselves where the runtime did.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from graphdispatch_backend.diagnostics.report import GraphRecord
+from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
 from graphdispatch_backend.errors import Decline, Engine, GraphKind, LoweringStatus, SplitReason
 
 
@@ -72,3 +77,108 @@ def contract_broken(record: GraphRecord, detail: str) -> None:
     with record.lock:
         record.contract_mismatches += 1
         record.contract_detail = record.contract_detail or detail
+
+
+def pattern_matches(record: GraphRecord, hits: Mapping[str, int]) -> None:
+    """How many regions each artifact's pattern matched in the graph (graph_artifacts.py)."""
+    record.pattern_matches = dict(hits)
+
+
+# --- the lowering's check against eager (runtime/checks/) ---------------------------------
+
+def lowering_declined(record: GraphRecord, reason: Decline, detail: str, gradients: Sequence[str] = ()) -> None:
+    """The check declined the lowering: why, and the inputs whose gradients differ from eager's."""
+    with record.lock:
+        record.lowering = {"status": reason.value, "detail": detail}
+        if gradients:
+            record.lowering["gradients"] = list(gradients)
+
+
+def unchecked(record: GraphRecord, detail: str) -> None:
+    """One call not checked against eager, counted, and why (the last reason is kept)."""
+    with record.lock:
+        record.unchecked += 1
+        record.unchecked_detail = detail
+
+
+# --- an artifact's record (runtime/gates/, runtime/checks/isolate.py) ---------------------
+
+def unused(sub: SubstitutionRecord, reason: Decline) -> None:
+    """The artifact serves no call from now on (its graph runs as the Dynamo graph): a
+    verdict still pending says so."""
+    with sub.lock:
+        if sub.parity == "pending":
+            sub.parity = "unused"
+            sub.detail = f"the graph runs as the Dynamo graph ({reason.value})"
+
+
+def parity_mode(sub: SubstitutionRecord, mode: str) -> None:
+    sub.parity_mode = mode
+
+
+def parity_passed(sub: SubstitutionRecord) -> None:
+    with sub.lock:
+        sub.parity = "passed"
+
+
+def speed(sub: SubstitutionRecord, figures: dict[str, float]) -> None:
+    """The speed gate's median times of both."""
+    sub.speed = figures
+
+
+def caught_by(sub: SubstitutionRecord, by: str) -> None:
+    """The check that caught the artifact (a shadow check), before its demotion."""
+    with sub.lock:
+        sub.caught_by = by
+
+
+def substitution_caught(sub: SubstitutionRecord, at_call: int | None, unchecked_calls: int, by: str) -> None:
+    """Under the lock: the call of its shape key that caught the artifact, the calls it
+    served unchecked since the check before, and by which check."""
+    sub.caught_at_call, sub.unchecked_calls, sub.caught_by = at_call, unchecked_calls, by
+
+
+def served_unchecked(sub: SubstitutionRecord, since_check: int) -> None:
+    """Under the lock: the run of calls served since the last check, and the longest run."""
+    sub.served_since_check = since_check
+    sub.largest_gap = max(sub.largest_gap, since_check)
+
+
+def checked_run(sub: SubstitutionRecord, since_check: int) -> None:
+    """Under the lock: the run of calls served since the last check ends (0), or stands again."""
+    sub.served_since_check = since_check
+
+
+def demotion(sub: SubstitutionRecord, reason: str, detail: str, parity_failed: bool,
+             difference: tuple[float | None, Sequence[int] | None] | None = None) -> None:
+    """Under the lock: the artifact demoted, why; its parity failed (`parity_failed`, or a
+    verdict still pending); a mismatch's `difference`: its largest absolute difference and
+    first index."""
+    sub.demoted, sub.reason, sub.detail = True, reason, detail
+    if parity_failed or sub.parity == "pending":
+        sub.parity = "failed"
+    if difference is not None:
+        sub.max_abs_diff, first_index = difference
+        # `is not None`: a 0-d output's first mismatch index is [] (falsy), not unknown
+        sub.first_mismatch_index = list(first_index) if first_index is not None else None
+
+
+# --- a piece's stats (runtime/runner/) -------------------------------------------------
+
+def shape_keys(stats: CudaGraphStats, n: int) -> None:
+    stats.shape_keys = n
+
+
+def static_bytes(stats: CudaGraphStats, n: int) -> None:
+    """Under the lock: the bytes of the buffers this piece's captures hold."""
+    stats.static_bytes = n
+
+
+def parked(stats: CudaGraphStats, n: int) -> None:
+    """The captures parked for moved inputs, across the piece's entries."""
+    stats.parked = n
+
+
+def piece_state(stats: CudaGraphStats, state: str, live_captures: int) -> None:
+    """The piece's most advanced state, and its live captures."""
+    stats.state, stats.live_captures = state, live_captures

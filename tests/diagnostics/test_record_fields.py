@@ -1,8 +1,8 @@
 """A report field other than a counter has one writer: diagnostics/ (record_fields.py,
 fusion_report.py), from what plan.py decided. Read from the source (`ast`): in the modules
-below, an assignment to a field of GraphRecord, CudaGraphStats or SubstitutionRecord is
-an increment (`+=`, `-=`) or it is a defect. runtime/checks, runtime/gates and
-runtime/runner join the list as they are rewritten (issue 47)."""
+below, an assignment to a field of GraphRecord, CudaGraphStats or SubstitutionRecord (or
+into FusionReport's `fields`, a graph's `fusion` entry) is an increment (`+=`, `-=`) or it
+is a defect."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
 
 PACKAGE = Path(__file__).resolve().parents[2] / "graphdispatch_backend"
-COVERED = ["backend.py", "assemble.py", "fusion", "runtime/program"]
+COVERED = ["backend.py", "assemble.py", "fusion", "runtime/program", "runtime/checks"]
 FIELDS = {f.name for cls in (GraphRecord, CudaGraphStats, SubstitutionRecord) for f in dataclasses.fields(cls)} - {
-    "lock"}
+    "lock"} | {"fields"}
 
 
 def _assignments(source: str, name: str) -> list[str]:

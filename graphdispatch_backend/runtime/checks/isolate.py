@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import Contain, Decline
 from graphdispatch_backend.runtime.checks.modes import judging
 from graphdispatch_backend.runtime.checks.parity import Mismatch
@@ -162,8 +163,7 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
         message += f"; the {unchecked} call(s) since the last check (call {checked.previous}) were served unchecked"
     for sub in found.demoted:
         with sub.lock:
-            sub.caught_at_call, sub.unchecked_calls = n, unchecked
-            sub.caught_by = "novelty" if checked.novel is not None else "recheck"
+            record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck")
     if party == ARTIFACT:
         events.warn_once(f"culprit:{record.name}:{detail}", "graphdispatch: %s (%s); eager's values answered it",
                          message, detail)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Contain, Decline, SnapshotRefused, StrictModeError
@@ -51,9 +52,7 @@ class Lowering:
         and the report says why. Memory short this once: the Dynamo graph answers (eager's
         values), and the next due call tries again. Anything else: check_failed."""
         if isinstance(exc, SnapshotRefused):
-            with self._record.lock:
-                self._record.unchecked += 1
-                self._record.unchecked_detail = exc.detail
+            record_fields.unchecked(self._record, exc.detail)
             self._events.warn_once(f"unchecked:{self._record.name}", "graphdispatch: %s is not checked against "
                                    "eager: %s", self._record.name, exc.detail)
             return self._compiled(*args)
@@ -61,9 +60,7 @@ class Lowering:
         if reason is Decline.CHECK_FAILED:
             self.give_up(reason, f"snapshot of the written inputs raised {type(exc).__name__}: {exc}")
         else:
-            with self._record.lock:
-                self._record.unchecked += 1
-                self._record.unchecked_detail = f"snapshotting what the call writes ran out of memory: {exc}"
+            record_fields.unchecked(self._record, f"snapshotting what the call writes ran out of memory: {exc}")
         out = self._eager(*args)
         self._record.called(False, reason.value)
         return out
@@ -78,10 +75,7 @@ class Lowering:
         """From now on the Dynamo graph runs: record why, mark the artifacts unused, say it
         once (or raise, under strict)."""
         self.declined = reason
-        with self._record.lock:
-            self._record.lowering = {"status": reason.value, "detail": detail}
-            if gradients:  # the inputs whose gradients differ from eager's
-                self._record.lowering["gradients"] = list(gradients)
+        record_fields.lowering_declined(self._record, reason, detail, gradients)
         self._unused(reason)
         message = f"{self._record.name} runs as the Dynamo graph, eagerly: the compiled graph {detail}"
         self._events.decision("decline", {"graph": self._record.name, "reason": reason.value, "detail": detail})
@@ -93,10 +87,7 @@ class Lowering:
         """The graph's artifacts serve no call from now on (the Dynamo graph runs): say so
         where their verdicts are read, instead of leaving them `pending`."""
         for sub in self._record.substitutions:
-            with sub.lock:
-                if sub.parity == "pending":
-                    sub.parity = "unused"
-                    sub.detail = f"the graph runs as the Dynamo graph ({reason.value})"
+            record_fields.unused(sub, reason)
 
     def failed_later(self, args: Sequence[Any], exc: RuntimeError) -> Any:
         """The compiled graph raised on a call that was not checked: if eager answers the

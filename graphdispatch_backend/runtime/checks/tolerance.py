@@ -20,20 +20,21 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 
 _CHUNK = 1 << 20  # elements per float64 copy
 
 
 class Tolerance:
-    """One graph's declared tolerance, and the errors its checks saw (into `record`, the
-    graph's `fusion` report dict)."""
+    """One graph's declared tolerance, and the errors its checks saw (into `report`, the
+    graph's `fusion` report entry)."""
 
-    def __init__(self, rtol: float, atol: float, record: dict[str, Any]) -> None:
+    def __init__(self, rtol: float, atol: float, report: FusionReport) -> None:
         self.rtol, self.atol = rtol, atol
-        self._record = record
+        self._report = report
         self._lock = threading.Lock()
-        record.update(tolerance={"rtol": rtol, "atol": atol}, checks=0, beyond=0, largest_error=None)
+        report.tolerance(rtol, atol)
 
     def compare(self, expected: Sequence[Any], actual: Sequence[Any], check_strides: bool = True,
                 skip: Collection[int] = ()) -> Mismatch | None:
@@ -44,9 +45,9 @@ class Tolerance:
     def judged(self, within: bool) -> None:
         """Count one check of the fused graph: within the tolerance, or beyond it."""
         with self._lock:
-            self._record["checks"] += 1
+            self._report.fields["checks"] += 1
             if not within:
-                self._record["beyond"] += 1
+                self._report.fields["beyond"] += 1
 
     def observe(self, call: int, expected: Sequence[Any], actual: Sequence[Any], what: str = "output") -> None:
         """Add one served call's errors (outputs, or written inputs: `what`)."""
@@ -80,11 +81,11 @@ class Tolerance:
 
     def _keep(self, kind: str, value: float, where: str, call: int) -> None:
         with self._lock:
-            largest = self._record.get("largest_error") or {"abs": 0.0, "abs_at": None, "rel": 0.0, "rel_at": None,
-                                                             "budget": 0.0, "budget_at": None}
+            largest = self._report.fields.get("largest_error") or {
+                "abs": 0.0, "abs_at": None, "rel": 0.0, "rel_at": None, "budget": 0.0, "budget_at": None}
             if value > largest[kind] or largest[f"{kind}_at"] is None:
                 largest[kind], largest[f"{kind}_at"] = value, f"{where}, call {call}"
-            self._record["largest_error"] = largest
+            self._report.largest_error(largest)
 
 
 def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:

@@ -154,7 +154,7 @@ class Fusion:
         self.recipe = recipe
         self._name = name  # the graph's, as the report names it (where an op was learned)
         # fuse={"rtol": r, "atol": a}: how the eager check judges this graph while it serves fused code
-        self.tolerance = Tolerance(*recipe.tolerance, report.fields) if recipe.tolerance is not None else None
+        self.tolerance = Tolerance(*recipe.tolerance, report) if recipe.tolerance is not None else None
         self._device = device  # fusion/verdicts.py device_identity
         self._verdicts = verdicts
         self._entry = report  # the graph record's `fusion` entry (diagnostics/fusion_report.py)
