@@ -13,7 +13,7 @@ from pathlib import Path
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord, SubstitutionRecord
 
 PACKAGE = Path(__file__).resolve().parents[2] / "graphdispatch_backend"
-COVERED = ["backend.py", "assemble.py", "fusion", "runtime/program", "runtime/checks"]
+COVERED = ["backend.py", "assemble.py", "fusion", "runtime/program", "runtime/checks", "runtime/gates"]
 FIELDS = {f.name for cls in (GraphRecord, CudaGraphStats, SubstitutionRecord) for f in dataclasses.fields(cls)} - {
     "lock"} | {"fields"}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
 from graphdispatch_backend.runtime.checks.schedule import KeyedDue
@@ -66,16 +67,16 @@ class CheckBook:
             else:
                 record.calls += 1
             if checked:
-                self._closed, record.served_since_check = record.served_since_check, 0
+                self._closed = record.served_since_check
+                record_fields.checked_run(record, 0)
             else:
-                record.served_since_check += 1
-                record.largest_gap = max(record.largest_gap, record.served_since_check)
+                record_fields.served_unchecked(record, record.served_since_check + 1)
 
     def reopen(self) -> None:
         """The whole-graph check that counted the last call as checked failed: its run of
         unchecked calls stands."""
         with self._record.lock:
-            self._record.served_since_check = self._closed
+            record_fields.checked_run(self._record, self._closed)
 
     def caught(self, key: tuple[Any, ...], novel: str | None = None) -> str:
         """A re-check failed: the call of its shape key that caught it, by which check (the
@@ -85,8 +86,8 @@ class CheckBook:
         record = self._record
         with record.lock:
             unchecked = record.served_since_check
-            record.caught_at_call, record.unchecked_calls = (due.n if due else None), unchecked
-            record.caught_by = "novelty" if novel is not None else "artifact_recheck"
+            record_fields.substitution_caught(record, due.n if due else None, unchecked,
+                                              "novelty" if novel is not None else "artifact_recheck")
         if due is None:
             return ""
         by = f"a check for novel inputs ({novel})" if novel is not None else "the artifact_recheck schedule"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
@@ -48,13 +49,8 @@ class Demoter:
             at = self._at(counted) + (f" (inputs {self.inputs(inputs)})" if inputs is not None
                                       and not in_recording() else "")
         with record.lock:
-            record.demoted, record.reason, record.detail = True, reason.value, detail
-            if reason in (Demotion.PARITY, Demotion.MUTATED_INPUT) or record.parity == "pending":
-                record.parity = "failed"
-            if mismatch is not None:
-                record.max_abs_diff = mismatch.max_abs_diff
-                # `is not None`: a 0-d output's first mismatch index is [] (falsy), not unknown
-                record.first_mismatch_index = list(mismatch.first_index) if mismatch.first_index is not None else None
+            record_fields.demotion(record, reason.value, detail, reason in (Demotion.PARITY, Demotion.MUTATED_INPUT),
+                                   (mismatch.max_abs_diff, mismatch.first_index) if mismatch is not None else None)
         where = f"for region {record.region} ({reason.value}){' ' + at if at else ''}"
         message = f"artifact {record.artifact} demoted to native {where}: {detail}"
         self._timing.note(message)

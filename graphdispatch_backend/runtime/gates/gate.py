@@ -43,6 +43,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
@@ -106,7 +107,7 @@ class ArtifactGate:
         self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty))
         self._lock = threading.Lock()
         self.demoted = False
-        record.parity_mode = parity.mode
+        record_fields.parity_mode(record, parity.mode)
         # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
         self._beside = Beside(writes if writes is not None else Writes(()), snapshot_limit, contain, contain_artifact)

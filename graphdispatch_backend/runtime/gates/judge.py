@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
@@ -96,8 +97,7 @@ class GateJudge:
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
         p = self._parity
-        with self._record.lock:
-            self._record.parity = "passed"
+        record_fields.parity_passed(self._record)
         if self._speed is not None and not recheck and not self._faster(inputs):
             return native
         outs = as_tuple(o.result)
@@ -170,7 +170,7 @@ class GateJudge:
         assert self._speed is not None
         speed, demotion = self._speed.judge(inputs)
         if speed is not None:
-            self._record.speed = speed
+            record_fields.speed(self._record, speed)
         if demotion is not None:
             self._demote(*demotion, inputs=inputs)
         return demotion is None
@@ -193,8 +193,7 @@ class GateJudge:
         if seen is not None:
             seen.checked()
         if mismatch is not None:  # native ran anyway: every call is a parity check
-            with self._record.lock:
-                self._record.caught_by = "shadow"
+            record_fields.caught_by(self._record, "shadow")
             self._demote(reason_of(mismatch), f"{mismatch} (shadow check)", mismatch, inputs=inputs)
             return native
         with self._record.lock:
