@@ -19,6 +19,7 @@ import torch.fx as fx
 from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
 from graphdispatch_backend.artifacts.match import MatchOutcome, match_for_autograd, match_region
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import GraphRecord, SubstitutionRecord
 from graphdispatch_backend.errors import AuthoringFailure, Rejection, StrictModeError
 from graphdispatch_backend.passes.locate_writes import plan_writes
@@ -123,7 +124,7 @@ class GraphArtifacts:
     def check_authoring(self, training: bool) -> None:
         """Artifacts that matched nothing (see artifacts/authoring.py), then `strict`."""
         record, session = self.record, self.session
-        record.pattern_matches = dict(self.pattern_hits)
+        record_fields.pattern_matches(record, self.pattern_hits)
         if not training:
             hits: Counter[str] = Counter()
             for graph in list(session.report.graphs):

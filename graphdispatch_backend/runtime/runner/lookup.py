@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.keys import layout_key
 from graphdispatch_backend.runtime.runner.book import EntryBook
@@ -64,7 +65,7 @@ class Lookup:
         """The new entry for the call (EntryBook.add), or None and why."""
         params = self._pick_params(args) if self.param_positions else ()
         entry, why = self._book.add(key, self.state_key(args), params, list(self.state.values()))
-        self._stats.shape_keys = len(self._slots)
+        record_fields.shape_keys(self._stats, len(self._slots))
         return entry, why
 
     def state_key(self, args: Sequence[Any]) -> Sequence[int]:

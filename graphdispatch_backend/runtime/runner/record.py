@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import CudaGraphUnavailable, Decline, SnapshotRefused
 from graphdispatch_backend.runtime.call.contract import LayoutIdentity
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
@@ -141,7 +142,7 @@ class Capturer:
             self._stats.captures += 1
             self._buffers_used.update((id(buf), buf.untyped_storage().nbytes()) for _, buf in capture.moving)
             # what this piece holds; the buffers are shared across pieces (session total in the report)
-            self._stats.static_bytes = sum(self._buffers_used.values())
+            record_fields.static_bytes(self._stats, sum(self._buffers_used.values()))
         return self._transitions.captured(entry, capture)
 
 

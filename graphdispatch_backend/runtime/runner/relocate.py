@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import CudaGraphUnavailable
 from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.checks.world import Writes
@@ -142,7 +143,7 @@ class Relocator:
                 self._stats.relocations += 1
         with self._device.lock:
             keep(entry.parked, old_key, old, self._book.max_captures - 1)
-            self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
+            record_fields.parked(self._stats, sum(len(e.parked) for e in list(self._book.entries.values())))
         return now
 
     def _reread(self, entry: Entry, phase: Verified, args: Sequence[Any], moved: set[int]) -> Verified | None:
@@ -190,7 +191,7 @@ class Relocator:
         self._transitions.relocated(moved, repin)
         with self._stats.lock:
             self._stats.relocations += 1
-            self._stats.parked = sum(len(e.parked) for e in list(self._book.entries.values()))
+            record_fields.parked(self._stats, sum(len(e.parked) for e in list(self._book.entries.values())))
         return now
 
 

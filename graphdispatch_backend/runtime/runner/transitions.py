@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.contract import layout_identity
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
@@ -89,8 +90,8 @@ class Transitions:
         """The piece's state in the stats: its most advanced entry's, and its live captures."""
         order = (State.EAGER, State.WARMING, State.CAPTURED, State.VERIFIED)
         states = self._book.states()
-        self._stats.state = max(states, key=order.index).value if states else State.EAGER.value
-        self._stats.live_captures = sum(1 for slot in list(self._book.slots.values()) if slot.captured)
+        record_fields.piece_state(self._stats, max(states, key=order.index).value if states else State.EAGER.value,
+                                  sum(1 for slot in list(self._book.slots.values()) if slot.captured))
 
     def thrashing(self, entry: Entry) -> Decline:
         """A warm key that would evict while captures thrash: eager for good (it holds no
