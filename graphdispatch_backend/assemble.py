@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.capture.lower import InputOrigin
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import Engine
 from graphdispatch_backend.passes.context import PieceInfo
@@ -37,8 +38,7 @@ def runner_for(session: Session, scope: Any, piece: fx.GraphModule, fn: Callable
                plan: GraphPlan, record: GraphRecord, agreement: Agreement | None, fusion: Fusion | None) -> GraphRunner:
     """The runner of one capturable piece (or of the whole graph; `fn` runs it), its counters in `record`."""
     opts = session.options
-    stats = CudaGraphStats()
-    record.piece_stats.append(stats)
+    stats = record_fields.piece_added(record, CudaGraphStats())
     gates = [n.target for n in piece.graph.nodes if "gd_substitution" in n.meta]
     state = {i: o.name for i, o in enumerate(info.input_origins) if o is not None and o.is_state}
     names = [o.name if o is not None else "" for o in info.input_origins]

@@ -26,6 +26,7 @@ import torch.fx as fx
 from graphdispatch_backend.artifacts.fingerprint import op_key
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.passes.context import PassContext
 from graphdispatch_backend.passes.strip_assertions import strip_assertions
@@ -78,7 +79,7 @@ class RegionExporter:
                     out, exc = contain(lambda k=kept, i=index, a=args: self._export_graph(k, i, a, contain))
                     if exc is not None:
                         out = [{"shape_key": index, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"}]
-                    kept.record.export.extend(out)
+                    record_fields.exported(kept.record, out)
                     events.decision("export", {"graph": kept.record.name, "shape_key": index})
         finally:
             for kept in self._kept:  # every reference goes, whatever happened

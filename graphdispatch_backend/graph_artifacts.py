@@ -80,7 +80,7 @@ class GraphArtifacts:
             return None
         sub = SubstitutionRecord(region.name, artifact.id, capturable=artifact.manifest.capturable,
                                  kind=generalize(region.module), mutates=list(region.mutates))
-        self.record.substitutions.append(sub)
+        record_fields.substitution_added(self.record, sub)
         # the inputs the kernel writes in place (matching checked they are the region's), and where
         written = [region.input_names.index(name) for name in region.mutates]
         writes = Writes(written, plan_writes(native) if written else None, session.options.max_snapshot_bytes,
@@ -106,7 +106,7 @@ class GraphArtifacts:
             # the region's graph once per kind, for `artifacts scaffold` to write a kernel from
             # (inference graphs only: a forward graph's regions also hand out saved tensors)
             if inference and region.graph_data is not None:
-                self.record.region_graphs.setdefault(region.fingerprint, region.graph_data)
+                record_fields.region_graph(self.record, region.fingerprint, region.graph_data)
             for rejection in outcome.rejections:
                 if rejection.reason is Rejection.SIGNATURE:
                     key, message = signature_failure(rejection.artifact, region.name, region.module, region.cls,

@@ -79,6 +79,32 @@ def contract_broken(record: GraphRecord, detail: str) -> None:
         record.contract_detail = record.contract_detail or detail
 
 
+def piece_added(record: GraphRecord, stats: CudaGraphStats) -> CudaGraphStats:
+    """A capturable piece's counters, owned by the graph's record (assemble.py)."""
+    record.piece_stats.append(stats)
+    return stats
+
+
+def hot_counters(record: GraphRecord, stats: CudaGraphStats) -> None:
+    """The counters a runner writes its hot replays into: plain data the record owns."""
+    record.hot_stats.append(stats)
+
+
+def substitution_added(record: GraphRecord, sub: SubstitutionRecord) -> None:
+    """An artifact substituted into one of the graph's regions (graph_artifacts.py)."""
+    record.substitutions.append(sub)
+
+
+def region_graph(record: GraphRecord, fingerprint: str, graph: dict[str, Any]) -> None:
+    """A region's graph, once per kind (its fingerprint), for `artifacts scaffold`."""
+    record.region_graphs.setdefault(fingerprint, graph)
+
+
+def exported(record: GraphRecord, outcomes: Sequence[dict[str, Any]]) -> None:
+    """What exporting one of the graph's shape keys made (export.py)."""
+    record.export.extend(outcomes)
+
+
 def pattern_matches(record: GraphRecord, hits: Mapping[str, int]) -> None:
     """How many regions each artifact's pattern matched in the graph (graph_artifacts.py)."""
     record.pattern_matches = dict(hits)
@@ -124,6 +150,15 @@ def parity_passed(sub: SubstitutionRecord) -> None:
 def speed(sub: SubstitutionRecord, figures: dict[str, float]) -> None:
     """The speed gate's median times of both."""
     sub.speed = figures
+
+
+def shadow_timed(sub: SubstitutionRecord, artifact_s: float, native_s: float) -> None:
+    """`timing="shadow"`: one call more, and the seconds of both added."""
+    with sub.lock:
+        shadow = sub.shadow
+        shadow["calls"] = shadow.get("calls", 0) + 1
+        shadow["artifact_s"] = shadow.get("artifact_s", 0.0) + artifact_s
+        shadow["native_s"] = shadow.get("native_s", 0.0) + native_s
 
 
 def caught_by(sub: SubstitutionRecord, by: str) -> None:

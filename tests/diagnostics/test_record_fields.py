@@ -17,16 +17,20 @@ PACKAGE = Path(__file__).resolve().parents[2] / "graphdispatch_backend"
 OUTSIDE = ("diagnostics", "plan.py")  # the writers: diagnostics/, and the planner
 # objects that are no report but have a field named as one of a report's, by the modules
 # under a folder (or one module) where they appear: the passes' PassContext (`ctx`), Region
-# (`region`) and PieceInfo (`info`); the thread-local state of one call (calls.py)
-NOT_REPORTS = {"passes": {"ctx", "region", "info"}, "runtime/call/calls.py": {"_calls"}}
+# (`region`) and PieceInfo (`info`); the thread-local state of one call (calls.py); the
+# catalog's kinds of region (`kind`); a shape key's Entry (`entry`)
+NOT_REPORTS = {"passes": {"ctx", "region", "info"}, "runtime/call/calls.py": {"_calls"},
+               "artifacts/catalog.py": {"kind"}, "runtime/runner": {"entry"}}
+# a field's list or dict written through its methods: `record.substitutions.append(sub)`
+MUTATORS = {"update", "append", "extend", "insert", "setdefault", "clear", "pop", "remove", "add"}
 FIELDS = {f.name for cls in (GraphRecord, CudaGraphStats, SubstitutionRecord) for f in dataclasses.fields(cls)} - {
     "lock"} | {"fields"}
 
 
 def _assignments(source: str, name: str) -> list[str]:
     """`file:line target` for each plain assignment to a report field (through any object
-    but `self` and the module's NOT_REPORTS, and into a field's dict:
-    `record.fusion["status"] = ...`, `.update(...)`)."""
+    but `self` and the module's NOT_REPORTS, and into a field's list or dict:
+    `record.fusion["status"] = ...`, `.update(...)`, `.append(...)`)."""
     found = []
     exempt = {"self"} | {o for where, objects in NOT_REPORTS.items() if name == where or name.startswith(where + "/")
                          for o in objects}
@@ -39,10 +43,10 @@ def _assignments(source: str, name: str) -> list[str]:
                     base = base.value
                 if isinstance(base, ast.Attribute) and base.attr in FIELDS and ast.unparse(base.value) not in exempt:
                     found.append(f"{name}:{node.lineno} {ast.unparse(target)}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
             owner = node.func.value
-            if isinstance(owner, ast.Attribute) and owner.attr in FIELDS:
-                found.append(f"{name}:{node.lineno} {ast.unparse(owner)}.update")
+            if isinstance(owner, ast.Attribute) and owner.attr in FIELDS and ast.unparse(owner.value) not in exempt:
+                found.append(f"{name}:{node.lineno} {ast.unparse(owner)}.{node.func.attr}")
     return found
 
 

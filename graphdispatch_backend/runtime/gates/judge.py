@@ -181,11 +181,7 @@ class GateJudge:
         runs now, timed beside it, and every call is a parity check of the outputs."""
         native = self._run_native(inputs)
         t2 = time()
-        with self._record.lock:
-            shadow = self._record.shadow
-            shadow["calls"] = shadow.get("calls", 0) + 1
-            shadow["artifact_s"] = shadow.get("artifact_s", 0.0) + (t1 - t0)
-            shadow["native_s"] = shadow.get("native_s", 0.0) + (t2 - t1)
+        record_fields.shadow_timed(self._record, t1 - t0, t2 - t1)
         if outs is None:  # demoted; the native run above answers (not run a second time)
             return native
         p = self._parity

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.record_fields import contract_broken
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
@@ -63,7 +64,7 @@ class CompiledGraph:
         if self._hot is not None:
             # the counters the runner writes its hot replays into: plain data the record
             # owns, never the runner (a record outlives the graph: diagnostics/report.py)
-            record.hot_stats.append(run.stats)  # type: ignore[attr-defined]
+            record_fields.hot_counters(record, run.stats)  # type: ignore[attr-defined]
         # no runner ever decides anything and Dynamo's guards stand in front: nothing to check
         self._trusted = guarded and eager_reason is not None and not self._timed
         self.__class__ = _FirstCall  # until the first call: no check on any later one
