@@ -715,8 +715,13 @@ def test_opdb_half_smoke(name, dtype, fuse, opdb_records):
     sweep(op, dtype, every_sample=1, schedule=TWELVE_SCHEDULE, records=opdb_records, fuse=fuse)
 
 
+# CI runs the variant that served the wrong value (chunked); the other two under --run-slow
+# (about 2 minutes of the suite's worker time: issue 46 keeps the suite within 10 minutes)
+LCE_VARIANTS = ["chunked", pytest.param("", marks=pytest.mark.slow), pytest.param("chunked_none", marks=pytest.mark.slow)]
+
+
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse"])
-@pytest.mark.parametrize("variant", ["", "chunked", "chunked_none"])
+@pytest.mark.parametrize("variant", LCE_VARIANTS)
 def test_linear_cross_entropy_bf16_every_sample_is_bitwise_on_all_twelve_calls(variant, fuse, opdb_records):
     """Issue 43: the chunked variant's sample 0 replayed a stale float32 cast of its weight
     after the weight was scaled in place (call 6, 0.25 off eager): the CPU model made the
