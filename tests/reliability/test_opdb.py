@@ -717,7 +717,8 @@ def test_opdb_half_smoke(name, dtype, fuse, opdb_records):
 
 # CI runs the variant that served the wrong value (chunked); the other two under --run-slow
 # (about 2 minutes of the suite's worker time: issue 46 keeps the suite within 10 minutes)
-LCE_VARIANTS = ["chunked", pytest.param("", marks=pytest.mark.slow), pytest.param("chunked_none", marks=pytest.mark.slow)]
+LCE_VARIANTS = ["chunked", pytest.param("", marks=pytest.mark.slow),
+                pytest.param("chunked_none", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse"])
