@@ -47,7 +47,7 @@ def test_the_quick_start_runs_as_written_on_a_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHDISPATCH_")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=600)
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     said = README.split("It prints `", 1)[1].split("`", 1)[0]
     assert " ".join(said.split()) in done.stdout, done.stdout
@@ -91,14 +91,14 @@ def test_what_the_demo_prints_is_what_docs_report_shows(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHDISPATCH_")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     demo = subprocess.run([sys.executable, "-m", "graphdispatch_backend", "demo"], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=900)
     assert demo.returncode == 0, demo.stderr[-3000:]
     shown = REPORT.split("## What the demo prints", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
     logged = [line for line in _normalized(shown) if line.startswith("graphdispatch: ")]
     assert [line for line in _normalized(shown) if line not in logged] == _normalized(demo.stdout)
     assert logged and all(line in demo.stderr for line in logged)
     rendered = subprocess.run([sys.executable, "-m", "graphdispatch_backend", "report", "gd_out"], cwd=tmp_path,
-                              capture_output=True, text=True, env=env, timeout=120)
+                              capture_output=True, text=True, env=env, timeout=900)
     assert rendered.returncode == 0, rendered.stderr
     shown = REPORT.split("then renders the report:", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
     assert _normalized(shown) == _normalized(rendered.stdout)

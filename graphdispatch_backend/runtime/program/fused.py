@@ -122,10 +122,8 @@ class FusedUnit:
         """The segments with nothing kept: what the graph is (its verdict key, the report)."""
         return self.cut()[1]
 
-    def build(self, keep: Keep | None) -> tuple[Callable[..., Any], list[CompiledSegment]]:
-        """(forward, compiled segments) with `keep` kept as ATen calls; None: unfused."""
-        if keep is None:
-            return self.native, []
+    def build(self, keep: Keep) -> tuple[Callable[..., Any], list[CompiledSegment]]:
+        """(forward, compiled segments) with `keep` kept as ATen calls (no segment: unfused)."""
         outer, segments = self.cut(keep)
         if not segments:
             return self.native, []
