@@ -222,6 +222,7 @@ class _Builder:
             make_call=self.artifacts.make_call,
             pieces_spec=PieceSpec(torch.device(plan.device).type, lambda piece, info: self._runner(
                 scope, piece, info, plan, record, agreement, fusion), role is Role.INFERENCE) if scope else None,
+            fused=fusion is not None,
         )
         if role is Role.BACKWARD:
             run_pipeline(gm, ctx, BACKWARD_PIPELINE)

@@ -85,6 +85,9 @@ class PassContext:
     matcher: Callable[[Region], MatchOutcome] | None = None
     make_call: MakeCall | None = None
     pieces_spec: PieceSpec | None = None
+    # the graph is fused (`fuse`): a write into a view of a buffer it made (slice or select
+    # scatter) is left for Inductor, which lowers it into the buffer (passes/reinplace_buffers.py)
+    fused: bool = False
     # results
     stripped_assertions: int = 0
     writes: list[WriteOutcome] = dataclasses.field(default_factory=list)

@@ -22,8 +22,13 @@ place when:
 Only writes that copy a whole tensor to change part of it: index and scatter writes and
 writes into a view (`slice_scatter`, `select_scatter`, ...). A pointwise op on a buffer
 stays functional: verified fusion fuses it (runtime/program/fused.py), and an in-place
-write is a wall between fused segments. The eager check judges the result, bit for bit.
-The report's `buffer_writes_in_place` counts the writes.
+write is a wall between fused segments (fusion/segments.py). For the same reason, in a
+fused graph (`fuse`) a `slice_scatter` or `select_scatter` stays functional too: Inductor
+lowers it as a store into the buffer it made, where in place it would cut the graph's
+fusion in two (HunyuanVideo's attention mask, a `select_scatter` into a [1, 1, 6] buffer,
+made its fused graph two segments and cost 5% a call); row writes (a new cache's rows)
+still go in place, the copy they save grows with the cache. The eager check judges the
+result, bit for bit. The report's `buffer_writes_in_place` counts the writes.
 
 Before::
 
@@ -89,12 +94,19 @@ def _same_layout(node: fx.Node, root: fx.Node) -> bool:
                                       for x, y in sizes)
 
 
-def _next_write(base: fx.Node) -> Write | None:
-    """The one row write that builds a new value from `base` (two: neither goes in place)."""
+# view writes Inductor lowers as a store into its own buffer: left functional in a fused graph
+FUSED_VIEW_WRITES = frozenset({aten.slice_scatter.default, aten.select_scatter.default})
+
+
+def _next_write(base: fx.Node, fused: bool) -> Write | None:
+    """The one row write that builds a new value from `base` (two: neither goes in place);
+    `fused`: not a view write Inductor stores into the buffer itself."""
     found = None
     for user in base.users:
         write = parse(user, base)
         if write is not None and (user.target in ROW_WRITES or user.target in SCATTER_VIEW):
+            if fused and user.target in FUSED_VIEW_WRITES:
+                return None
             if found is not None:
                 return None
             found = write
@@ -122,7 +134,7 @@ def reinplace_buffers(gm: fx.GraphModule, ctx: PassContext) -> None:
         steps: list[Write] = []
         base = root
         while True:
-            write = _next_write(base)
+            write = _next_write(base, ctx.fused)
             if (write is None or not _same_layout(write.node, root) or not one_piece(root, write.node)
                     or blocked(reads, base, [write], set()) is not None):
                 break

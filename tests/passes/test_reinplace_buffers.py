@@ -24,9 +24,9 @@ def _lowered(fn: Any, *args: Any) -> fx.GraphModule:
         return aten_graph(fn, *args).gm
 
 
-def _run(gm: fx.GraphModule, pieces: bool = False) -> int:
+def _run(gm: fx.GraphModule, pieces: bool = False, fused: bool = False) -> int:
     spec = PieceSpec("cpu", lambda piece, info: piece) if pieces else None
-    ctx = PassContext(pieces_spec=spec)
+    ctx = PassContext(pieces_spec=spec, fused=fused)
     reinplace_buffers(gm, ctx)
     return ctx.buffer_writes
 
@@ -157,6 +157,23 @@ def forward(self, arg0_1, arg1_1):
         self.assertEqual(_run(gm, pieces=False), 1)  # no pieces (cuda_graphs=False): one graph
 
 
+    def test_a_view_write_stays_functional_in_a_fused_graph_a_row_write_goes_in_place(self):
+        def mask_and_rows(pos: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            mask = torch.zeros(1, 1, 6)  # HunyuanVideo's attention mask: a select write into zeros
+            mask[:, :, 0] = pos.sum()
+            cache = torch.zeros(2, 16, 4)
+            return mask * 2, cache.index_copy(1, pos, k)
+
+        gm = _lowered(mask_and_rows, *_prefill_args())
+        self.assertEqual(_run(gm, fused=True), 1)  # the cache's rows only: Inductor stores the mask's write
+        counts = op_counts(gm)
+        self.assertEqual((counts.get("aten::select_scatter.default"), counts.get("aten::index_copy_.default")),
+                         (1, 1))
+        assert _same(gm, mask_and_rows, *_prefill_args())
+        gm = _lowered(mask_and_rows, *_prefill_args())
+        self.assertEqual(_run(gm, fused=False), 2)  # unfused: both in place
+        self.assertNotIn("aten::select_scatter.default", op_counts(gm))
+
     def test_a_write_that_would_change_the_layout_stays_functional(self):
         gm = _lowered(prefill, *_prefill_args())
         (write,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.index_copy.default)
@@ -176,6 +193,8 @@ _MODULE = "graphdispatch_backend.passes.reinplace_buffers"
      "test_a_pointwise_write_stays_functional_for_fusion"),
     ("the layout kept", "_same_layout", lambda node, root: True,
      "test_a_write_that_would_change_the_layout_stays_functional"),
+    ("view writes left to a fused graph", "FUSED_VIEW_WRITES", frozenset(),
+     "test_a_view_write_stays_functional_in_a_fused_graph_a_row_write_goes_in_place"),
 ])
 def test_mutation_each_rule_is_what_its_test_checks(rule: str, name: str, broken: Any, test: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,6 +203,28 @@ def test_mutation_each_rule_is_what_its_test_checks(rule: str, name: str, broken
     monkeypatch.setattr(sys.modules[_MODULE], name, broken)
     with pytest.raises(AssertionError):
         getattr(TestReinplaceBuffers(test), test)()
+
+
+@pytest.mark.parametrize("fuse", [True, {"rtol": 1e-3, "atol": 1e-5}], ids=["exact", "tolerance"])
+def test_a_view_write_into_a_made_buffer_leaves_a_fused_graph_one_segment(fuse: Any) -> None:
+    """A mask built by a select write into zeros between two pointwise runs: fused, the
+    graph is one segment (in place, the write cut it in two), and eager's bits."""
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x * 3 + 1)
+        mask = torch.zeros(1, x.shape[1])
+        mask[:, 0] = 1.0
+        return (h * mask + h).neg()
+
+    graphdispatch_backend.reset()
+    compiled = torch.compile(masked, backend="graphdispatch",
+                             options={"cuda_graphs": False, "cache_dir": False, "fuse": fuse})
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(compiled(x), masked(x))
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    assert graph["buffer_writes_in_place"] == 0
+    assert graph["fusion"]["status"] == "fused" and graph["fusion"]["segments"] == 1, graph["fusion"]
 
 
 def test_a_transformers_prefill_writes_its_new_cache_rows_in_place_bitwise():
