@@ -53,8 +53,11 @@ FMA in Triton kernels (which `emulate_precision_casts` turns off).
 **Tolerance** (`fuse={"rtol": r, "atol": a}`): every op, as Inductor compiles a graph
 (its decompositions, fusions, reductions, math library and pattern rewrites;
 `fallback_by_default` off), judged within the tolerance; an op found beyond it is cut out
-of the fused segments and runs as its ATen kernel. Its settings only keep Inductor's own
-CUDA graphs off (graphdispatch captures and checks its own).
+of the fused segments and runs as its ATen kernel. Its settings keep Inductor's own CUDA
+graphs off (graphdispatch captures and checks its own) and round bf16/fp16 intermediates
+where eager rounds them (`emulate_precision_casts`, as the exact recipe does): without it
+a fused bf16 softcap and softmax (Gemma 2) computed on float32 logits that eager rounds to
+bf16, 16 ulps off eager's attention weights at the first call.
 """
 
 from __future__ import annotations
