@@ -36,6 +36,7 @@ every call bitwise; the warm first call of both <= 1.2x default Inductor's.
     python bench/fusion.py                  # every model, both dtypes
     python bench/fusion.py --quick          # fewer repeats
     python bench/fusion.py --models cogvideox,mistral --dtypes fp32 --clock cpu
+    python bench/fusion.py --scale 4 --no-learning    # the families 4x as wide (fixed per-call costs shrink)
     python bench/fusion.py --smoke          # a one-block demo, fp32, no Inductor baseline: the plumbing (CI)
 """
 
@@ -98,9 +99,9 @@ def _fusion_row(row: dict[str, Any], name: str) -> None:
 
 
 def measure(family: str, dtype: torch.dtype, repeats: int, inner: int, variants: tuple[str, ...],
-            warm: bool, clock: Callable[[], int], smoke: bool = False) -> dict[str, Any]:
+            warm: bool, clock: Callable[[], int], smoke: bool = False, scale: int = 1) -> dict[str, Any]:
     torch.manual_seed(0)
-    model, inputs = FAMILIES[family](**({"depth": 1} if family == "demo" else {}))
+    model, inputs = FAMILIES[family](**({"depth": 1} if family == "demo" else {"scale": scale} if scale > 1 else {}))
     model = model.to(dtype).eval()
 
     def under(fn: Callable[..., Any], i: int) -> torch.Tensor:
@@ -214,6 +215,8 @@ def main() -> None:
         p.add_argument("--dtypes", default="fp32,bf16")
         p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
         p.add_argument("--no-learning", action="store_true")
+        p.add_argument("--scale", type=int, default=1,
+                       help="the families' widths and latent sides (LLMs: sequence and vocabulary) times N")
 
     args = parse_args(__doc__, extra)
     if args.cold:
@@ -227,7 +230,7 @@ def main() -> None:
     # smoke: no default Inductor (a C++ build of half a minute on a fresh machine: figures, not plumbing)
     variants = tuple(v for v in VARIANTS if v != "inductor") if args.smoke else VARIANTS
     rows = [measure(m, DTYPES[d], repeats, inner, variants, warm=not (args.cold or args.smoke), clock=clock,
-                    smoke=args.smoke) for m in models for d in dtypes]
+                    smoke=args.smoke, scale=args.scale) for m in models for d in dtypes]
     learned = None if args.smoke or args.no_learning else learning()
     header = ["model", "dtype", *(f"{v} us" for v in VARIANTS), "fused/ind", "tol/ind", "fused/gd", "fused/eager",
               "ind/eager", "fused bitwise", "tol max abs", "tol max rel", "tol checks", "kernels (fused, tol)"]
@@ -243,7 +246,8 @@ def main() -> None:
              ", ".join(r["fused_learned"] + r["tolerance_learned"]) or "-"] for r in rows]
     caches = ("empty (--cold)" if args.cold else "as found (--smoke)" if args.smoke
               else "warm (compiled once before, Dynamo reset)")
-    tables = [(f"Per call, CPU, one thread (us, median, {args.clock} clock; ratios paired per repeat)", header,
+    sized = f", the families at {args.scale}x their width" if args.scale > 1 else ""
+    tables = [(f"Per call, CPU, one thread (us, median, {args.clock} clock; ratios paired per repeat{sized})", header,
                table_rows),
               (f"First call (compile + one run, seconds; Inductor's caches {caches})",
                ["model", "dtype", *VARIANTS[1:], "fused/ind", "tol/ind"], first),
@@ -262,8 +266,9 @@ def main() -> None:
         targets.append(Target("learning: a restart with the verdict cache", "no round, bitwise",
                               f"rounds {learned['restart']['rounds']}", learned["restart"]["rounds"] == 0
                               and learned["restart"]["bitwise"]))
-    emit("fusion", {"rows": rows, "repeats": repeats, "inner": inner, "clock": args.clock, "caches": caches,
-                    "tolerances": {str(k): v for k, v in TOLERANCES.items()}, "learning": learned},
+    name = "fusion" if args.scale == 1 else f"fusion_scale{args.scale}"
+    emit(name, {"rows": rows, "scale": args.scale, "repeats": repeats, "inner": inner, "clock": args.clock,
+                "caches": caches, "tolerances": {str(k): v for k, v in TOLERANCES.items()}, "learning": learned},
          tables, targets, args)
 
 

@@ -2,8 +2,11 @@
 downloads), with input makers: the fusion tests and bench/fusion.py share them.
 
 Each builder returns `(model, inputs)`, where `inputs(i, dtype)` makes the keyword arguments
-of call `i` (fresh values per `i`; floating inputs in `dtype`). diffusers and transformers
-are imported when a builder runs (they are test dependencies, not the package's).
+of call `i` (fresh values per `i`; floating inputs in `dtype`). The six families of
+bench/fusion.py take `scale`, which multiplies their widths and their latents' sides (the
+LLMs': sequence and vocabulary), for figures where fixed per-call costs weigh less.
+diffusers and transformers are imported when a builder runs (they are test dependencies,
+not the package's).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from graphdispatch_backend.examples import dit
 
 Inputs = Callable[[int, torch.dtype], dict[str, Any]]
-Family = Callable[[], tuple[torch.nn.Module, Inputs]]
+Family = Callable[..., tuple[torch.nn.Module, Inputs]]
 
 
 def _g(i: int) -> torch.Generator:
@@ -66,72 +69,82 @@ def llama() -> tuple[torch.nn.Module, Inputs]:
     return transformers.LlamaModel(cfg), lambda i, dt: {"input_ids": torch.randint(0, 64, (2, 8), generator=_g(i))}
 
 
-def cogvideox() -> tuple[torch.nn.Module, Inputs]:
-    """diffusers' CogVideoX transformer: a video DiT (3D patches, expert adaLN)."""
+def cogvideox(scale: int = 1) -> tuple[torch.nn.Module, Inputs]:
+    """diffusers' CogVideoX transformer: a video DiT (3D patches, expert adaLN). `scale`
+    multiplies its widths and its latent's height and width (bench/fusion.py `--scale`)."""
     import diffusers
 
+    s = scale
     model = diffusers.CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8,
-        text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
+        num_attention_heads=2, attention_head_dim=8 * s, in_channels=4, out_channels=4, time_embed_dim=8 * s,
+        text_embed_dim=16 * s, num_layers=2, sample_width=8 * s, sample_height=8 * s, sample_frames=5, patch_size=2,
         temporal_compression_ratio=4, max_text_seq_length=8)
     return model, lambda i, dt: {
-        "hidden_states": torch.randn(1, 2, 4, 8, 8, generator=_g(i)).to(dt),
-        "encoder_hidden_states": torch.randn(1, 8, 16, generator=_g(i + 100)).to(dt), "timestep": torch.tensor([3]),
-        "return_dict": False}
+        "hidden_states": torch.randn(1, 2, 4, 8 * s, 8 * s, generator=_g(i)).to(dt),
+        "encoder_hidden_states": torch.randn(1, 8, 16 * s, generator=_g(i + 100)).to(dt),
+        "timestep": torch.tensor([3]), "return_dict": False}
 
 
-def hunyuan_video() -> tuple[torch.nn.Module, Inputs]:
-    """diffusers' HunyuanVideo transformer: dual- and single-stream blocks, a token refiner, 3D RoPE."""
+def hunyuan_video(scale: int = 1) -> tuple[torch.nn.Module, Inputs]:
+    """diffusers' HunyuanVideo transformer: dual- and single-stream blocks, a token refiner, 3D
+    RoPE. `scale` multiplies its widths and its latent's height and width."""
     import diffusers
 
+    s = scale
     model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16,
-        pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8 * s, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16 * s,
+        pooled_projection_dim=8 * s, rope_axes_dim=(2 * s, 2 * s, 4 * s))
     return model, lambda i, dt: {
-        "hidden_states": torch.randn(1, 4, 1, 4, 4, generator=_g(i)).to(dt), "timestep": torch.tensor([3]),
-        "encoder_hidden_states": torch.randn(1, 6, 16, generator=_g(i + 100)).to(dt),
+        "hidden_states": torch.randn(1, 4, 1, 4 * s, 4 * s, generator=_g(i)).to(dt), "timestep": torch.tensor([3]),
+        "encoder_hidden_states": torch.randn(1, 6, 16 * s, generator=_g(i + 100)).to(dt),
         "encoder_attention_mask": torch.ones(1, 6),
-        "pooled_projections": torch.randn(1, 8, generator=_g(i + 200)).to(dt),
+        "pooled_projections": torch.randn(1, 8 * s, generator=_g(i + 200)).to(dt),
         "guidance": torch.tensor([3.0]).to(dt), "return_dict": False}
 
 
-def pixart() -> tuple[torch.nn.Module, Inputs]:
-    """diffusers' PixArt transformer: an image DiT with adaLN-single and cross-attention."""
+def pixart(scale: int = 1) -> tuple[torch.nn.Module, Inputs]:
+    """diffusers' PixArt transformer: an image DiT with adaLN-single and cross-attention.
+    `scale` multiplies its widths and its latent's height and width."""
     import diffusers
 
+    s = scale
     model = diffusers.PixArtTransformer2DModel(
-        sample_size=8, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=2, in_channels=4,
-        out_channels=8, cross_attention_dim=16, caption_channels=16, norm_type="ada_norm_single")
+        sample_size=8 * s, num_layers=2, patch_size=2, attention_head_dim=8 * s, num_attention_heads=2,
+        in_channels=4, out_channels=8, cross_attention_dim=16 * s, caption_channels=16 * s,
+        norm_type="ada_norm_single")
     return model, lambda i, dt: {
-        "hidden_states": torch.randn(1, 4, 8, 8, generator=_g(i)).to(dt),
-        "encoder_hidden_states": torch.randn(1, 6, 16, generator=_g(i + 100)).to(dt), "timestep": torch.tensor([3]),
-        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}, "return_dict": False}
+        "hidden_states": torch.randn(1, 4, 8 * s, 8 * s, generator=_g(i)).to(dt),
+        "encoder_hidden_states": torch.randn(1, 6, 16 * s, generator=_g(i + 100)).to(dt),
+        "timestep": torch.tensor([3]), "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+        "return_dict": False}
 
 
-def _llm(config: str, model: str, **extra: Any) -> tuple[torch.nn.Module, Inputs]:
+def _llm(config: str, model: str, scale: int = 1, **extra: Any) -> tuple[torch.nn.Module, Inputs]:
+    """`scale` multiplies the widths, the vocabulary and the sequence."""
     import transformers
 
-    cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        **extra)
+    s = scale
+    cfg = getattr(transformers, config)(vocab_size=64 * s, hidden_size=32 * s, intermediate_size=64 * s,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32 * s, **extra)
     return getattr(transformers, model)(cfg), lambda i, dt: {
-        "input_ids": torch.randint(0, 64, (2, 8), generator=_g(i))}
+        "input_ids": torch.randint(0, 64 * s, (2, 8 * s), generator=_g(i))}
 
 
-def phi3() -> tuple[torch.nn.Module, Inputs]:
+def phi3(scale: int = 1) -> tuple[torch.nn.Module, Inputs]:
     """transformers' Phi3: fused qkv and gate-up projections, RMSNorm."""
-    return _llm("Phi3Config", "Phi3Model", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _llm("Phi3Config", "Phi3Model", scale, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def mistral() -> tuple[torch.nn.Module, Inputs]:
+def mistral(scale: int = 1) -> tuple[torch.nn.Module, Inputs]:
     """transformers' Mistral: grouped-query attention, SwiGLU, RMSNorm."""
-    return _llm("MistralConfig", "MistralModel")
+    return _llm("MistralConfig", "MistralModel", scale)
 
 
-def gemma2() -> tuple[torch.nn.Module, Inputs]:
+def gemma2(scale: int = 1) -> tuple[torch.nn.Module, Inputs]:
     """transformers' Gemma 2: logit soft-capping, sliding-window layers, GELU-tanh MLP."""
-    return _llm("Gemma2Config", "Gemma2Model", head_dim=8)
+    return _llm("Gemma2Config", "Gemma2Model", scale, head_dim=8 * scale)
 
 
 FAMILIES: dict[str, Family] = {"demo": demo, "ltx": ltx, "sd3": sd3, "llama": llama, "cogvideox": cogvideox,
