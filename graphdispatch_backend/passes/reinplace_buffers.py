@@ -26,8 +26,9 @@ write is a wall between fused segments (fusion/segments.py). For the same reason
 fused graph (`fuse`) a `slice_scatter` or `select_scatter` stays functional too: Inductor
 lowers it as a store into the buffer it made, where in place it would cut the graph's
 fusion in two (HunyuanVideo's attention mask, a `select_scatter` into a [1, 1, 6] buffer,
-made its fused graph two segments and cost 5% a call); row writes (a new cache's rows)
-still go in place, the copy they save grows with the cache. The eager check judges the
+made its fused graph two segments: 1.25x default Inductor a call, 1.17x in one segment,
+interleaved in one process); row writes (a new cache's rows) still go in place, the copy
+they save grows with the cache. The eager check judges the
 result, bit for bit. The report's `buffer_writes_in_place` counts the writes.
 
 Before::
