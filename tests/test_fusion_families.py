@@ -110,3 +110,16 @@ def test_the_tolerance_recipe_rounds_bf16_intermediates_as_eager(monkeypatch):
     unrounded = run()
     assert unrounded["beyond"] == 1, unrounded
     assert [k["op"] for k in unrounded["kept"] if k["why"] == "learned"] == ["aten._softmax.default"], unrounded
+
+
+@pytest.mark.parametrize("family", [*DIT, *LLM])
+def test_a_family_at_scale_2_is_wider_and_runs(family):
+    """bench/fusion.py `--scale`: each family built at scale 2 has more parameters and its
+    call's first output is at least as large; eager runs it."""
+    small, small_inputs = FAMILIES[family]()
+    wide, wide_inputs = FAMILIES[family](scale=2)
+    assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in small.parameters())
+    with torch.no_grad():
+        a = first_tensor(small.eval()(**small_inputs(0, torch.float32)))
+        b = first_tensor(wide.eval()(**wide_inputs(0, torch.float32)))
+    assert b.numel() >= a.numel() and torch.isfinite(b).all()
