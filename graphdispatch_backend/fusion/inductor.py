@@ -32,7 +32,6 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
 from graphdispatch_backend.fusion.canonical import Composite, canonical, rewrite
-from graphdispatch_backend.fusion.direct import Direct
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import op_name, recipe_allows
 from graphdispatch_backend.passes.ops import is_view
@@ -54,6 +53,7 @@ class CompiledSegment:
     aten_calls: int  # nodes left to their ATen kernels
     seconds: float  # wall time of the compile (Inductor's own caches make repeats cheap)
     source: str = ""  # Inductor's generated code (for reading, never run from here)
+    alone: Callable[[list[Any]], Any] | None = None  # a tolerance segment's graph past aot's wrapper (boxed)
 
 
 def _view_tails(gm: fx.GraphModule) -> set[fx.Node]:
@@ -285,11 +285,11 @@ def _as_inductor_compiles(segment: fx.GraphModule, recipe: Recipe) -> CompiledSe
     if source is None:  # the cached compile's code not found: compiled again past aot's cache (thread-local)
         compiled, source = compile_it(cached=False)
     seconds = time.perf_counter() - start
-    inner = _output_code(compiled)
 
     def run(*args: Any) -> tuple[Any, ...]:
         return tuple(compiled(*args))
 
-    # past aot's runtime wrapper once a first call shows it changes nothing (fusion/direct.py)
-    return CompiledSegment(Direct(compiled, inner) if inner is not None else run, fused,
-                           len(_KERNEL_DEF.findall(source or "")), calls, seconds, source or "")
+    # Inductor's graph without aot's runtime wrapper: the runtime calls it alone once a first
+    # call showed the wrapper changes nothing (runtime/program/direct.py)
+    return CompiledSegment(run, fused, len(_KERNEL_DEF.findall(source or "")), calls, seconds, source or "",
+                           _output_code(compiled))

@@ -44,6 +44,7 @@ from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.checks.tolerance import Tolerance
 from graphdispatch_backend.runtime.cudagraph.tape import opaque
+from graphdispatch_backend.runtime.program.direct import Direct
 from graphdispatch_backend.runtime.program.fused_views import chain_views
 
 MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
@@ -65,7 +66,9 @@ def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callabl
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             node.target = entry(node.target)
         elif SEGMENT_META in node.meta:
-            run = compiled[node.meta[SEGMENT_META]].run
+            done = compiled[node.meta[SEGMENT_META]]
+            # past aot's runtime wrapper once a first call showed it changes nothing
+            run = done.run if done.alone is None else Direct(done.run, done.alone)
 
             def segment(*args: Any, _run: Callable[..., Any] = run) -> Any:
                 return opaque(_run, args)

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from graphdispatch_backend.fusion import inductor
-from graphdispatch_backend.fusion.direct import Direct
 from graphdispatch_backend.fusion.recipe import recipe_for
 from graphdispatch_backend.options import FuseTolerance
+from graphdispatch_backend.runtime.program.direct import Direct
 from graphdispatch_backend.testing import aten_graph
 
 TOLERANCE = recipe_for("cpu", FuseTolerance(rtol=1e-3, atol=1e-5))
@@ -25,8 +25,10 @@ def block(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def test_a_tolerance_segment_goes_past_the_wrapper_after_its_first_call():
     args = (torch.randn(4, 16), torch.randn(16, 16))
     gm = aten_graph(block, *args).gm
-    run = inductor.compile_segment(gm, TOLERANCE, frozenset()).run
-    assert isinstance(run, Direct) and run.direct is None
+    segment = inductor.compile_segment(gm, TOLERANCE, frozenset())
+    assert segment.alone is not None
+    run = Direct(segment.run, segment.alone)
+    assert run.direct is None
     first = run(*args)
     assert run.direct is True
     for i in range(3):
@@ -63,3 +65,36 @@ def test_nan_in_the_same_places_is_the_same_and_a_raising_graph_keeps_the_wrappe
 
     raising = Direct(lambda t: (t + 1,), refuses)
     assert torch.equal(raising(x)[0].nan_to_num(), (x + 1).nan_to_num()) and raising.direct is False
+
+
+def test_a_fused_graph_binds_its_tolerance_segments_direct_and_its_exact_ones_not():
+    """Bound in a fused unit (runtime/program/fused.py): a tolerance segment's run is a
+    Direct, and goes direct after the graph's first call; the exact recipe's segments are
+    compiled past aot already (no `alone`)."""
+    import graphdispatch_backend
+    from graphdispatch_backend.runtime.program import fused
+
+    made: list[Direct] = []
+    real = fused.Direct
+
+    def spy(*a):
+        made.append(real(*a))
+        return made[-1]
+
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    for fuse, expect in ((True, 0), ({"rtol": 1e-3, "atol": 1e-5}, 1)):
+        made.clear()
+        graphdispatch_backend.reset()
+        torch._dynamo.reset()
+        fused.Direct = spy
+        try:
+            compiled = torch.compile(block, backend="graphdispatch",
+                                     options={"cuda_graphs": False, "cache_dir": False, "fuse": fuse})
+            with torch.no_grad():
+                for _ in range(2):
+                    got = compiled(x, w)
+        finally:
+            fused.Direct = real
+        assert len(made) == expect and all(d.direct for d in made)
+        want = block(x, w)
+        assert all(torch.allclose(g, e, rtol=1e-3, atol=1e-5) for g, e in zip(got, want))
