@@ -460,7 +460,7 @@ def _novelty_part(watched: dict[str, Any], repeats: int, payload: dict[str, Any]
             f"{statistics.median(got['novelty_checks']):g} novelty checks x {got['per_check_us']:.0f} us)",
             got["timed_ratio"] <= NOVELTY_MAX,
             "judged on the timed ratio; `observe` alone runs its reduction from warm caches, inside a call the "
-            "model's kernels have evicted its code path (a site costs 2-3x its time alone)"))
+            "model's kernels have evicted its code path (a site costs 3-9x its time alone)"))
     payload["novelty"] = watched
     return (f"novelty checks: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER}, with the "
             f"statistics (watched, the default) and without ({repeats} repeats; x: median of paired ratios; "

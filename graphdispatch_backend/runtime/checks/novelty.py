@@ -15,8 +15,10 @@ checked as a scheduled one is, and counted as a check made for novelty.
 Watched: inputs that are not parameters or buffers, not written by the graph (a KV cache
 is judged by its written rows, and reading it whole per call would cost its size), not
 marked with `torch._dynamo.mark_static_address` (state at a fixed address), floating or
-integer, on the CPU or CUDA, not empty. The statistic is one reduction per input (`aminmax`), so its cost
-is a read of what the graph reads anyway; on the CPU into outputs the site keeps, both values
+integer, on the CPU or CUDA, not empty. The statistic is one reduction per input (`aminmax`):
+a read of what the graph reads anyway, but a dispatch whose code and objects the model's
+own kernels evict between calls (bench/recheck.py part 4: 3-9x what `observe` costs alone,
+6-37 us a site inside a call); on the CPU into outputs the site keeps, both values
 read back in one call (no `.item()` each: that and the plan a one-input site makes at its
 first call take a quarter off the cost of a small input). Every call reads its inputs, even the
 tensor the last call passed: its version counter would say whether torch wrote it since, but
