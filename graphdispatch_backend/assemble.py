@@ -19,13 +19,15 @@ from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import Engine
+from graphdispatch_backend.fusion.statistics import WATCHED, watchable
 from graphdispatch_backend.passes.context import PieceInfo
 from graphdispatch_backend.passes.locate_writes import WritePlan
 from graphdispatch_backend.plan import GraphPlan, Role, fixed_shapes
+from graphdispatch_backend.runtime.checks import novelty as novelty_checks
 from graphdispatch_backend.runtime.checks.agree import Agreement
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
-from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty
+from graphdispatch_backend.runtime.checks.novelty import STATIC, Arrival, Novelty
 from graphdispatch_backend.runtime.checks.schedule import graph_schedule
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region, Writes
@@ -58,6 +60,34 @@ def runner_for(session: Session, scope: Any, piece: fx.GraphModule, fn: Callable
     if fusion is not None:
         fusion.on_change(runner.recompiled)
     return runner
+
+
+def watched_in_graph(plan: GraphPlan, origins: Sequence[InputOrigin], examples: Sequence[Any],
+                     placeholders: Sequence[fx.Node], mutated: Sequence[int] | None, substituted: bool,
+                     agreement: Agreement | None) -> list[int]:
+    """The inputs (aot positions) whose novelty statistics a fused graph takes in its own
+    kernels (fusion/statistics.py), for its eager check to judge the call after it ran
+    (runtime/checks/posted.py): the inputs `eager_checked` watches. None ([]) where a call
+    must be judged before it runs, or by a reduction of its own: the graph writes an input
+    (a check puts the world back from before the call) or draws random numbers (it replays
+    the draws from before), captures pieces, serves an artifact (a check runs its regions
+    native, the served call did not), agrees its verdicts over ranks, runs off the CPU (a
+    read would synchronize), or an input the check would watch has no static shape."""
+    if (plan.role is not Role.INFERENCE or plan.engine is not Engine.OFF or mutated is None or mutated
+            or plan.draws or substituted or agreement is not None or not novelty_checks.ENABLED
+            or plan.inputs != len(origins) or torch.device(plan.device).type != "cpu"):
+        return []
+    n_lifted = len(origins) - len(examples)
+    watched = []
+    for p in range(n_lifted, len(origins)):
+        example = examples[p - n_lifted]
+        if origins[p].is_state or not isinstance(example, torch.Tensor) or example.dtype not in WATCHED \
+                or example.layout is not torch.strided or hasattr(example, STATIC):
+            continue  # not watched at all (runtime/checks/novelty.py)
+        if not watchable(placeholders[p].meta.get("val")) or example.device.type != "cpu":
+            return []
+        watched.append(p)
+    return watched
 
 
 class Lowering(Protocol):
@@ -95,9 +125,13 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
     # only reads (not parameters, not written: aot's positions must map onto these one to
     # one, as for the write plan); not where ranks must check the same calls
     written = {p - n_lifted for p in mutated}
+    names = [o.name for o in origins[n_lifted:]]
     novelty = None if agreement is not None or not one_to_one and mutated else Novelty(
-        [j for j in keyed if j not in written], [o.name for o in origins[n_lifted:]],
-        Arrival.NEXT_CALL if plan.engine is Engine.HOST else Arrival.NOW)
+        [j for j in keyed if j not in written], names, Arrival.NEXT_CALL if plan.engine is Engine.HOST else Arrival.NOW)
+    # a fused graph that takes them itself: judged after its call (watched_in_graph)
+    posted = lowering.fusion.posted if lowering.fusion is not None and novelty is not None else None
+    if posted is not None:
+        novelty = Novelty([p - n_lifted for p in posted.positions], names, Arrival.NOW)
     # an autograd graph's check also compares the gradients of one backward
     gradients = GradientCheck(lifted, [o.name for o in origins], session.contain, record) \
         if plan.role is Role.FORWARD else None
@@ -111,4 +145,4 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                           plan.recheck(options), options.artifact_recheck,
                           bool(record.substitutions) and plan.engine is not Engine.OFF),
                       runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
-                      unwritten=unwritten, novelty=novelty)
+                      unwritten=unwritten, novelty=novelty, posted=posted)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.assemble import eager_checked, runner_for
+from graphdispatch_backend.assemble import eager_checked, runner_for, watched_in_graph
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
 from graphdispatch_backend.codegen import generated_forward
@@ -119,7 +119,7 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
              example_inputs: Sequence[Any]) -> Callable[..., Any]:
     autocast = AutocastState.observe()
     origins = input_origins(gm, example_inputs)
-    builder = _Builder(session, record, origins, gm.meta.get("gd_model_modules"))
+    builder = _Builder(session, record, origins, gm.meta.get("gd_model_modules"), example_inputs)
     compiled = lower(gm, example_inputs, autocast, inference_compiler=builder.inference,
                      forward_compiler=builder.forward, backward_compiler=builder.backward)
     session.events.decision("compile", {"graph": record.name, "kind": record.kind.value, "nodes": record.nodes,
@@ -156,10 +156,11 @@ class _Builder:
     callables assembled from the plan."""
 
     def __init__(self, session: Session, record: GraphRecord, origins: tuple[InputOrigin, ...],
-                 model_modules: Sequence[str] | None = None) -> None:
+                 model_modules: Sequence[str] | None = None, examples: Sequence[Any] = ()) -> None:
         self.session = session
         self.record = record
         self.origins = origins
+        self.examples = examples  # the Dynamo graph's example inputs
         self.artifacts = GraphArtifacts(session, record, model_modules)
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
@@ -243,7 +244,10 @@ class _Builder:
         if serving.how is Serve.WHOLE:
             run = self._runner(scope, gm, ctx.pieces[0], plan, record, agreement, fusion)
         elif serving.fused and fusion is not None:  # fused around its captured pieces, or uncaptured
-            run = fusion.unit(gm, run)
+            # the inputs whose novelty statistics its kernels take (fusion/statistics.py)
+            watched = watched_in_graph(plan, self.origins, self.examples, placeholders, self.mutated,
+                                       bool(record.substitutions), agreement)
+            run = fusion.unit(gm, run, watched)
         if serving.without_history:
             run = without_history(run, native, self.session.events, record)
         if fusion is not None:

@@ -34,6 +34,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 from graphdispatch_backend.fusion.canonical import Composite, canonical, rewrite
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import op_name, recipe_allows
+from graphdispatch_backend.fusion.statistics import STATISTIC
 from graphdispatch_backend.passes.ops import is_view
 
 aten = torch.ops.aten
@@ -182,7 +183,8 @@ def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str
         name = op_name(node)
         if name not in keep and node not in tails and recipe_allows(node, recipe) and inductor_lowers(node):
             chosen.add(node)
-            fused[name] += 1
+            if STATISTIC not in node.meta:  # fusion/statistics.py: not an op of the graph's
+                fused[name] += 1
         elif isinstance(node.target, torch._ops.OpOverload):
             calls += 1
     chosen = rewrite(gm, chosen)
@@ -254,7 +256,7 @@ def _as_inductor_compiles(segment: fx.GraphModule, recipe: Recipe) -> CompiledSe
 
     gm = copy.deepcopy(segment)
     nodes = {n for n in gm.graph.nodes if n.op == "call_function" and recipe_allows(n, recipe)}
-    fused = Counter(op_name(n) for n in nodes)
+    fused = Counter(op_name(n) for n in nodes if STATISTIC not in n.meta)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n not in nodes
                 and isinstance(n.target, torch._ops.OpOverload))
     rewrite(gm, nodes)  # exact rewrites Inductor's decompositions make anyway (the seam testing.perturbed patches)

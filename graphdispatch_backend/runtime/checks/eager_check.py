@@ -48,6 +48,7 @@ from graphdispatch_backend.runtime.checks.isolate import Checked, blame, culprit
 from graphdispatch_backend.runtime.checks.lowering import Lowering
 from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
+from graphdispatch_backend.runtime.checks.posted import Posted
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import GraphDue
@@ -59,6 +60,7 @@ from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 MAX_KEYS = KEPT_KEYS  # shape keys whose schedules are kept (schedule.KeyedDue); 0 turns the check off
 
 Verdict = tuple[Decline, str] | None
+_UNSERVED = object()  # EagerCheck._check: the compiled graph has not run for this call yet
 
 
 class EagerCheck:
@@ -87,6 +89,7 @@ class EagerCheck:
         fusion: Any = None,
         unwritten: Sequence[int] = (),
         novelty: Novelty | None = None,
+        posted: Posted | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -98,7 +101,11 @@ class EagerCheck:
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         # which calls are checked (runtime/checks/schedule.py): by position per shape key, and
         # those whose inputs leave what the checked calls saw (runtime/checks/novelty.py)
-        self._due = GraphDue(recheck, record.name, dynamic, keyed, novelty)
+        # a fused graph may take them itself (runtime/checks/posted.py): then a call is judged
+        # by them after it ran, and checked then (its inputs unwritten, no draws) when new
+        self._posted = posted if novelty is not None and novelty.on else None
+        self._watch = novelty if self._posted is not None else None
+        self._due = GraphDue(recheck, record.name, dynamic, keyed, None if self._posted is not None else novelty)
         self._on = MAX_KEYS > 0
         self._lowering = Lowering(eager, compiled, record, events, contain, strict)  # who answers, who is declined
         self._timing = timing if timing.enabled else None
@@ -122,16 +129,33 @@ class EagerCheck:
             due = self._due(args)
             if due is not None and (self._gradients is not None or not self._needs_grad(args)):
                 return self._check(args, *due)
+        posted = self._posted
+        if posted is not None:
+            posted.clear()
         try:
-            return self._compiled(*args)
+            out = self._compiled(*args)
         except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
             return self._lowering.failed_later(args, exc)
+        return out if posted is None or not self._on else self._after(args, out)
+
+    def _after(self, args: Sequence[Any], out: Any) -> Any:
+        """A call its schedule did not pick, judged by the statistics its graph took (or, where
+        its unit did not run, a reduction of its own): checked now when they are new, with the
+        outputs it made as the served ones (nothing ran since: no input written, no draw)."""
+        values = self._posted.take()
+        seen = self._watch.judge(values) if values is not None else self._watch.observe(args)
+        if seen.why is None or self._needs_grad(args):
+            return out
+        self._due.novel(args)
+        return self._check(args, seen, seen.why, served=out)
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
     # -- the check: eager the reference, the served call the candidate (side_by_side.py) --
-    def _check(self, args: Sequence[Any], seen: Observation | None = None, novel: str | None = None) -> Any:
+    def _check(self, args: Sequence[Any], seen: Observation | None = None, novel: str | None = None,
+               served: Any = _UNSERVED) -> Any:
+        """`served`: the outputs the compiled graph made for this call already (`_after`)."""
         lowering = self._lowering
         side = SideBySide.open(lambda: self._locate(args), self._contain)
         if isinstance(side, Compared):  # refused: nothing ran yet
@@ -156,8 +180,16 @@ class EagerCheck:
             return lowering.verdict(Decline.CHECK_FAILED, f"snapshot raised {type(exc).__name__}: {exc}", raw)
         ref.drop()
         del raw
-        with native_regions():  # judge the lowering; each artifact's gate judges the artifact
-            out, failed = side.run(lambda: self._compiled(*args))
+        if served is not _UNSERVED:
+            out, failed = served, None
+        else:
+            if self._posted is not None:
+                self._posted.clear()
+            with native_regions():  # judge the lowering; each artifact's gate judges the artifact
+                out, failed = side.run(lambda: self._compiled(*args))
+            if self._posted is not None and failed is None:  # what the checked call saw, as its graph took it
+                values = self._posted.take()
+                seen = self._watch.judge(values) if values is not None else seen
         raised = failed is not None  # then the call was not counted (CompiledGraph counts as it returns)
         gradients: Sequence[str] = ()  # the inputs whose gradients differ from eager's
         forward = False  # the verdict comes from comparing the forward's results and world

@@ -165,7 +165,7 @@ class Novelty:
         if one is not None:
             t = inputs[one]
             if (type(t) is _Tensor and t.dtype is self._one_dtype and t.is_cpu and t.layout is _STRIDED and t.numel()
-                    and not hasattr(t, _STATIC)):
+                    and not hasattr(t, STATIC)):
                 m = self._magnitude(t)
                 if self._next:  # as a GPU's would, they decide a later call: held for it
                     waiting = self._held or self._due is not None or self._pending
@@ -181,7 +181,7 @@ class Novelty:
             t = inputs[p]
             if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
                 continue
-            if t.dtype not in _WATCHED or t.layout is not torch.strided or not t.numel() or hasattr(t, _STATIC):
+            if t.dtype not in _WATCHED or t.layout is not torch.strided or not t.numel() or hasattr(t, STATIC):
                 continue
             if not t.is_cpu:
                 cuda = t.is_cuda  # another device: not watched (its reads would synchronize)
@@ -206,6 +206,15 @@ class Novelty:
             self._pending.append(flight)
             return Observation(self, flight, why)
         seen = self._seen
+        for p, m in zip(names, values):
+            if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
+                return Observation(self, (names, values), self._novel(names, values))
+        return Observation(self, (names, values), None)
+
+    def judge(self, values: Sequence[float]) -> Observation:
+        """A call's statistics taken by the graph itself, after its run (runtime/checks/posted.py),
+        in the order of the watched positions: read now, as `observe` reads a CPU input's."""
+        names, seen = self._positions, self._seen
         for p, m in zip(names, values):
             if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
                 return Observation(self, (names, values), self._novel(names, values))
@@ -288,7 +297,7 @@ _STRIDED = torch.strided
 _Tensor = torch.Tensor
 # set by `torch._dynamo.mark_static_address`: its owner's state at a fixed address (a static
 # KV cache, a table), not an input that varies per call: read whole per call, it would cost its size
-_STATIC = "_dynamo_static_input_type"
+STATIC = "_dynamo_static_input_type"
 # floating and integer dtypes: a largest magnitude (bool has none; complex, float8, quantized: not watched)
 _WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                       torch.int16, torch.int8, torch.uint8})
@@ -296,7 +305,7 @@ _WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat1
 
 def _watchable(t: Any) -> bool:
     return (isinstance(t, torch.Tensor) and t.dtype in _WATCHED and t.layout is torch.strided and t.numel() > 0
-            and (t.is_cpu or t.is_cuda) and not hasattr(t, _STATIC))
+            and (t.is_cpu or t.is_cuda) and not hasattr(t, STATIC))
 
 
 def _magnitude(t: torch.Tensor) -> float:

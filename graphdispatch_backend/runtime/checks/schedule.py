@@ -188,3 +188,11 @@ class GraphDue:
             return None
         self.n, self.previous = due.n, due.previous
         return seen, novel
+
+    def novel(self, args: Sequence[Any]) -> None:
+        """This call, which its schedule did not pick, is checked after it ran: the statistics
+        its graph took itself were new (runtime/checks/posted.py)."""
+        due = self._schedule if self._keyed is None else self._schedules(
+            layout_key(map(args.__getitem__, self._keyed)))
+        due.checked_now()
+        self.n, self.previous = due.n, due.previous

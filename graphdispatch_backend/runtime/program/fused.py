@@ -34,14 +34,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.codegen import entry, module_of
+from graphdispatch_backend.codegen import entry, generated_forward, module_of
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.errors import Contain, KeptWhy, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
+from graphdispatch_backend.fusion.statistics import add_statistics
 from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.checks.posted import Posted
 from graphdispatch_backend.runtime.checks.tolerance import Tolerance
 from graphdispatch_backend.runtime.cudagraph.tape import opaque
 from graphdispatch_backend.runtime.program.direct import Direct
@@ -84,28 +86,45 @@ def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callabl
 
 
 class FusedUnit:
-    """The callable of one fused graph or piece."""
+    """The callable of one fused graph or piece. With `posted`, every form of it (fused,
+    tried, unfused) also returns its watched inputs' statistics last (fusion/statistics.py),
+    which the unit posts for the eager check and strips."""
 
-    def __init__(self, fusion: Fusion, native: Callable[..., Any], gm: fx.GraphModule) -> None:
+    def __init__(self, fusion: Fusion, native: Callable[..., Any], gm: fx.GraphModule,
+                 posted: Posted | None = None, plain: Callable[..., Any] | None = None,
+                 keyed: fx.GraphModule | None = None) -> None:
         self._fusion = fusion
-        self.native = native  # the unit's ATen graph, unfused
+        self.native = native  # the unit's ATen graph, unfused (with `posted`: taking the statistics)
+        # what an unfused unit serves: its ATen graph as it was (a statistic taken by ATen ops
+        # costs more than the check's own reduction, which then takes it)
+        self.plain = plain if plain is not None else native
         self._gm = gm
+        self._keyed = keyed if keyed is not None else gm  # what its verdicts are keyed by: the graph's own
+        self._posted = posted
+        self._posts = False  # the forward served returns the statistics last
         self._cuts: dict[Keep, tuple[fx.GraphModule, list[fx.GraphModule]]] = {}
-        self._forward: Callable[..., Any] = native
+        self._forward: Callable[..., Any] = self.plain
         self._trials: dict[Keep, Callable[..., Any]] = {}
         self.compiled: list[CompiledSegment] = []
 
     def __call__(self, *args: Any) -> Any:
         if Isolation.active and isolating_here():  # runtime/checks/isolate.py: what this thread tries
-            return self._isolated()(*args)
-        return self._forward(*args)
+            run, posts = self._isolated()
+        else:
+            run, posts = self._forward, self._posts
+        out = run(*args)
+        if not posts:
+            return out
+        self._posted.put(out[-1])  # type: ignore[union-attr]
+        return out[:-1]  # a slice: the graph's own container type
 
-    def _isolated(self) -> Callable[..., Any]:
-        """On a thread that isolates: the ops it tries kept (`Fusion.trying`), or unfused."""
+    def _isolated(self) -> tuple[Callable[..., Any], bool]:
+        """On a thread that isolates: the ops it tries kept (`Fusion.trying`), or unfused;
+        and whether it returns the statistics."""
         keep = self._fusion.tried()
         if keep is _SERVING:
-            return self._forward
-        return self.native if keep is None else self.trial(keep)
+            return self._forward, self._posts
+        return (self.native if keep is None else self.trial(keep)), self._posted is not None
 
     def cut(self, keep: Keep = frozenset()) -> tuple[fx.GraphModule, list[fx.GraphModule]]:
         """(the unit's graph with a call per segment, the segments) with `keep` kept as ATen
@@ -122,8 +141,18 @@ class FusedUnit:
 
     @property
     def segments(self) -> list[fx.GraphModule]:
-        """The segments with nothing kept: what the graph is (its verdict key, the report)."""
+        """The segments with nothing kept: what the graph is (the ops it holds, the report)."""
         return self.cut()[1]
+
+    def key_segments(self) -> list[fx.GraphModule]:
+        """The segments of the graph without the statistics it takes: its verdict key, the
+        same whether it takes them or the check does (a graph captured, or not)."""
+        if self._keyed is self._gm:
+            return self.segments
+        outer = fx.GraphModule(self._keyed, copy.deepcopy(self._keyed.graph))
+        segments: list[fx.GraphModule] = []
+        cut(outer, self._fusion.recipe, lambda i, segment: segments.append(segment) or _unbound)
+        return segments
 
     def build(self, keep: Keep) -> tuple[Callable[..., Any], list[CompiledSegment]]:
         """(forward, compiled segments) with `keep` kept as ATen calls (no segment: unfused)."""
@@ -135,6 +164,7 @@ class FusedUnit:
 
     def adopt(self, forward: Callable[..., Any], compiled: list[CompiledSegment]) -> None:
         self._forward, self.compiled = forward, compiled
+        self._posts = self._posted is not None and forward is not self.plain
 
     def trial(self, keep: Keep) -> Callable[..., Any]:
         found = self._trials.get(keep)
@@ -169,14 +199,23 @@ class Fusion:
         self.active = False  # serving fused code (False before `finish`, after giving up or failing)
         self._key = ""
         self._listeners: list[Callable[[str], None]] = []
+        self.posted: Posted | None = None  # the statistics a unit's graph takes itself (`unit`)
         self._local = threading.local()
         self._lock = threading.Lock()
 
     # -- building ----------------------------------------------------------------------
-    def unit(self, gm: fx.GraphModule, native: Callable[..., Any]) -> FusedUnit:
+    def unit(self, gm: fx.GraphModule, native: Callable[..., Any], watched: Sequence[int] = ()) -> FusedUnit:
         """A unit for `gm` (a lowered graph or piece, after the passes; or the graph around
-        its pieces, whose piece calls stay as they are), cut into segments; compiled by `finish`."""
-        unit = FusedUnit(self, native, fx.GraphModule(gm, copy.deepcopy(gm.graph)))
+        its pieces, whose piece calls stay as they are), cut into segments; compiled by
+        `finish`. `watched`: the inputs whose novelty statistics the graph takes itself
+        (fusion/statistics.py), posted to `self.posted` for the eager check."""
+        own = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        if not watched:
+            unit = FusedUnit(self, native, own)
+        else:
+            taking = add_statistics(gm, watched)
+            self.posted = Posted(watched)
+            unit = FusedUnit(self, generated_forward(taking), taking, self.posted, native, own)
         self.units.append(unit)
         return unit
 
@@ -187,7 +226,7 @@ class Fusion:
     def finish(self) -> None:
         """Compile every unit with what the graph keeps: from the verdict cache, this graph's
         own (`cache`), and the ops any graph on this device and recipe learned (`device`)."""
-        codes = [_code(s) for u in self.units for s in u.segments]
+        codes = [_code(s) for u in self.units for s in u.key_segments()]
         self._key = graph_key(codes, self._device, self.recipe.id)
         stored = self._verdicts.load(self._key, self._device, self.recipe.id)
         if stored is not None:
@@ -221,11 +260,15 @@ class Fusion:
         for unit, (forward, compiled) in zip(self.units, built):
             unit.adopt(forward, compiled)
         kernels = sum(c.kernels for u in self.units for c in u.compiled)
-        self.active = kernels > 0
+        # a graph that takes its statistics (fusion/statistics.py) has a kernel for them even
+        # where Inductor would make none of its own (views only): it fuses something if it holds
+        # an op that computes
+        self.active = kernels > 0 and (self.posted is None or any(
+            _computes(op) for u in self.units for c in u.compiled for op in c.fused))
         if not self.active:  # Inductor's wrapper would only call the ATen kernels: they run as the graph
             for unit in self.units:
-                unit.adopt(unit.native, [])
-        self._entry.compiled(kernels)
+                unit.adopt(unit.plain, [])
+        self._entry.compiled(kernels if self.active else 0)
         self._report(time.perf_counter() - start, built)
         return True
 
@@ -303,7 +346,7 @@ class Fusion:
 
     def _give_up(self, detail: str, cached: bool = False) -> None:
         for unit in self.units:
-            unit.adopt(unit.native, [])
+            unit.adopt(unit.plain, [])
         self.active = False
         self._entry.gave_up(detail, self._key)
         if not cached:
@@ -314,7 +357,7 @@ class Fusion:
 
     def _fail(self, detail: str) -> None:
         for unit in self.units:
-            unit.adopt(unit.native, [])
+            unit.adopt(unit.plain, [])
         self.active = False
         self._entry.failed(detail)
         self._warn("fusion_failed", f"graphdispatch: a graph runs unfused: {detail}")
@@ -337,6 +380,16 @@ class Fusion:
             aten_calls=calls, fused_ops=dict(sorted(fused.items())), segments=sum(len(c) for _, c in built),
             kept=[*({"op": op, "why": KeptWhy.RECIPE.value} for op in _recipe_kept(self.units, self.recipe)),
                   *(dict(k) for k in self.learned)])
+
+
+def _computes(name: str) -> bool:
+    """A fused op (by its name, `aten.t.default`) computes values: it is not a view."""
+    op: Any = torch.ops
+    for part in name.split("."):
+        op = getattr(op, part, None)
+        if op is None:
+            return True
+    return not getattr(op, "is_view", False)
 
 
 def _unbound(*args: Any) -> Any:
