@@ -19,7 +19,7 @@ from graphdispatch_backend.capture.lower import InputOrigin
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import CudaGraphStats, GraphRecord
 from graphdispatch_backend.errors import Engine
-from graphdispatch_backend.fusion.statistics import WATCHED, watchable
+from graphdispatch_backend.fusion.statistics import watchable
 from graphdispatch_backend.passes.context import PieceInfo
 from graphdispatch_backend.passes.locate_writes import WritePlan
 from graphdispatch_backend.plan import GraphPlan, Role, fixed_shapes
@@ -27,7 +27,7 @@ from graphdispatch_backend.runtime.checks import novelty as novelty_checks
 from graphdispatch_backend.runtime.checks.agree import Agreement
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.eager_check import EagerCheck
-from graphdispatch_backend.runtime.checks.novelty import STATIC, Arrival, Novelty
+from graphdispatch_backend.runtime.checks.novelty import Arrival, Novelty
 from graphdispatch_backend.runtime.checks.schedule import graph_schedule
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region, Writes
@@ -62,29 +62,29 @@ def runner_for(session: Session, scope: Any, piece: fx.GraphModule, fn: Callable
     return runner
 
 
-def watched_in_graph(plan: GraphPlan, origins: Sequence[InputOrigin], examples: Sequence[Any],
+def watched_in_graph(plan: GraphPlan, origins: Sequence[InputOrigin], devices: Sequence[str | None],
                      placeholders: Sequence[fx.Node], mutated: Sequence[int] | None, substituted: bool,
                      agreement: Agreement | None) -> list[int]:
     """The inputs (aot positions) whose novelty statistics a fused graph takes in its own
     kernels (fusion/statistics.py), for its eager check to judge the call after it ran
-    (runtime/checks/posted.py): the inputs `eager_checked` watches. None ([]) where a call
-    must be judged before it runs, or by a reduction of its own: the graph writes an input
-    (a check puts the world back from before the call) or draws random numbers (it replays
-    the draws from before), captures pieces, serves an artifact (a check runs its regions
-    native, the served call did not), agrees its verdicts over ranks, runs off the CPU (a
-    read would synchronize), or an input the check would watch has no static shape."""
+    (runtime/checks/posted.py): the inputs `eager_checked` watches (`devices`: per call
+    input, where the checks would watch it, novelty.py `watched_on`). None ([]) where a
+    call must be judged before it runs, or by a reduction of its own: the graph writes an
+    input (a check puts the world back from before the call) or draws random numbers (it
+    replays the draws from before), captures pieces, serves an artifact (a check runs its
+    regions native, the served call did not), agrees its verdicts over ranks, runs off the
+    CPU (a read would synchronize), or an input the check would watch has no static shape."""
     if (plan.role is not Role.INFERENCE or plan.engine is not Engine.OFF or mutated is None or mutated
             or plan.draws or substituted or agreement is not None or not novelty_checks.ENABLED
             or plan.inputs != len(origins) or torch.device(plan.device).type != "cpu"):
         return []
-    n_lifted = len(origins) - len(examples)
+    n_lifted = len(origins) - len(devices)
     watched = []
     for p in range(n_lifted, len(origins)):
-        example = examples[p - n_lifted]
-        if origins[p].is_state or not isinstance(example, torch.Tensor) or example.dtype not in WATCHED \
-                or example.layout is not torch.strided or hasattr(example, STATIC):
+        device = devices[p - n_lifted]
+        if origins[p].is_state or device is None:
             continue  # not watched at all (runtime/checks/novelty.py)
-        if not watchable(placeholders[p].meta.get("val")) or example.device.type != "cpu":
+        if device != "cpu" or not watchable(placeholders[p].meta.get("val")):
             return []
         watched.append(p)
     return watched

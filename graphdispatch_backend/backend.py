@@ -41,6 +41,7 @@ from graphdispatch_backend.passes.ops import collective_groups, unwritten_output
 from graphdispatch_backend.plan import GraphPlan, Role, Serve, Serving, plan_graph
 from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreement_for
+from graphdispatch_backend.runtime.checks.novelty import watched_on
 from graphdispatch_backend.runtime.program.autograd import backward_fallback, without_history
 from graphdispatch_backend.runtime.program.fused import Fusion
 from graphdispatch_backend.runtime.program.program import CompiledGraph
@@ -119,7 +120,8 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
              example_inputs: Sequence[Any]) -> Callable[..., Any]:
     autocast = AutocastState.observe()
     origins = input_origins(gm, example_inputs)
-    builder = _Builder(session, record, origins, gm.meta.get("gd_model_modules"), example_inputs)
+    builder = _Builder(session, record, origins, gm.meta.get("gd_model_modules"),
+                       [watched_on(x) for x in example_inputs])
     compiled = lower(gm, example_inputs, autocast, inference_compiler=builder.inference,
                      forward_compiler=builder.forward, backward_compiler=builder.backward)
     session.events.decision("compile", {"graph": record.name, "kind": record.kind.value, "nodes": record.nodes,
@@ -156,11 +158,13 @@ class _Builder:
     callables assembled from the plan."""
 
     def __init__(self, session: Session, record: GraphRecord, origins: tuple[InputOrigin, ...],
-                 model_modules: Sequence[str] | None = None, examples: Sequence[Any] = ()) -> None:
+                 model_modules: Sequence[str] | None = None, watched: Sequence[str | None] = ()) -> None:
         self.session = session
         self.record = record
         self.origins = origins
-        self.examples = examples  # the Dynamo graph's example inputs
+        # per Dynamo input, where the novelty checks would watch it (not the inputs: the
+        # builder lives as long as the graph, and would keep the first call's inputs alive)
+        self.watched = watched
         self.artifacts = GraphArtifacts(session, record, model_modules)
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
@@ -245,7 +249,7 @@ class _Builder:
             run = self._runner(scope, gm, ctx.pieces[0], plan, record, agreement, fusion)
         elif serving.fused and fusion is not None:  # fused around its captured pieces, or uncaptured
             # the inputs whose novelty statistics its kernels take (fusion/statistics.py)
-            watched = watched_in_graph(plan, self.origins, self.examples, placeholders, self.mutated,
+            watched = watched_in_graph(plan, self.origins, self.watched, placeholders, self.mutated,
                                        bool(record.substitutions), agreement)
             run = fusion.unit(gm, run, watched)
         if serving.without_history:

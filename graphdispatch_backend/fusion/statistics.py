@@ -7,7 +7,7 @@ dispatch per input per call, which the model's kernels have made cold: on the fu
 families about as much as the distance to default Inductor. Computed inside the graph,
 the reductions are Inductor's, fused into the kernels the graph runs anyway, and the
 values come out as one more output: a float64 vector in the order of `positions`. The
-fused unit strips it (runtime/program/fused.py) and the check reads it after the call.
+fused unit strips it (runtime/program/fused_unit.py) and the check reads it after the call.
 
 Exact: `abs` and `amax` (a maximum, in any order) of the input's own dtype, then a cast to
 float64, which holds every float32, bfloat16 and float16 value, and keeps the order of

@@ -68,11 +68,11 @@ def test_nan_in_the_same_places_is_the_same_and_a_raising_graph_keeps_the_wrappe
 
 
 def test_a_fused_graph_binds_its_tolerance_segments_direct_and_its_exact_ones_not():
-    """Bound in a fused unit (runtime/program/fused.py): a tolerance segment's run is a
+    """Bound in a fused unit (runtime/program/fused_unit.py): a tolerance segment's run is a
     Direct, and goes direct after the graph's first call; the exact recipe's segments are
     compiled past aot already (no `alone`)."""
     import graphdispatch_backend
-    from graphdispatch_backend.runtime.program import fused
+    from graphdispatch_backend.runtime.program import fused_unit as fused
 
     made: list[Direct] = []
     real = fused.Direct

@@ -25,6 +25,7 @@ from graphdispatch_backend.examples.dit import ada_inputs as inputs
 from graphdispatch_backend.fusion import recipe as recipe_mod
 from graphdispatch_backend.fusion import segments as segments_mod
 from graphdispatch_backend.runtime.program import fused as fused_mod
+from graphdispatch_backend.runtime.program import fused_unit
 from graphdispatch_backend.runtime.runner import GraphRunner
 from graphdispatch_backend.testing import (
     MLP_OUTPUTS,
@@ -324,13 +325,13 @@ class SignedSqrt(nn.Module):
 
 def _count_compiles() -> Any:
     calls = []
-    real = fused_mod.compile_segment
+    real = fused_unit.compile_segment
 
     def counted(*args: Any) -> Any:
         calls.append(args[0])
         return real(*args)
 
-    return calls, mock.patch.object(fused_mod, "compile_segment", counted)
+    return calls, mock.patch.object(fused_unit, "compile_segment", counted)
 
 
 def _second_graph(options: dict[str, Any], new_session: bool) -> tuple[dict[str, Any], int]:

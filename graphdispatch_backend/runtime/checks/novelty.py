@@ -303,6 +303,15 @@ _WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat1
                       torch.int16, torch.int8, torch.uint8})
 
 
+def watched_on(t: Any) -> str | None:
+    """The device type of a call input the checks would watch (`_watchable`, its size
+    aside: Dynamo guards it), None where they would not."""
+    if (not isinstance(t, torch.Tensor) or t.dtype not in _WATCHED or t.layout is not torch.strided
+            or hasattr(t, STATIC)):
+        return None
+    return t.device.type
+
+
 def _watchable(t: Any) -> bool:
     return (isinstance(t, torch.Tensor) and t.dtype in _WATCHED and t.layout is torch.strided and t.numel() > 0
             and (t.is_cpu or t.is_cuda) and not hasattr(t, STATIC))

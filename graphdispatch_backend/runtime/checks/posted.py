@@ -1,7 +1,7 @@
 """Posted: the statistics a fused graph took of its watched inputs inside its own kernels.
 
 A fused graph may compute its novelty statistics itself (fusion/statistics.py: one more
-output). Its unit strips that output and posts it here (runtime/program/fused.py); the
+output). Its unit strips that output and posts it here (runtime/program/fused_unit.py); the
 eager check takes it after the call, and judges the call by it as a separate reduction
 would have (runtime/checks/novelty.py `Novelty.judge`). One slot per thread: each thread's
 call takes what its own run posted. A call that ran no unit (it raised first) finds

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import operator
 import threading
 import time
 from collections import Counter
@@ -34,147 +33,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.codegen import entry, generated_forward, module_of
+from graphdispatch_backend.codegen import generated_forward
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.errors import Contain, KeptWhy, StrictModeError
-from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, inductor_lowers
+from graphdispatch_backend.fusion.inductor import CompiledSegment, inductor_lowers
 from graphdispatch_backend.fusion.recipe import Recipe
-from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
+from graphdispatch_backend.fusion.segments import op_name, recipe_allows
 from graphdispatch_backend.fusion.statistics import add_statistics
 from graphdispatch_backend.fusion.verdicts import Verdicts, graph_key
-from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.checks.posted import Posted
 from graphdispatch_backend.runtime.checks.tolerance import Tolerance
-from graphdispatch_backend.runtime.cudagraph.tape import opaque
-from graphdispatch_backend.runtime.program.direct import Direct
-from graphdispatch_backend.runtime.program.fused_views import chain_views
+from graphdispatch_backend.runtime.program.fused_unit import SERVING, FusedUnit, Keep
 
 MAX_ROUNDS = 3  # checks that found a fused op differing, before the graph gives up fusion
-_SERVING = object()  # Fusion.tried: the thread tries nothing, its units run what they serve
-
-Keep = frozenset[str]
-
-
-def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callable[..., Any]:
-    """`outer`'s forward with each segment call bound to its compiled code (and the ATen
-    calls between segments to their C++ entries, as codegen.py binds every graph's); each
-    chain of views of a segment's output made one alias (runtime/program/fused_views.py); the tensors it reads
-    as attributes (lifted constants) read from the module's own dict, not through
-    nn.Module's `__getattr__` (a Python call per read, per call)."""
-    graph = copy.deepcopy(outer.graph)
-    chain_views(graph, {u for n in graph.nodes if SEGMENT_META in n.meta for u in n.users
-                         if u.target is operator.getitem})
-    for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            node.target = entry(node.target)
-        elif SEGMENT_META in node.meta:
-            done = compiled[node.meta[SEGMENT_META]]
-            # past aot's runtime wrapper once a first call showed it changes nothing
-            run = done.run if done.alone is None else Direct(done.run, done.alone)
-
-            def segment(*args: Any, _run: Callable[..., Any] = run) -> Any:
-                return opaque(_run, args)
-
-            segment.__name__ = segment.__qualname__ = f"gd_segment_{node.meta[SEGMENT_META]}"
-            node.target = segment
-    gm = module_of(outer, graph)
-    for node in graph.find_nodes(op="get_attr"):
-        value = getattr(gm, node.target, None)
-        if isinstance(value, torch.Tensor) and "." not in node.target:
-            object.__setattr__(gm, node.target, value)  # found in the instance dict first (the same tensor)
-    return gm.forward
-
-
-class FusedUnit:
-    """The callable of one fused graph or piece. With `posted`, every form of it (fused,
-    tried, unfused) also returns its watched inputs' statistics last (fusion/statistics.py),
-    which the unit posts for the eager check and strips."""
-
-    def __init__(self, fusion: Fusion, native: Callable[..., Any], gm: fx.GraphModule,
-                 posted: Posted | None = None, plain: Callable[..., Any] | None = None,
-                 keyed: fx.GraphModule | None = None) -> None:
-        self._fusion = fusion
-        self.native = native  # the unit's ATen graph, unfused (with `posted`: taking the statistics)
-        # what an unfused unit serves: its ATen graph as it was (a statistic taken by ATen ops
-        # costs more than the check's own reduction, which then takes it)
-        self.plain = plain if plain is not None else native
-        self._gm = gm
-        self._keyed = keyed if keyed is not None else gm  # what its verdicts are keyed by: the graph's own
-        self._posted = posted
-        self._posts = False  # the forward served returns the statistics last
-        self._cuts: dict[Keep, tuple[fx.GraphModule, list[fx.GraphModule]]] = {}
-        self._forward: Callable[..., Any] = self.plain
-        self._trials: dict[Keep, Callable[..., Any]] = {}
-        self.compiled: list[CompiledSegment] = []
-
-    def __call__(self, *args: Any) -> Any:
-        if Isolation.active and isolating_here():  # runtime/checks/isolate.py: what this thread tries
-            run, posts = self._isolated()
-        else:
-            run, posts = self._forward, self._posts
-        out = run(*args)
-        if not posts:
-            return out
-        self._posted.put(out[-1])  # type: ignore[union-attr]
-        return out[:-1]  # a slice: the graph's own container type
-
-    def _isolated(self) -> tuple[Callable[..., Any], bool]:
-        """On a thread that isolates: the ops it tries kept (`Fusion.trying`), or unfused;
-        and whether it returns the statistics."""
-        keep = self._fusion.tried()
-        if keep is _SERVING:
-            return self._forward, self._posts
-        return (self.native if keep is None else self.trial(keep)), self._posted is not None
-
-    def cut(self, keep: Keep = frozenset()) -> tuple[fx.GraphModule, list[fx.GraphModule]]:
-        """(the unit's graph with a call per segment, the segments) with `keep` kept as ATen
-        calls: the exact recipe keeps them inside its segments (one cut serves every keep
-        set), a tolerance recipe between them (fusion/segments.py `cut`)."""
-        keep = keep if not self._fusion.recipe.exact else frozenset()
-        found = self._cuts.get(keep)
-        if found is None:
-            outer = fx.GraphModule(self._gm, copy.deepcopy(self._gm.graph))
-            segments: list[fx.GraphModule] = []
-            cut(outer, self._fusion.recipe, lambda i, segment: segments.append(segment) or _unbound, keep)
-            found = self._cuts[keep] = (outer, segments)
-        return found
-
-    @property
-    def segments(self) -> list[fx.GraphModule]:
-        """The segments with nothing kept: what the graph is (the ops it holds, the report)."""
-        return self.cut()[1]
-
-    def key_segments(self) -> list[fx.GraphModule]:
-        """The segments of the graph without the statistics it takes: its verdict key, the
-        same whether it takes them or the check does (a graph captured, or not)."""
-        if self._keyed is self._gm:
-            return self.segments
-        outer = fx.GraphModule(self._keyed, copy.deepcopy(self._keyed.graph))
-        segments: list[fx.GraphModule] = []
-        cut(outer, self._fusion.recipe, lambda i, segment: segments.append(segment) or _unbound)
-        return segments
-
-    def build(self, keep: Keep) -> tuple[Callable[..., Any], list[CompiledSegment]]:
-        """(forward, compiled segments) with `keep` kept as ATen calls (no segment: unfused)."""
-        outer, segments = self.cut(keep)
-        if not segments:
-            return self.native, []
-        compiled = [compile_segment(s, self._fusion.recipe, keep) for s in segments]
-        return _bind(outer, compiled), compiled
-
-    def adopt(self, forward: Callable[..., Any], compiled: list[CompiledSegment]) -> None:
-        self._forward, self.compiled = forward, compiled
-        self._posts = self._posted is not None and forward is not self.plain
-
-    def trial(self, keep: Keep) -> Callable[..., Any]:
-        found = self._trials.get(keep)
-        if found is None:
-            found = self._trials[keep] = self.build(keep)[0]
-        return found
-
-    def forget_trials(self) -> None:
-        self._trials.clear()
-        self._cuts = {k: v for k, v in self._cuts.items() if not k}  # the cuts of tried keep sets
 
 
 class Fusion:
@@ -275,8 +146,8 @@ class Fusion:
     # -- isolation (runtime/checks/isolate.py) -------------------------------------------------
     def tried(self) -> Keep | None | object:
         """What this thread's units run while it isolates: a keep set, None (unfused), or
-        _SERVING (what they serve)."""
-        return getattr(self._local, "keep", _SERVING)
+        SERVING (what they serve)."""
+        return getattr(self._local, "keep", SERVING)
 
     @contextlib.contextmanager
     def trying(self, keep: Keep | None) -> Iterator[None]:
@@ -285,7 +156,7 @@ class Fusion:
         try:
             yield
         finally:
-            self._local.keep = _SERVING
+            self._local.keep = SERVING
 
     def fused_ops(self) -> list[str]:
         return sorted({op for u in self.units for c in u.compiled for op in c.fused})
@@ -390,10 +261,6 @@ def _computes(name: str) -> bool:
         if op is None:
             return True
     return not getattr(op, "is_view", False)
-
-
-def _unbound(*args: Any) -> Any:
-    raise AssertionError("a segment called before its unit was compiled")
 
 
 def _code(segment: fx.GraphModule) -> str:
