@@ -75,6 +75,7 @@ def test_without_a_fault_a_new_input_is_checked_once_and_passes():
 
 COUNT = torch.zeros(())
 W = torch.randn(8, 4)
+W16 = torch.randn(16, 4)
 
 
 def _writes(x: torch.Tensor) -> torch.Tensor:
@@ -90,19 +91,25 @@ def _views_only(x: torch.Tensor) -> torch.Tensor:
     return x.t() @ W
 
 
+def _matmul_only(x: torch.Tensor) -> torch.Tensor:
+    return x @ W16
+
+
 @pytest.mark.parametrize("fn, options", [
     pytest.param(scaled, {"cuda_graphs": "emulate"}, id="captured"),
     pytest.param(_writes, {"cuda_graphs": False}, id="writes_its_input"),
     pytest.param(_draws, {"cuda_graphs": False}, id="draws"),
     pytest.param(_views_only, {"cuda_graphs": False}, id="nothing_fused"),
+    pytest.param(_matmul_only, {"cuda_graphs": False}, id="nothing_to_fuse"),
 ])
 def test_where_a_call_must_be_judged_before_it_runs_the_check_reads_its_inputs_itself(fn, options):
-    """Captured (a replay's outputs lie in its pool), a graph that writes its input (the
+    """Captured (a replay's outputs lie in its pool), a graph that writes a buffer (the
     check puts the world back from before the call) or draws (it replays the draws from
-    before), and a graph Inductor fuses nothing of (the statistics by ATen ops would cost
-    more than the check's one reduction): the check takes the statistics itself, and a new
-    input is still checked."""
+    before), a graph Inductor fuses nothing of or that holds nothing to fuse (statistics by
+    ATen ops, or a compile for them alone, would cost more than the check's one reduction):
+    the check takes the statistics itself, and a new input is still checked."""
     counted, graph = _calls(fn, options, big=(4,))  # (a replay's statistics decide the next call: the 6th)
     assert counted.calls > 0
     assert graph["lowering_check"]["novelty"] >= 1
-    assert (graph["fusion"]["status"] == "nothing_fused") == (fn is _views_only)
+    status = {_views_only: "nothing_fused", _matmul_only: "off"}.get(fn, "fused")
+    assert graph["fusion"]["status"] == status

@@ -97,7 +97,8 @@ class Fusion:
     def finish(self) -> None:
         """Compile every unit with what the graph keeps: from the verdict cache, this graph's
         own (`cache`), and the ops any graph on this device and recipe learned (`device`)."""
-        codes = [_code(s) for u in self.units for s in u.key_segments()]
+        own = [s for u in self.units for s in u.key_segments()]  # the graph's, without its statistics
+        codes = [_code(s) for s in own]
         self._key = graph_key(codes, self._device, self.recipe.id)
         stored = self._verdicts.load(self._key, self._device, self.recipe.id)
         if stored is not None:
@@ -106,15 +107,14 @@ class Fusion:
             if stored["gave_up"]:
                 self._give_up("the verdict cache says this graph gave up fusion", cached=True)
                 return
-        holds = {op_name(n) for u in self.units for s in u.segments for n in s.graph.nodes
+        holds = {op_name(n) for s in own for n in s.graph.nodes
                  if n.op == "call_function" and recipe_allows(n, self.recipe)}
         for op, found in sorted(self._verdicts.load_ops(self._device, self.recipe.id).items()):
             if op in holds and op not in self.keep:
                 self.learned.append({"op": op, "why": KeptWhy.DEVICE.value, "learned_in": found.get("graph", ""),
                                      "at_call": found.get("at_call"), "detail": found.get("detail", "")})
                 self.keep |= {op}
-        segments = sum(len(u.segments) for u in self.units)
-        if not segments:
+        if not own:  # (the statistics alone are no reason to compile: the check takes them itself)
             self._entry.nothing_to_fuse()
             return
         self._entry.compiling(self._key, self.recipe.id)
