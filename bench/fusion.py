@@ -38,6 +38,12 @@ every call bitwise; the warm first call of both <= 1.2x default Inductor's.
     python bench/fusion.py --models cogvideox,mistral --dtypes fp32 --clock cpu
     python bench/fusion.py --scale 4 --no-learning    # the families 4x as wide (fixed per-call costs shrink)
     python bench/fusion.py --smoke          # a one-block demo, fp32, no Inductor baseline: the plumbing (CI)
+    python bench/fusion.py --statistics --clock cpu   # only: where the tolerance's novelty statistics are taken
+
+`--statistics`: only an A/B of where a tolerance graph takes its inputs' novelty
+statistics, per family and dtype in one process, interleaved against default Inductor: in
+its own kernels (the default, fusion/statistics.py) or by the check's own reduction before
+the call (`watched_in_graph` made to watch nothing while it compiles). JSON `fusion_statistics`.
 """
 
 from __future__ import annotations
@@ -155,6 +161,44 @@ def measure(family: str, dtype: torch.dtype, repeats: int, inner: int, variants:
     return row
 
 
+def statistics_ablation(family: str, dtype: torch.dtype, repeats: int, inner: int,
+                        clock: Callable[[], int]) -> dict[str, Any]:
+    """Per call, in one process: default Inductor, the tolerance with its statistics in its
+    kernels (`in_graph`), and with the check taking them itself (`by_check`)."""
+    from unittest import mock
+
+    from graphdispatch_backend import backend
+
+    torch.manual_seed(0)
+    model, inputs = FAMILIES[family]()
+    model = model.to(dtype).eval()
+    args = inputs(9, dtype)
+    fns = {"inductor": torch.compile(model, backend="inductor")}
+    for name in ("in_graph", "by_check"):
+        fns[name] = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": False, "cache_dir": False,
+                                                                           "fuse": TOLERANCES[dtype]})
+
+    def call(name: str) -> torch.Tensor:
+        with torch.no_grad():
+            return first_tensor(fns[name](**args))
+
+    for name in fns:
+        if name == "by_check":  # compiled at its first call
+            with mock.patch.object(backend, "watched_in_graph", lambda *a, **k: []):
+                call(name)
+        for _ in range(WARM_CALLS):
+            call(name)
+    times = interleaved({n: (lambda n=n: call(n)) for n in fns}, repeats=repeats, inner=inner, baseline="inductor",
+                        clock=clock)
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    return {"model": family, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32",
+            **{f"{n}_us": times[n]["median_us"] for n in fns},
+            "in_graph_vs_inductor": paired_ratio(times, "in_graph", "inductor"),
+            "by_check_vs_inductor": paired_ratio(times, "by_check", "inductor"),
+            "in_graph_vs_by_check": paired_ratio(times, "in_graph", "by_check")}
+
+
 def learning() -> dict[str, Any]:
     """The demo with a fused op one ulp off: what the call that finds it costs, and a restart."""
     from unittest import mock
@@ -217,6 +261,8 @@ def main() -> None:
         p.add_argument("--no-learning", action="store_true")
         p.add_argument("--scale", type=int, default=1,
                        help="the families' widths and latent sides (LLMs: sequence and vocabulary) times N")
+        p.add_argument("--statistics", action="store_true",
+                       help="only: the tolerance with its novelty statistics in its kernels or taken by the check")
 
     args = parse_args(__doc__, extra)
     if args.cold:
@@ -227,6 +273,16 @@ def main() -> None:
     models = ["demo"] if args.smoke else args.models.split(",")
     dtypes = ["fp32"] if args.smoke else args.dtypes.split(",")
     repeats, inner = (3, 2) if args.smoke else (9, 5) if args.quick else (21, 10)
+    if args.statistics:
+        got = [statistics_ablation(m, DTYPES[d], repeats, inner, clock) for m in models for d in dtypes]
+        emit("fusion_statistics", {"rows": got, "repeats": repeats, "inner": inner, "clock": args.clock}, [(
+            f"The tolerance's novelty statistics: in its kernels or by the check (per call, us, {args.clock} clock)",
+            ["model", "dtype", "inductor us", "in graph us", "by check us", "in graph/ind", "by check/ind",
+             "in graph/by check"],
+            [[r["model"], r["dtype"], *(fmt_us(r[f"{n}_us"]) for n in ("inductor", "in_graph", "by_check")),
+              *(f"{r[k]:.3f}" for k in ("in_graph_vs_inductor", "by_check_vs_inductor", "in_graph_vs_by_check"))]
+             for r in got])], [], args)
+        return
     # smoke: no default Inductor (a C++ build of half a minute on a fresh machine: figures, not plumbing)
     variants = tuple(v for v in VARIANTS if v != "inductor") if args.smoke else VARIANTS
     rows = [measure(m, DTYPES[d], repeats, inner, variants, warm=not (args.cold or args.smoke), clock=clock,
