@@ -43,7 +43,8 @@ every call bitwise; the warm first call of both <= 1.2x default Inductor's.
 `--statistics`: only an A/B of where a tolerance graph takes its inputs' novelty
 statistics, per family and dtype in one process, interleaved against default Inductor: in
 its own kernels (the default, fusion/statistics.py) or by the check's own reduction before
-the call (`watched_in_graph` made to watch nothing while it compiles). JSON `fusion_statistics`.
+the call (`watched_in_graph` made to watch nothing while it compiles), or not at all
+(novelty checks off while it compiles). JSON `fusion_statistics`.
 """
 
 from __future__ import annotations
@@ -164,17 +165,20 @@ def measure(family: str, dtype: torch.dtype, repeats: int, inner: int, variants:
 def statistics_ablation(family: str, dtype: torch.dtype, repeats: int, inner: int,
                         clock: Callable[[], int]) -> dict[str, Any]:
     """Per call, in one process: default Inductor, the tolerance with its statistics in its
-    kernels (`in_graph`), and with the check taking them itself (`by_check`)."""
+    kernels (`in_graph`), with the check taking them itself (`by_check`), and with no
+    novelty statistics at all (`without`: runtime/checks/novelty.py ENABLED off while it
+    compiles)."""
     from unittest import mock
 
     from graphdispatch_backend import backend
+    from graphdispatch_backend.runtime.checks import novelty
 
     torch.manual_seed(0)
     model, inputs = FAMILIES[family]()
     model = model.to(dtype).eval()
     args = inputs(9, dtype)
     fns = {"inductor": torch.compile(model, backend="inductor")}
-    for name in ("in_graph", "by_check"):
+    for name in ("in_graph", "by_check", "without"):
         fns[name] = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": False, "cache_dir": False,
                                                                            "fuse": TOLERANCES[dtype]})
 
@@ -186,6 +190,9 @@ def statistics_ablation(family: str, dtype: torch.dtype, repeats: int, inner: in
         if name == "by_check":  # compiled at its first call
             with mock.patch.object(backend, "watched_in_graph", lambda *a, **k: []):
                 call(name)
+        elif name == "without":
+            with mock.patch.object(novelty, "ENABLED", False):
+                call(name)
         for _ in range(WARM_CALLS):
             call(name)
     times = interleaved({n: (lambda n=n: call(n)) for n in fns}, repeats=repeats, inner=inner, baseline="inductor",
@@ -196,7 +203,9 @@ def statistics_ablation(family: str, dtype: torch.dtype, repeats: int, inner: in
             **{f"{n}_us": times[n]["median_us"] for n in fns},
             "in_graph_vs_inductor": paired_ratio(times, "in_graph", "inductor"),
             "by_check_vs_inductor": paired_ratio(times, "by_check", "inductor"),
-            "in_graph_vs_by_check": paired_ratio(times, "in_graph", "by_check")}
+            "in_graph_vs_by_check": paired_ratio(times, "in_graph", "by_check"),
+            "in_graph_vs_without": paired_ratio(times, "in_graph", "without"),
+            "by_check_vs_without": paired_ratio(times, "by_check", "without")}
 
 
 def learning() -> dict[str, Any]:
@@ -277,10 +286,11 @@ def main() -> None:
         got = [statistics_ablation(m, DTYPES[d], repeats, inner, clock) for m in models for d in dtypes]
         emit("fusion_statistics", {"rows": got, "repeats": repeats, "inner": inner, "clock": args.clock}, [(
             f"The tolerance's novelty statistics: in its kernels or by the check (per call, us, {args.clock} clock)",
-            ["model", "dtype", "inductor us", "in graph us", "by check us", "in graph/ind", "by check/ind",
-             "in graph/by check"],
-            [[r["model"], r["dtype"], *(fmt_us(r[f"{n}_us"]) for n in ("inductor", "in_graph", "by_check")),
-              *(f"{r[k]:.3f}" for k in ("in_graph_vs_inductor", "by_check_vs_inductor", "in_graph_vs_by_check"))]
+            ["model", "dtype", "inductor us", "in graph us", "by check us", "without us", "in graph/ind",
+             "by check/ind", "in graph/by check", "in graph/without", "by check/without"],
+            [[r["model"], r["dtype"], *(fmt_us(r[f"{n}_us"]) for n in ("inductor", "in_graph", "by_check", "without")),
+              *(f"{r[k]:.3f}" for k in ("in_graph_vs_inductor", "by_check_vs_inductor", "in_graph_vs_by_check",
+                                        "in_graph_vs_without", "by_check_vs_without"))]
              for r in got])], [], args)
         return
     # smoke: no default Inductor (a C++ build of half a minute on a fresh machine: figures, not plumbing)
