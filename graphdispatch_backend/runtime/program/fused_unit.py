@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 
 from graphdispatch_backend.codegen import entry, module_of
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment
+from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
 from graphdispatch_backend.runtime.checks.posted import Posted
@@ -27,12 +28,19 @@ from graphdispatch_backend.runtime.cudagraph.tape import opaque
 from graphdispatch_backend.runtime.program.direct import Direct
 from graphdispatch_backend.runtime.program.fused_views import chain_views
 
-if TYPE_CHECKING:
-    from graphdispatch_backend.runtime.program.fused import Fusion
-
 SERVING = object()  # Fusion.tried: the thread tries nothing, its units run what they serve
 
 Keep = frozenset[str]
+
+
+class Owner(Protocol):
+    """What a unit reads of its graph's fusion (runtime/program/fused.py `Fusion`)."""
+
+    recipe: Recipe
+
+    def tried(self) -> Keep | None | object:
+        """What this thread's units run while it isolates: a keep set, None, or SERVING."""
+        ...
 
 
 def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callable[..., Any]:
@@ -70,7 +78,7 @@ class FusedUnit:
     tried, unfused) also returns its watched inputs' statistics last (fusion/statistics.py),
     which the unit posts for the eager check and strips."""
 
-    def __init__(self, fusion: Fusion, native: Callable[..., Any], gm: fx.GraphModule,
+    def __init__(self, fusion: Owner, native: Callable[..., Any], gm: fx.GraphModule,
                  posted: Posted | None = None, plain: Callable[..., Any] | None = None,
                  keyed: fx.GraphModule | None = None) -> None:
         self._fusion = fusion
