@@ -6,7 +6,8 @@
 - 1000 calls with changing inputs (three shape keys) after warmup: the number of live
   tensors and of live storages does not grow.
 - export_regions keeps references to example inputs until flush(); after flush() a weakref
-  to such an input dies.
+  to such an input dies. Without it, no input of the call that compiled a graph outlives
+  the call (eager, emulate, fused).
 - A run in a fresh process, with its own working directory, HOME and TMPDIR: everything
   graphdispatch writes (reports at compile, at flush() and at exit; region exports; timing)
   lands under report_dir, nothing anywhere else; the model is gone before exit and the
@@ -226,6 +227,26 @@ def test_export_regions_releases_kept_inputs_at_flush(tmp_path):
     assert ref() is None, "an input kept for export_regions is still alive after flush()"
     regions = tmp_path / "gd_out" / "regions"
     assert regions.is_dir() and any(regions.iterdir())
+
+
+@pytest.mark.parametrize("options", [{"cuda_graphs": False}, {**EMULATE},
+                                     {"cuda_graphs": False, "fuse": True, "cache_dir": False}],
+                         ids=["eager", "emulate", "fused"])
+def test_a_compiled_graph_keeps_no_input_of_the_call_that_compiled_it(options):
+    """The compile's example inputs are the first call's own tensors: nothing built from
+    them (the builder, the plan, the fused unit's statistics) may keep them once the call
+    returned (a builder once kept them for the graph's life)."""
+    model = make()
+    compiled = torch.compile(model, backend="graphdispatch", options=options)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        compiled(x)
+        compiled(torch.randn(4, 16))  # a later call: what the first left behind is let go
+    ref = weakref.ref(x)
+    del x
+    gc.collect()
+    assert ref() is None, "an input of the compiling call is still alive"
+    assert graphdispatch_backend.latest_report()["graphs"][0]["calls"] == 2
 
 
 ISOLATED = textwrap.dedent('''
