@@ -177,10 +177,9 @@ def statistics_ablation(family: str, dtype: torch.dtype, repeats: int, inner: in
     model, inputs = FAMILIES[family]()
     model = model.to(dtype).eval()
     args = inputs(9, dtype)
-    fns = {"inductor": torch.compile(model, backend="inductor")}
+    fns = {"inductor": _compiled("inductor", model, dtype)}
     for name in ("in_graph", "by_check", "without"):
-        fns[name] = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": False, "cache_dir": False,
-                                                                           "fuse": TOLERANCES[dtype]})
+        fns[name] = _compiled("tolerance", model, dtype)  # one session (same options), a graph each
 
     def call(name: str) -> torch.Tensor:
         with torch.no_grad():

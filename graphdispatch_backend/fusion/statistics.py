@@ -36,23 +36,20 @@ from graphdispatch_backend.codegen import module_of
 aten, prims = torch.ops.aten, torch.ops.prims
 # marks the nodes added here: not the graph's own ops (no fused op to report, verdict or bisect)
 STATISTIC = "gd_statistic"
-# dtypes whose largest magnitude is watched (runtime/checks/novelty.py's, but for 64-bit
-# integers: their cast to float64 may round, which the rule above allows)
-WATCHED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                     torch.int16, torch.int8, torch.uint8})
 
 
 def watchable(value: object) -> bool:
-    """An input the graph can take the statistics of: a strided tensor of a watched dtype
-    with a static shape of at least one element (`amax` of nothing raises)."""
-    if not isinstance(value, torch.Tensor) or value.dtype not in WATCHED or value.layout is not torch.strided:
+    """An input the graph can take the statistics of, of those the check watches (their
+    dtypes are runtime/checks/novelty.py's): a strided tensor with a static shape of at
+    least one element (`amax` of nothing raises)."""
+    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
         return False
     return all(isinstance(s, int) for s in value.shape) and value.numel() > 0
 
 
 def add_statistics(gm: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModule:
     """A copy of `gm` that also returns, last, the statistics of its placeholders at
-    `positions` (each `watchable` by its fake value)."""
+    `positions` (each `watchable` by its fake value, of a dtype the check watches)."""
     graph = copy.deepcopy(gm.graph)
     placeholders = list(graph.find_nodes(op="placeholder"))
     output = graph.find_nodes(op="output")[0]

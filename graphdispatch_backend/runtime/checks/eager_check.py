@@ -142,12 +142,17 @@ class EagerCheck:
         """A call its schedule did not pick, judged by the statistics its graph took (or, where
         its unit did not run, a reduction of its own): checked now when they are new, with the
         outputs it made as the served ones (nothing ran since: no input written, no draw)."""
-        values = self._posted.take()
-        seen = self._watch.judge(values) if values is not None else self._watch.observe(args)
+        seen = self._taken() or self._watch.observe(args)
         if seen.why is None or self._needs_grad(args):
             return out
         self._due.novel(args)
         return self._check(args, seen, seen.why, served=out)
+
+    def _taken(self) -> Observation | None:
+        """This call's statistics as its graph took them (runtime/checks/posted.py), judged;
+        None where its unit posted none (it did not run)."""
+        values = self._posted.take()  # type: ignore[union-attr]
+        return None if values is None else self._watch.judge(values)  # type: ignore[union-attr]
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -188,8 +193,7 @@ class EagerCheck:
             with native_regions():  # judge the lowering; each artifact's gate judges the artifact
                 out, failed = side.run(lambda: self._compiled(*args))
             if self._posted is not None and failed is None:  # what the checked call saw, as its graph took it
-                values = self._posted.take()
-                seen = self._watch.judge(values) if values is not None else seen
+                seen = self._taken() or seen
         raised = failed is not None  # then the call was not counted (CompiledGraph counts as it returns)
         gradients: Sequence[str] = ()  # the inputs whose gradients differ from eager's
         forward = False  # the verdict comes from comparing the forward's results and world

@@ -205,16 +205,16 @@ class Novelty:
             flight = _InFlight(values, None, tuple(names))
             self._pending.append(flight)
             return Observation(self, flight, why)
-        seen = self._seen
-        for p, m in zip(names, values):
-            if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
-                return Observation(self, (names, values), self._novel(names, values))
-        return Observation(self, (names, values), None)
+        return self._decide(names, values)
 
     def judge(self, values: Sequence[float]) -> Observation:
         """A call's statistics taken by the graph itself, after its run (runtime/checks/posted.py),
         in the order of the watched positions: read now, as `observe` reads a CPU input's."""
-        names, seen = self._positions, self._seen
+        return self._decide(self._positions, values)
+
+    def _decide(self, names: Sequence[int], values: Sequence[float]) -> Observation:
+        """Statistics read now: new when an input's reaches past what the checked calls saw."""
+        seen = self._seen
         for p, m in zip(names, values):
             if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
                 return Observation(self, (names, values), self._novel(names, values))
@@ -267,7 +267,7 @@ class Novelty:
                 why = self._novel(flight.names, values, late=True)
         return why
 
-    def _novel(self, names: tuple[int, ...], values: list[float], late: bool = False) -> str | None:
+    def _novel(self, names: Sequence[int], values: Sequence[float], late: bool = False) -> str | None:
         seen = self._seen
         for p, m in zip(names, values):
             if seen[p].novel(m):
@@ -313,8 +313,7 @@ def watched_on(t: Any) -> str | None:
 
 
 def _watchable(t: Any) -> bool:
-    return (isinstance(t, torch.Tensor) and t.dtype in _WATCHED and t.layout is torch.strided and t.numel() > 0
-            and (t.is_cpu or t.is_cuda) and not hasattr(t, STATIC))
+    return watched_on(t) in ("cpu", "cuda") and t.numel() > 0
 
 
 def _magnitude(t: torch.Tensor) -> float:

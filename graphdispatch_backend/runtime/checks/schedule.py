@@ -176,9 +176,7 @@ class GraphDue:
         """None, or why this call is checked: (what it saw, to widen what the checked calls
         saw; a description of its new inputs when they, not the `recheck` schedule of its
         shape key, made it due)."""
-        due = self._schedule
-        if self._keyed is not None:
-            due = self._schedules(layout_key(map(args.__getitem__, self._keyed)))
+        due = self._due(args)
         scheduled = due()
         seen = self._novelty.observe(args) if self._novelty is not None else None
         novel = None if scheduled or seen is None else seen.why
@@ -189,10 +187,15 @@ class GraphDue:
         self.n, self.previous = due.n, due.previous
         return seen, novel
 
+    def _due(self, args: Sequence[Any]) -> Due:
+        """The schedule of the call's shape key."""
+        if self._keyed is None:
+            return self._schedule
+        return self._schedules(layout_key(map(args.__getitem__, self._keyed)))
+
     def novel(self, args: Sequence[Any]) -> None:
         """This call, which its schedule did not pick, is checked after it ran: the statistics
         its graph took itself were new (runtime/checks/posted.py)."""
-        due = self._schedule if self._keyed is None else self._schedules(
-            layout_key(map(args.__getitem__, self._keyed)))
+        due = self._due(args)
         due.checked_now()
         self.n, self.previous = due.n, due.previous
