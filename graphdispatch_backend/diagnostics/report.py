@@ -238,10 +238,13 @@ class GraphRecord:
             details.setdefault(self.cuda_graph_reason, self.cuda_graph_detail or self.cuda_graph_reason)
         states = {s["state"] for s in pieces}
         state = "eager" if not pieces else states.pop() if len(states) == 1 else "mixed"
+        reason = self.cuda_graph_reason
+        if reason is None and state == "eager" and declines:  # every piece declined: the reason most of them gave
+            reason = declines.most_common(1)[0][0]
         return {
             "mode": self.cuda_graph_mode,
             "state": state,
-            "reason": self.cuda_graph_reason,
+            "reason": reason,
             "captures": sum(s["captures"] for s in pieces),
             "recaptures": sum(s["recaptures"] for s in pieces),
             "relocations": sum(s["relocations"] for s in pieces),

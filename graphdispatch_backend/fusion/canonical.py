@@ -11,7 +11,8 @@ recipe lets it in only where its dtype holds every value: fusion/recipe.py), a c
 is `full` of its value (the same cast of one number; a `*_like` of a contiguous layout
 only), `masked_fill` is `where` (a selection), `clamp` is `clamp_max(clamp_min(x))` (eager's
 `min(max(x, lo), hi)`), `index_select` is `index` and `narrow` a `slice` (gathers and
-views), `stack` a `cat` of `unsqueeze`s (copies). A rewritten node keeps the name of the op
+views), `stack` a `cat` of `unsqueeze`s (copies), a `cat` of one tensor and empty ones a
+contiguous `clone` (the same copy; see `_copy_of_one`). A rewritten node keeps the name of the op
 it was (`ORIGIN`), so verdicts and reports name what the graph holds.
 
 Before::   t = aten.t.default(w);  c = aten._to_copy.default(x, dtype=torch.bfloat16)
@@ -152,7 +153,26 @@ def _selection(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | N
     if target is aten.stack.default:
         tensors, dim = args[0], args[1] if len(args) > 1 else 0
         return Composite.STACK, (list(tensors), dim % val.dim()), {}
+    if target is aten.cat.default:
+        return _copy_of_one(args[0], val)
     return None
+
+
+def _copy_of_one(tensors: Any, val: torch.Tensor) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
+    """A `cat` whose other tensors are empty (transformers' cache, first filled: `cat([empty,
+    k])`) as a contiguous `clone` of the one that is not: Inductor drops such a cat and hands
+    its readers that tensor's own layout (a transposed key), so a graph that returns the cat
+    with eager's contiguous strides wrote the same values twice per layer."""
+    vals = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in tensors]
+    if not all(isinstance(v, torch.Tensor) for v in vals) or not val.is_contiguous():
+        return None
+    full = [(t, v) for t, v in zip(tensors, vals) if v.numel() > 0]
+    if len(full) != 1 or len(tensors) < 2:
+        return None
+    one, v = full[0]
+    if v.shape != val.shape or v.dtype != val.dtype or v.device != val.device:
+        return None  # (cat promotes dtypes over every tensor, empty ones too)
+    return aten.clone.default, (one,), {"memory_format": torch.contiguous_format}
 
 
 def rewrite(gm: fx.GraphModule, nodes: set[fx.Node]) -> set[fx.Node]:

@@ -64,6 +64,7 @@ CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
      "aten.index_select.default"),
     ("full 0.3", lambda x: aten.full.default([x.shape[0]], 0.3, dtype=x.dtype) * x, "aten.full.default"),
     ("stack", lambda x: aten.stack.default([x, x * 2], 1) + 1, "aten.stack.default"),
+    ("cat with an empty", lambda x: aten.cat.default([x[:0], x * 2]), "aten.cat.default"),
 ]
 # what each rule keeps out is not exact when fused: (case, dtype) pairs whose fused result
 # differs from eager's on these sizes, on any machine (a different function, not a rounding

@@ -13,8 +13,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from graphdispatch_backend.fusion import inductor
+from graphdispatch_backend.fusion import canonical, inductor
 from graphdispatch_backend.fusion.recipe import recipe_for
+from graphdispatch_backend.options import FuseTolerance
 from graphdispatch_backend.testing import aten_graph
 
 CPU = recipe_for("cpu")
@@ -107,6 +108,30 @@ def test_an_aten_call_gets_its_inputs_laid_out_as_eager_laid_them_out():
     assert _same(gm, args)[0]
     with mock.patch.object(inductor, "_eager_layouts", lambda gm, chosen: set()):
         assert not _same(gm, args)[0]
+
+
+def first_fill(x: torch.Tensor, w: torch.Tensor, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = (x @ w).view(2, 8, 2, 8).transpose(1, 2) * 2 + 1  # transposed, as a rotary key is
+    keys = torch.cat([empty, k], dim=-2)  # a cache's first fill (transformers): contiguous in eager
+    return keys, F.scaled_dot_product_attention(k.contiguous(), keys, keys)
+
+
+def test_a_cat_of_one_tensor_and_empty_ones_is_written_once_in_eagers_layout():
+    # Inductor drops such a cat and hands attention the key's own (transposed) layout, so a
+    # graph returning the cat with eager's strides wrote the key twice (fusion/canonical.py)
+    tolerance = recipe_for("cpu", FuseTolerance(rtol=1e-3, atol=1e-5))
+    gm, args = _segment(first_fill, torch.randn(16, 32), torch.randn(32, 16), torch.tensor([]))
+    want = gm(*args)
+
+    def keys_written(compiled: inductor.CompiledSegment) -> int:
+        got = compiled.run(*args)
+        assert torch.equal(got[0], want[0]) and got[0].stride() == want[0].stride() == (128, 64, 8, 1)
+        assert torch.allclose(got[1], want[1], rtol=1e-3, atol=1e-5) and got[1].stride() == want[1].stride()
+        return compiled.source.count("empty_strided_cpu((2, 2, 8, 8)")  # the keys, and the query's copy
+
+    assert keys_written(inductor.compile_segment(gm, tolerance, frozenset())) == 2
+    with mock.patch.object(canonical, "_copy_of_one", lambda tensors, val: None):
+        assert keys_written(inductor.compile_segment(gm, tolerance, frozenset())) == 4
 
 
 # -- no global state -----------------------------------------------------------------------

@@ -355,6 +355,7 @@ def test_out_of_memory_classified_as_a_failure_would_lose_the_graph(monkeypatch)
             compiled(torch.randn(4, 8))
     (graph,) = graphs()
     assert graph["cuda_graph"]["declines"] == {"capture_failed": 1} and graph["cuda_graph"]["replays"] == 0
+    assert graph["cuda_graph"]["state"] == "eager" and graph["cuda_graph"]["reason"] == "capture_failed"
 
 
 def test_out_of_memory_allocating_outputs_answers_that_call_eagerly(monkeypatch):

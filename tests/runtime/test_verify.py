@@ -112,6 +112,17 @@ def test_repeated_values_replay_from_warmup_plus_two(values):
     assert stats.declines == {} and stats.eager_by_reason == {"warmup": 3, "verifying": 1}
 
 
+def test_the_same_tensors_every_call_replay_from_warmup_plus_three():
+    """Nothing moves (each input the same object, read in place): no set can be derived in
+    memory the caller owns, so the capture call verifies its own inputs and the next call,
+    which may hold other values by then, is the second set (docs/guarantees.md)."""
+    runner, stats = make_runner(affine, warmup=2, verify_inputs=2)
+    args = (torch.randn(3, 4), torch.randn(4, 4))
+    replayed = run_loop(runner, affine, lambda: args, 8)
+    assert replayed.index(True) == 2 + 2 and all(replayed[4:])
+    assert stats.declines == {} and stats.eager_by_reason == {"warmup": 2, "verifying": 2}
+
+
 def test_repeated_integer_ids_are_permuted_not_invented():
     """An embedding lookup: a derived set outside the id range would raise; a permutation stays valid."""
     table = torch.randn(10, 4)

@@ -20,7 +20,14 @@ from typing import Any
 
 from graphdispatch_backend.errors import Decline
 
-_calls = threading.local()
+
+class _Calls(threading.local):
+    # class defaults (runtime/cudagraph/engine.py `_Recording`: no swallowed AttributeError per read)
+    reason: str | None = None
+    entered: float | None = None
+
+
+_calls = _Calls()
 
 
 class Answered(Exception):
@@ -37,7 +44,7 @@ def begin_call() -> None:
 
 
 def mark_eager(reason: str) -> None:
-    if getattr(_calls, "reason", None) is None:
+    if _calls.reason is None:
         _calls.reason = reason
 
 
@@ -51,7 +58,7 @@ def answer_eagerly(fn: Callable[..., Sequence[Any]], stats: Any, args: Sequence[
 
 
 def end_call() -> str | None:
-    reason, _calls.reason = getattr(_calls, "reason", None), None
+    reason, _calls.reason = _calls.reason, None
     return reason
 
 
@@ -60,5 +67,5 @@ def mark_entry(when: float) -> None:
 
 
 def take_entry() -> float | None:
-    when, _calls.entered = getattr(_calls, "entered", None), None
+    when, _calls.entered = _calls.entered, None
     return when

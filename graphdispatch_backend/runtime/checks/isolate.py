@@ -41,12 +41,16 @@ class Isolation:
     active = 0  # threads isolating now: read on every hot path, so a plain class attribute
 
 
-_local = threading.local()
+class _Local(threading.local):
+    on = False  # a class default (runtime/cudagraph/engine.py `_Recording`)
+
+
+_local = _Local()
 
 
 def isolating_here() -> bool:
     """This thread runs an isolation: pieces run eagerly and nothing is counted."""
-    return bool(getattr(_local, "on", False))
+    return _local.on
 
 
 @contextlib.contextmanager

@@ -15,17 +15,25 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-_reference = threading.local()
+
+class _Reference(threading.local):
+    # class defaults: read by every gate call, and a missing thread-local attribute costs a
+    # swallowed AttributeError per read (runtime/cudagraph/engine.py `_Recording`)
+    judging: str | None = None
+    on = False
+
+
+_reference = _Reference()
 
 
 def judging_call() -> str | None:
     """The call being judged on this thread, or None."""
-    return getattr(_reference, "judging", None)
+    return _reference.judging
 
 
 def natively() -> bool:
     """Whether gates of artifacts with a tolerance answer natively on this thread."""
-    return getattr(_reference, "on", False)
+    return _reference.on
 
 
 @contextlib.contextmanager

@@ -55,7 +55,13 @@ class ReplayEngine(Protocol):
     def pool_bytes(self) -> int: ...
 
 
-_recording = threading.local()
+class _Recording(threading.local):
+    # a class default, not getattr(..., 0): a thread that never set it reads it without the
+    # AttributeError getattr raises and swallows inside (0.5 us against 0.06, on hot paths)
+    depth = 0
+
+
+_recording = _Recording()
 
 
 def in_recording() -> bool:
@@ -64,12 +70,12 @@ def in_recording() -> bool:
     derived verification set, a second eager run). The Python that runs inside stands for
     kernels that a replay runs without calling Python, and a capture forbids host syncs:
     artifact gates neither count these runs as calls nor re-check parity in them."""
-    return getattr(_recording, "depth", 0) > 0
+    return _recording.depth > 0
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    _recording.depth = getattr(_recording, "depth", 0) + 1
+    _recording.depth += 1
     try:
         yield
     finally:

@@ -43,7 +43,13 @@ from graphdispatch_backend.runtime.cudagraph.refusals import HOST_READS, refusal
 from graphdispatch_backend.runtime.cudagraph.tape_code import FLAT, NESTED, SLOT, TENSOR, VIEW, straight_line, view_over
 
 _COLLECTIVES = ("_c10d_functional", "c10d_functional")
-_recording = threading.local()  # the Recorder capturing on this thread, if any
+
+
+class _Recording(threading.local):
+    recorder: Recorder | None = None  # the Recorder capturing on this thread (a class default: engine.py `_Recording`)
+
+
+_recording = _Recording()
 
 
 def opaque(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -52,7 +58,7 @@ def opaque(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     runtime/program/fused.py): a CUDA capture records their launches, so the host model records the
     call and its replay makes it again, on the replay's tensors. The ATen ops it runs inside
     are not recorded apart, and what a capture refuses is refused there too."""
-    recorder = getattr(_recording, "recorder", None)
+    recorder = _recording.recorder
     return fn(*args) if recorder is None else recorder.opaque(fn, args)
 
 
@@ -147,7 +153,7 @@ class Recorder(TorchDispatchMode):
     def capturing(self) -> Iterator[None]:
         """Record what runs inside: `record`'s first half, for a caller that brackets the
         capture itself (as CUDA's capture_begin and capture_end do)."""
-        before = getattr(_recording, "recorder", None)
+        before = _recording.recorder
         _recording.recorder = self
         try:
             with _HostReads(self), self:
