@@ -164,8 +164,9 @@ def _copy_of_one(tensors: Any, val: torch.Tensor) -> tuple[Any, tuple[Any, ...],
     its readers that tensor's own layout (a transposed key), so a graph that returns the cat
     with eager's contiguous strides wrote the same values twice per layer."""
     vals = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in tensors]
-    if not all(isinstance(v, torch.Tensor) for v in vals) or not val.is_contiguous():
-        return None
+    if not all(isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape) for v in [*vals, val]) \
+            or not val.is_contiguous():
+        return None  # (a size Dynamo left symbolic: whether it is empty is not known here)
     full = [(t, v) for t, v in zip(tensors, vals) if v.numel() > 0]
     if len(full) != 1 or len(tensors) < 2:
         return None
