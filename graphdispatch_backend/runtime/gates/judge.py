@@ -38,7 +38,7 @@ Demote = Callable[..., None]  # the gate's demotion: (reason, detail, mismatch, 
 
 
 def meta(outs: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs)
+    return tuple([(o.shape, o.stride(), o.dtype, o.device) if isinstance(o, torch.Tensor) else type(o) for o in outs])
 
 
 def as_tuple(value: Any) -> tuple[Any, ...]:
