@@ -118,7 +118,7 @@ def _constructor(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] |
 
 
 def _selection(node: fx.Node) -> tuple[Any, tuple[Any, ...], dict[str, Any]] | None:
-    """masked_fill, clamp, index_select, narrow and stack, as ops Inductor lowers."""
+    """masked_fill, clamp, index_select, narrow, stack and a cat of one tensor, as ops Inductor lowers."""
     target, args, kwargs, val = node.target, node.args, node.kwargs, node.meta.get("val")
     if kwargs or not isinstance(val, torch.Tensor):
         return None

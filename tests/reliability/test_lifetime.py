@@ -436,7 +436,7 @@ def artifact_round(backend: str, bundle: str) -> None:
 def measured(name: str, backend: str, bundle: str | None = None) -> dict[str, Any]:
     """The RSS growth per round of the `name` rounds under `backend`, and the report's graphs."""
     rounds = {"inference": inference_round, "training": training_round,
-              "artifact": lambda b: artifact_round(b, str(bundle))}
+              "artifact": lambda backend: artifact_round(backend, bundle or "")}
     growth = growth_per_round(rounds[name], backend, nothing_owned_left)
     graphs = graphdispatch_backend.latest_report()["graphs"] if backend == "graphdispatch" else []
     return {"growth": growth, "graphs": graphs}
