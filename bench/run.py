@@ -11,8 +11,10 @@ writes the summary to `bench/results/run.json`. The GPU benchmark (gpu_bench.py)
 part of this set: bench/gpu_check.sh runs it on a machine with a GPU.
 
 `--smoke` runs every benchmark with `--smoke` (tiny sizes and repeats, seconds each) and
-the GPU scripts with `--cpu-smoke`, each under a 120 s limit, and prints how long each
-took; it exits 1 if any of them failed or timed out. Targets are not judged (the figures
+the GPU scripts with `--cpu-smoke`, and prints how long each took; it exits 1 if any of
+them failed. A smoke is bounded by its work (tiny sizes, few calls), not by seconds: its only
+limit is a hang guard far above it (a loaded 2-core machine takes many times its quiet time;
+a 120 s limit once failed CI's test command at load 5-8). Targets are not judged (the figures
 of tiny sizes mean nothing); results go to `bench/results/smoke/`.
 """
 
@@ -41,7 +43,8 @@ TIMEOUT_S = {"quick": 300, "full": 1800}
 # compiles 6 families x 2 dtypes x 4 variants twice (a warm first call) and runs each past its 1024th call
 QUICK_TIMEOUT_S = {"scale": 600, "fusion": 2400}
 FULL_TIMEOUT_S = {"fusion": 3600}
-SMOKE_TIMEOUT_S = 120
+# a hang guard, not a time limit (module docstring): the slowest smoke takes 1-2 minutes quiet
+SMOKE_HANG_GUARD_S = 15 * 60
 # --smoke only: the GPU scripts' own smoke mode, on CPU (`--cpu-smoke`), and the JSON each writes
 GPU_SMOKE = {"gpu_bench": "gpu_bench_cpu_smoke", "gpu_realsize": "gpu_realsize_cpu_smoke"}
 STDERR_TAIL = 30  # lines of a failed script's stderr shown
@@ -59,7 +62,7 @@ def run_one(name: str, mode: str) -> tuple[list[Target], float, str | None]:
     start = time.perf_counter()
     print(f"\n===== {name} {f'({mode})' if mode != 'full' else ''} =====", flush=True)
     if mode == "smoke":
-        timeout = SMOKE_TIMEOUT_S
+        timeout = SMOKE_HANG_GUARD_S
     else:
         timeout = QUICK_TIMEOUT_S.get(name, TIMEOUT_S["quick"]) if mode == "quick" else \
             FULL_TIMEOUT_S.get(name, TIMEOUT_S["full"])
@@ -93,7 +96,7 @@ def main() -> None:
     mode_flags.add_argument("--quick", action="store_true", help="fewer repeats, under 5 minutes on 2 cores")
     mode_flags.add_argument("--smoke", action="store_true",
                             help=f"every script at tiny sizes ({', '.join(GPU_SMOKE)} with --cpu-smoke), "
-                                 f"{SMOKE_TIMEOUT_S} s each; exit 1 if one fails; targets not judged (CI)")
+                                 "bounded by work (a hang guard only); exit 1 if one fails; targets not judged (CI)")
     everything = (*BENCHMARKS, *GPU_SMOKE)
     parser.add_argument("--only", default="",
                         help=f"comma-separated subset of {','.join(BENCHMARKS)} (--smoke: and {','.join(GPU_SMOKE)})")

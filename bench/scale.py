@@ -112,9 +112,10 @@ each request by about a fifth and moved the medians by several percent (one cach
 
 `--smoke` (CI): every section at tiny sizes (`SMOKE`): caches of 1 and 2 MiB with 12
 checked calls; a Llama of one layer, hidden 64, at `max_cache_len` 16 and 32, 4 new tokens;
-the server's models of one layer at 32, 3 requests; DiT blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the
-3rd replays); 2 lifetime rounds; 2-3 repeats. Inductor is skipped (recorded as skipped,
-not failed: a cold C++ build takes 10-30 s). The script's plumbing, no figure.
+the server's models of one layer at 32, 3 requests (the MoE only its first case); DiT
+blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the 3rd replays); 2 lifetime rounds;
+2-3 repeats. Inductor is skipped (recorded as skipped, not failed: a cold C++ build takes
+10-30 s). The script's plumbing, no figure.
 """
 
 from __future__ import annotations
