@@ -52,7 +52,8 @@ DEPTH, DIM, HEADS, SEQ = 4, 64, 4, 64
 SMOKE = {"DEPTH": 2, "DIM": 32, "SEQ": 8}
 WARM = 6  # calls per variant before timing: every entry replays from its 3rd
 MAX_VS_AOT = 1.05
-CHILD_TIMEOUT_S = {"smoke": 100, "quick": 400, "full": 1500}
+# hang guards for the ranks, not time limits (a smoke of 16 s quiet must pass on a loaded machine)
+CHILD_TIMEOUT_S = {"smoke": 900, "quick": 900, "full": 1800}
 
 
 def _extra(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +93,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(args.rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.rendezvous}", rank=args.rank,
-                            world_size=args.world, timeout=datetime.timedelta(seconds=120))
+                            world_size=args.world, timeout=datetime.timedelta(seconds=600))
     raise_dynamo_limits()
     torch.set_num_threads(1)
     device = torch.device("cuda", args.rank) if cuda else torch.device("cpu")

@@ -318,11 +318,13 @@ class RankRun:
     out: Path
 
 
-def run_ranks(script: Path, folder: Path, mode: str, world: int = 2, timeout_s: float = 240) -> list[RankRun]:
+def run_ranks(script: Path, folder: Path, mode: str, world: int = 2, timeout_s: float = 900) -> list[RankRun]:
     """Run `python script RANK WORLD RENDEZVOUS OUT MODE` once per rank, each a process with
     one torch thread and no GRAPHDISPATCH_* variable (RANK, WORLD_SIZE and MASTER_ADDR set
     for torch.distributed); the rendezvous file and each rank's OUT live in `folder`. A rank
-    still running after `timeout_s` (collectives out of step) kills them all and fails."""
+    still running after `timeout_s` (collectives out of step) kills them all and fails: a
+    hang guard far above a run's seconds, which a loaded machine multiplies (a 2-rank test
+    of 10-18 s quiet ran 8x slower at load 14), not a time limit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHDISPATCH_")}
     env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     procs = []
