@@ -192,3 +192,42 @@ def test_on_a_gpu_both_modes_are_captured_replayed_and_judged(fuse):
     assert graph["fusion"]["status"] == "fused" and graph["fusion"]["kernels"] > 0
     assert graph["cuda_graph"]["replays"] > 0
     assert graph["lowering_check"]["status"] == ("bitwise" if fuse is True else "within_tolerance")
+
+
+def _peaks_oracle(e: torch.Tensor, a: torch.Tensor, rtol: float, atol: float) -> dict[str, float]:
+    """The largest errors, one expression each (the definition runtime/checks/tolerance.py keeps)."""
+    de, da = e.double().reshape(-1), a.double().reshape(-1)
+    finite = torch.isfinite(de) & torch.isfinite(da)
+    gap = torch.where(finite, (da - de).abs(), 0.0)
+    scale = de.abs()
+    rel = torch.where(finite & (scale > 0), gap / scale.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    room = atol + rtol * scale
+    budget = torch.where(room > 0, gap / room.clamp_min(torch.finfo(torch.float64).tiny),
+                         torch.where(gap > 0, float("inf"), 0.0))
+    return {"abs": float(gap.max()), "rel": float(rel.max()), "budget": float(budget.max())}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_largest_errors_are_their_definitions_also_across_chunks(dtype, monkeypatch):
+    """The three maxima taken in one reduction per chunk (and none taken where the output
+    is eager's exactly) are the definitions' values, at an index holding them."""
+    monkeypatch.setattr(tolerance_mod, "_CHUNK", 16)
+    gen = torch.Generator().manual_seed(0)
+    tol = tolerance_mod.Tolerance(1e-3, 1e-5, mock.MagicMock())
+    for case in range(6):
+        e = torch.randn(7, 9, generator=gen).to(dtype)
+        a = (e.double() * (1 + 1e-4 * torch.randn(7, 9, generator=gen, dtype=torch.float64))).to(dtype)
+        if case % 2:
+            e[1, 2], a[1, 2] = float("inf"), float("inf")
+            e[5, 0], a[5, 0] = float("nan"), float("nan")
+            e[3, 3] = a[3, 3] = 0.0
+        if case == 4:
+            a = e.clone()
+        got = {kind: (value, index) for kind, value, index in tol._peaks(e, a)}
+        want = _peaks_oracle(e, a, 1e-3, 1e-5)
+        assert {k: v for k, (v, _) in got.items()} == want, case
+        for kind, (value, index) in got.items():
+            de, da = e.double().reshape(-1)[index], a.double().reshape(-1)[index]
+            at = {"abs": (da - de).abs(), "rel": (da - de).abs() / de.abs(),
+                  "budget": (da - de).abs() / (1e-5 + 1e-3 * de.abs())}[kind]
+            assert value == 0.0 or float(at) == value, (case, kind)
