@@ -63,6 +63,14 @@ def module_of(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     return gm
 
 
+def unrun(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule of `graph` over `root`'s attributes that is cut, keyed or read, never
+    run as it is: its code is generated only if something asks for it (`_LazyGraphModule`),
+    not here. A GraphModule generates and compiles its Python at construction, tens of ms
+    for a graph of a thousand nodes: a fused graph's first call made four such copies."""
+    return _LazyGraphModule(root, graph)
+
+
 def forget_source_when_gone(gm: fx.GraphModule) -> None:
     """FX keeps the source of every module it generates, for tracebacks, for the process
     (`_EvalCacheLoader.eval_cache` and a `linecache` entry): for the copies made here, a

@@ -146,7 +146,7 @@ def cut(gm: fx.GraphModule, recipe: Recipe,
         inputs, outputs = boundary(nodes)
         if not outputs:
             continue
-        segment = extract(nodes, inputs, outputs)
+        segment = extract(nodes, inputs, outputs, run=False)  # compiled by Inductor from a copy
         replace_with_call(gm, nodes, inputs, outputs, make_segment(count, segment), {SEGMENT_META: count})
         count += 1
     return count

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphdispatch_backend.codegen import module_of
+from graphdispatch_backend.codegen import unrun
 
 aten, prims = torch.ops.aten, torch.ops.prims
 # marks the nodes added here: not the graph's own ops (no fused op to report, verdict or bisect)
@@ -76,4 +76,4 @@ def add_statistics(gm: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModu
     # the same container, one longer (the unit strips it by a slice, which keeps the type)
     output.args = ([*outs, stats] if isinstance(outs, list) else (*outs, stats),)
     graph.lint()
-    return module_of(gm, graph)
+    return unrun(gm, graph)  # read and cut (runtime/program/fused.py), not run as it is

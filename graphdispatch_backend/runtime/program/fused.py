@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.codegen import generated_forward
+from graphdispatch_backend.codegen import generated_forward, unrun
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.errors import Contain, KeptWhy, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, inductor_lowers
@@ -80,7 +80,7 @@ class Fusion:
         its pieces, whose piece calls stay as they are), cut into segments; compiled by
         `finish`. `watched`: the inputs whose novelty statistics the graph takes itself
         (fusion/statistics.py), posted to `self.posted` for the eager check."""
-        own = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        own = unrun(gm, copy.deepcopy(gm.graph))
         if not watched:
             unit = FusedUnit(self, native, own)
         else:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.codegen import entry, module_of
+from graphdispatch_backend.codegen import entry, module_of, unrun
 from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut
@@ -121,7 +121,7 @@ class FusedUnit:
         keep = keep if not self._fusion.recipe.exact else frozenset()
         found = self._cuts.get(keep)
         if found is None:
-            outer = fx.GraphModule(self._gm, copy.deepcopy(self._gm.graph))
+            outer = unrun(self._gm, copy.deepcopy(self._gm.graph))
             segments: list[fx.GraphModule] = []
             cut(outer, self._fusion.recipe, lambda i, segment: segments.append(segment) or _unbound, keep)
             found = self._cuts[keep] = (outer, segments)
@@ -137,7 +137,7 @@ class FusedUnit:
         same whether it takes them or the check does (a graph captured, or not)."""
         if self._keyed is self._gm:
             return self.segments
-        outer = fx.GraphModule(self._keyed, copy.deepcopy(self._keyed.graph))
+        outer = unrun(self._keyed, copy.deepcopy(self._keyed.graph))
         segments: list[fx.GraphModule] = []
         cut(outer, self._fusion.recipe, lambda i, segment: segments.append(segment) or _unbound)
         return segments
