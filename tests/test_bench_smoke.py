@@ -1,4 +1,4 @@
-"""Every benchmark script in bench/ runs, at tiny sizes: `python bench/run.py --smoke`.
+"""Every benchmark script in bench/ runs, at tiny sizes: what `python bench/run.py --smoke` runs.
 
 The benchmarks reach into the package's internals (runtime objects built by hand, report
 fields, a stand-in replay engine, patched lowering), and no other test runs them: without
@@ -10,15 +10,19 @@ the end and wrote its JSON (bench/results/smoke/).
 Not marked slow on purpose: CI must run it. One test per script, so that xdist's workers
 share them (the set in one test held one worker for 3 minutes); `scale.py`, the longest
 (76-120 s on 2 cores, most of it its `server` section), one test per section (its own
-`--only`), so that it is not one long tail at the end of the suite.
+`--only`), so that it is not one long tail at the end of the suite. Each script is run as
+run.py runs it (its smoke flag, `--table-only`), not through run.py, whose own process
+imports torch for its summary (2.5 s of CPU per script); one test runs run.py itself.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +50,31 @@ def _literal(script: str, name: str) -> Any:
 
 
 SPLIT = {"scale": _literal("scale", "SECTIONS")}  # scripts run one section per test
+GPU_SMOKE = _literal("run", "GPU_SMOKE")  # GPU scripts: their smoke flag and the JSON it writes
 
 
 def _commands() -> list[Any]:
-    """(id, command) per test: `bench/run.py --smoke --only SCRIPT`, or for a script in
-    SPLIT, the script's own smoke one section at a time (what run.py runs, in parts)."""
+    """(command, the JSON it writes) per test: a script's smoke as run.py runs it, or for
+    a script in SPLIT, one section of it at a time."""
     out = []
     for script in _scripts():
+        flag = "--cpu-smoke" if script in GPU_SMOKE else "--smoke"
+        command = [f"bench/{script}.py", flag, "--table-only"]
+        written = f"{GPU_SMOKE.get(script, script)}.json"
         if script not in SPLIT:
-            out.append(pytest.param(["bench/run.py", "--smoke", "--only", script], id=script))
+            out.append(pytest.param(command, written, id=script))
             continue
-        out += [pytest.param([f"bench/{script}.py", "--smoke", "--table-only", "--only", section],
-                             id=f"{script}-{section}") for section in SPLIT[script]]
+        out += [pytest.param([*command, "--only", section], written, id=f"{script}-{section}")
+                for section in SPLIT[script]]
     return out
+
+
+def _run(command: list[str]) -> None:
+    proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    output = (proc.stdout + proc.stderr).strip().splitlines()
+    tail = "\n".join(output[-TAIL_LINES:])
+    assert proc.returncode == 0, f"{' '.join(command)} exited {proc.returncode}; last lines:\n{tail}"
 
 
 def test_the_set_is_every_script_of_bench() -> None:
@@ -67,11 +83,20 @@ def test_the_set_is_every_script_of_bench() -> None:
     assert set(_scripts()) == scripts
 
 
-@pytest.mark.parametrize("command", _commands())
-def test_each_bench_runs_in_smoke_mode(command: list[str]) -> None:
-    """One script (or one section of a SPLIT script) per test: xdist spreads them."""
-    proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    output = (proc.stdout + proc.stderr).strip().splitlines()
-    tail = "\n".join(output[-TAIL_LINES:])
-    assert proc.returncode == 0, f"{' '.join(command)} exited {proc.returncode}; last lines:\n{tail}"
+@pytest.mark.parametrize(("command", "written"), _commands())
+def test_each_bench_runs_in_smoke_mode(command: list[str], written: str) -> None:
+    """One script (or one section of a SPLIT script) per test: xdist spreads them. It exits
+    0 and writes its JSON (sections of one script write the same file: written since the
+    test started)."""
+    result = ROOT / "bench" / "results" / "smoke" / written
+    start = time.time()
+    _run(command)
+    assert result.exists() and result.stat().st_mtime >= start - 1, f"{' '.join(command)} wrote no {written}"
+
+
+def test_run_py_runs_a_script_and_summarises_it() -> None:
+    """run.py's own plumbing (its subprocess, the JSON it reads back, the summary), on the
+    cheapest script."""
+    _run(["bench/run.py", "--smoke", "--only", "emulate"])
+    summary = json.loads((ROOT / "bench" / "results" / "smoke" / "run.json").read_text("utf-8"))
+    assert list(summary["durations_s"]) == ["emulate"] and not summary["failures"], summary
