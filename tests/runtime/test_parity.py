@@ -1,6 +1,7 @@
 """parity.compare's allclose mode (runtime/checks/parity.py): the shortcut a passing output
 takes (`_within`: finite and within, in a third of the operations) decides as the full
-comparison does on every pair of special values, in every floating dtype."""
+comparison does on every pair of special values, in every floating dtype; and a check under
+a tolerance holds a bounded chunk of float64, whatever the output's size."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.runtime.checks import parity
+from graphdispatch_backend.runtime.checks import tolerance as tolerance_mod
 from graphdispatch_backend.runtime.checks.parity import compare
 
 RTOL, ATOL = 1e-3, 1e-5
@@ -52,3 +56,41 @@ def test_the_shortcut_reads_chunks_of_a_large_output(monkeypatch):
     a[43] += 1.0  # in the 7th chunk
     mismatch = compare([e], [a], "allclose", RTOL, ATOL)
     assert mismatch is not None and mismatch.first_index == (43,)
+
+
+class _Widest(TorchDispatchMode):
+    """The most elements of any float64 tensor an op made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                self.widest = max(self.widest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("case", ["within", "beyond", "nan and inf in place"])
+def test_a_large_output_is_compared_and_measured_in_bounded_float64_chunks(case, monkeypatch):
+    """A check of a graph fused under a tolerance compares (and measures the errors of) an
+    output of any size in float64 chunks, passing or not: no float64 tensor larger than
+    three chunks (the three errors of a chunk, stacked for one reduction)."""
+    chunk = 64
+    monkeypatch.setattr(parity, "_CHUNK", chunk)
+    monkeypatch.setattr(tolerance_mod, "_CHUNK", chunk)
+    e = torch.linspace(-4, 4, 1000)
+    a = e * (1 + 1e-6)
+    if case == "beyond":
+        a[900] += 1.0
+    if case == "nan and inf in place":
+        e[10] = a[10] = float("nan")
+        e[500] = a[500] = float("inf")
+    tol = tolerance_mod.Tolerance(RTOL, ATOL, FusionReport({}))
+    with _Widest() as mode:
+        mismatch = tol.compare([e], [a])
+        tol.observe(1, [e], [a])
+    assert (mismatch is None) == (case != "beyond") and (mismatch is None or mismatch.first_index == (900,))
+    assert 0 < mode.widest <= 3 * chunk, mode.widest
