@@ -89,6 +89,17 @@ invisible. Five measurements, each side by side in one run (CPU, one torch threa
    8 calls of its inputs): a real model's many graphs, regions and records; target:
    graphdispatch's growth <= aot_eager's + 0.1 MiB per round.
 
+5. `check`: what a check of a graph fused under a tolerance (`fuse={"rtol": r, "atol": a}`)
+   holds beside an output it judges (runtime/checks/parity.py, runtime/checks/tolerance.py:
+   compared and measured in float64 chunks). In a fresh process per size (`--child check`,
+   glibc's mmap threshold fixed as for `dit`), a float32 output of 16 and 64 MiB and a copy
+   1e-6 off: the comparison within the tolerance, the largest errors measured, then one
+   element moved beyond it and compared again (the mismatch's path). Figure: the peak RSS
+   above the level before, and its slope in MiB per MiB of output. Target: slope <= 0.5.
+   Measured 2026-12-06 (`--only check`): 84 MiB at both sizes (the chunks' float64 copies);
+   the comparison before, which took float64 copies and masks of the whole output, held
+   194 and 758 MiB (11.8 MiB per MiB of output).
+
 `--device cuda` runs sections 1 and 3 on one CUDA device instead (without a device it
 prints one line and exits 0): the cache in float32 at 4, 64, 256 and 1024 MiB, with
 graphdispatch `cuda_graphs=True` instead of emulate, every timed window ending in a
@@ -108,13 +119,13 @@ sections before it leave in a process (their heap, Dynamo's caches) slowed both 
 each request by about a fifth and moved the medians by several percent (one cache reused:
 0.99x on its own, 1.07x and 1.12x after the decode and llama sections).
 
-`--only decode,llama,server,dit,lifetime` runs a subset (development; run.py runs all).
+`--only decode,llama,server,dit,lifetime,check` runs a subset (development; run.py runs all).
 
 `--smoke` (CI): every section at tiny sizes (`SMOKE`): caches of 1 and 2 MiB with 12
 checked calls; a Llama of one layer, hidden 64, at `max_cache_len` 16 and 32, 4 new tokens;
 the server's models of one layer at 32, 3 requests (the MoE only its first case); DiT
 blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the 3rd replays); 2 lifetime rounds;
-2-3 repeats. Inductor is skipped (recorded as skipped, not failed: a cold C++ build takes
+checks of 1 and 2 MiB outputs; 2-3 repeats. Inductor is skipped (recorded as skipped, not failed: a cold C++ build takes
 10-30 s). The script's plumbing, no figure.
 """
 
@@ -152,7 +163,7 @@ import graphdispatch_backend
 from graphdispatch_backend.artifacts.scaffold import scaffold
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("decode", "llama", "server", "dit", "lifetime")
+SECTIONS = ("decode", "llama", "server", "dit", "lifetime", "check")
 CUDA_SECTIONS = ("decode", "dit")
 CHILD_TAG = "SCALE_CHILD "
 CHILD_TIMEOUT_S = 900
@@ -192,6 +203,10 @@ RSS_SLACK_MIB = 0.5
 LTX_RSS_SLACK_MIB = 0.1  # a real model's graphs: what graphdispatch keeps per dropped graph must be small
 LIFETIME_MODELS = ("mlp", "ltx")
 
+# -- 5. a tolerance check of a large output ------------------------------------------------------------
+CHECK_MIB = (16, 64)  # float32 output sizes
+CHECK_SLOPE_MAX = 0.5  # MiB of peak per MiB of output (whole-output float64 copies and masks held 11.8)
+
 # -- --smoke: every section at tiny sizes (the script's plumbing; see the module docstring) ---------------
 SMOKE: dict[str, Any] = {
     "DECODE_MIB": {"cpu": (1, 2), "cuda": (1, 2)}, "SCALE_FROM": 1, "SCALE_TO": 2, "WARM_CALLS": 12,
@@ -200,7 +215,7 @@ SMOKE: dict[str, Any] = {
     "CACHE_LENS": (16, 32), "NEW_TOKENS": 4, "PROMPT_LEN": 4,
     "DIT": {device: {**cfg, "dim": 64, "mlp_ratio": 1, "sizes": (1, 2), "n_at": 1} for device, cfg in DIT.items()},
     "DIT_STEPS": 4, "DIT_BLOCKS": (1, 2), "SLOPE_FROM": 1, "SLOPE_TO": 2,
-    "ROUNDS": 2, "FIT_LAST": 2,
+    "ROUNDS": 2, "FIT_LAST": 2, "CHECK_MIB": (1, 2),
 }
 SMOKE_SKIPPED = {"inductor": "skipped (--smoke: a cold C++ build takes 10-30 s)"}
 _SMOKE = [False]  # smoke sizes in force: the children are started with --smoke too
@@ -993,6 +1008,58 @@ def section_lifetime(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any
     return payload, [table], targets, bitwise_ok
 
 
+# -- section 5: a tolerance check of a large output (children) ------------------------------------------
+def check_child(mib: int) -> dict[str, Any]:
+    """Peak RSS of one check of a float32 output of `mib` MiB under a tolerance: compared and
+    measured within it, then compared once more with one element beyond it."""
+    from graphdispatch_backend.diagnostics.fusion_report import FusionReport
+    from graphdispatch_backend.runtime.checks.tolerance import Tolerance
+
+    n = mib * MIB // 4
+    expected = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    actual = expected * (1 + 1e-6)
+    tolerance = Tolerance(1e-3, 1e-5, FusionReport({}))
+    gc.collect()
+    reset = reset_peak_rss()
+    rss0 = rss_bytes()
+    start = time.perf_counter()
+    within = tolerance.compare([expected], [actual]) is None
+    tolerance.observe(1, [expected], [actual])
+    actual[n // 2] += 1.0
+    beyond = tolerance.compare([expected], [actual])
+    hw = (peak_rss_bytes() if reset else None) or maxrss_bytes()
+    return {"mib": mib, "peak_bytes": hw - rss0, "seconds": time.perf_counter() - start, "within": within,
+            "beyond_found": beyond is not None and beyond.first_index == (n // 2,),
+            "peak_source": "VmHWM reset before the check" if reset else "ru_maxrss"}
+
+
+def section_check() -> tuple[dict[str, Any], list[Any], list[Target], bool]:
+    runs = run_children([["check", str(mib)] for mib in CHECK_MIB], "cpu")
+    for mib, r in zip(CHECK_MIB, runs):
+        print(f"scale: check {mib} MiB: " + (f"peak {r['peak_bytes'] / MIB:.1f} MiB in {r['seconds']:.1f} s"
+                                             if "error" not in r else r["error"]), file=sys.stderr, flush=True)
+    ok = [r for r in runs if "error" not in r]
+    right = len(ok) == len(runs) and all(r["within"] and r["beyond_found"] for r in ok)
+    slope = None
+    if len(ok) == len(runs):
+        slope = (runs[-1]["peak_bytes"] - runs[0]["peak_bytes"]) / MIB / (CHECK_MIB[-1] - CHECK_MIB[0])
+    rows = [[mib, f"{r['peak_bytes'] / MIB:.1f}" if "error" not in r else r["error"],
+             f"{r['peak_bytes'] / MIB / mib:.2f}" if "error" not in r else "-",
+             f"{r['seconds']:.1f}" if "error" not in r else "-",
+             "yes" if r.get("within") and r.get("beyond_found") else "NO"] for mib, r in zip(CHECK_MIB, runs)]
+    targets = [
+        Target(f"scale check: peak RSS of a tolerance check, slope {CHECK_MIB[0]}->{CHECK_MIB[-1]} MiB of output",
+               f"<= {CHECK_SLOPE_MAX} MiB/MiB", f"{slope:.2f} MiB/MiB" if slope is not None else "failed",
+               slope <= CHECK_SLOPE_MAX if slope is not None else False),
+        Target("scale check: within passes, the element beyond is found where it is", "every size",
+               "yes" if right else "NO", right),
+    ]
+    table = ("a check under a tolerance (rtol 1e-3, atol 1e-5) of one float32 output: peak RSS above the level "
+             "before (each size in a fresh process)", ["output MiB", "peak MiB", "peak / output", "seconds",
+                                                       "judged right"], rows)
+    return {"runs": runs, "slope_mib_per_mib": slope}, [table], targets, right
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 def recorded_errors(payload: dict[str, Any]) -> list[str]:
     """The failures the sections record as results (a variant, a generate, a child process)."""
@@ -1003,6 +1070,8 @@ def recorded_errors(payload: dict[str, Any]) -> list[str]:
                if "error" in run.get(variant, {})]
     errors += [f"lifetime {backend}: {run['error']}"
                for backend, run in payload.get("lifetime", {}).get("runs", {}).items() if "error" in run]
+    errors += [f"check {mib} MiB: {run['error']}"
+               for mib, run in zip(CHECK_MIB, payload.get("check", {}).get("runs", [])) if "error" in run]
     return errors
 
 
@@ -1030,6 +1099,8 @@ def main() -> None:
             got = dit_child(rest[0], int(rest[1]), int(rest[2]), rest[3], device)
         elif kind == "lifetime":
             got = lifetime_child(rest[0], int(rest[1]), *rest[2:])
+        elif kind == "check":
+            got = check_child(int(rest[0]))
         elif kind == "server":
             payload, tables, targets, bitwise = section_server(args.smoke)
             got = {"payload": payload, "tables": tables, "targets": [t.to_dict() for t in targets], "bitwise": bitwise}
@@ -1059,6 +1130,8 @@ def main() -> None:
             got = server_in_child()
         elif section == "dit":
             got = section_dit(args, device)
+        elif section == "check":
+            got = section_check()
         else:
             got = section_lifetime(args)
         part, tabs, tgts, bitwise_ok = got

@@ -62,8 +62,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _where(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
-    flat = int(torch.nonzero(mask.reshape(-1))[0].item())
+def _where(mask: torch.Tensor, shape: torch.Size, offset: int = 0) -> tuple[int, ...]:
+    """The index in `shape` of `mask`'s first true element, `mask` being the flat elements
+    from `offset` on."""
+    flat = offset + int(torch.nonzero(mask.reshape(-1))[0].item())
     index = []
     for size in reversed(shape):
         index.append(flat % size)
@@ -71,13 +73,17 @@ def _where(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-_CHUNK = 1 << 20  # elements: a mismatch's detail takes float64 copies of this much at a time
+_CHUNK = 1 << 20  # elements: a comparison takes float64 copies (and masks) of this much at a time
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> tuple[float | None, tuple[int, ...]]:
-    first = _where(differ, a.shape)
+    return _gap(a, b), _where(differ, a.shape)
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The largest |a - b| over the elements finite in both (None: booleans, or none finite)."""
     if a.dtype == torch.bool:
-        return None, first
+        return None
     wide = torch.complex128 if a.is_complex() else torch.float64
     flat_a, flat_b = _resolved(a).reshape(-1), _resolved(b).reshape(-1)
     peak: float | None = None
@@ -86,7 +92,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> tuple[float
         gap = (da - db).abs()[torch.isfinite(da) & torch.isfinite(db)]  # complex: |a - b|, not |a| - |b|
         if gap.numel():
             peak = max(peak or 0.0, float(gap.max()))
-    return peak, first
+    return peak
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -151,26 +157,26 @@ def _values(i: int, e: torch.Tensor, a: torch.Tensor, mode: str, rtol: float, at
         return Mismatch(i, "values", "bits differ", gap, first)
     if not e.is_complex() and _within(e, a, rtol, atol):
         return None
-    ee, aa = _resolved(e), _resolved(a)
+    # the places of NaN, then +inf, then -inf, then the finite values: each over the whole
+    # output, chunk by chunk (masks and wide copies of _CHUNK elements: bounded memory)
+    flat_e, flat_a = _resolved(e).reshape(-1), _resolved(a).reshape(-1)
+    n = flat_e.numel()
     for name, fn in (("nan", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        # Complex: per component, so NaN in the real part never stands in for NaN in the imaginary one.
-        me = fn(torch.view_as_real(ee)) if e.is_complex() else fn(ee)
-        ma = fn(torch.view_as_real(aa)) if e.is_complex() else fn(aa)
-        if not torch.equal(me, ma):
-            differ = (me != ma).any(-1) if e.is_complex() else me != ma
-            return Mismatch(i, "nan_inf", f"{name} positions differ", None, _where(differ, e.shape))
-    # NaN/inf sit in the same places in both (checked above); only finite elements are compared,
-    # in chunks of wide copies (bounded memory, whatever the output's size)
+        for j in range(0, n, _CHUNK):
+            ce, ca = flat_e[j : j + _CHUNK], flat_a[j : j + _CHUNK]
+            # Complex: per component, so NaN in the real part never stands in for NaN in the imaginary one.
+            me = fn(torch.view_as_real(ce)) if e.is_complex() else fn(ce)
+            ma = fn(torch.view_as_real(ca)) if e.is_complex() else fn(ca)
+            if not torch.equal(me, ma):
+                differ = (me != ma).any(-1) if e.is_complex() else me != ma
+                return Mismatch(i, "nan_inf", f"{name} positions differ", None, _where(differ, e.shape, j))
+    # NaN/inf sit in the same places in both (checked above); only finite elements are compared
     wide = torch.complex128 if e.is_complex() else torch.float64
-    flat_e, flat_a = ee.reshape(-1), aa.reshape(-1)
-    bad = torch.zeros(flat_e.numel(), dtype=torch.bool, device=flat_e.device)
-    for j in range(0, flat_e.numel(), _CHUNK):
+    for j in range(0, n, _CHUNK):
         de, da = flat_e[j : j + _CHUNK].to(wide), flat_a[j : j + _CHUNK].to(wide)
-        torch.logical_and(torch.isfinite(de) & torch.isfinite(da), ~torch.isclose(da, de, rtol=rtol, atol=atol),
-                          out=bad[j : j + _CHUNK])
-    if bool(bad.any()):
-        gap, first = _diff(e, a, bad)
-        return Mismatch(i, "values", f"not within rtol={rtol} atol={atol}", gap, first)
+        bad = (torch.isfinite(de) & torch.isfinite(da)) & ~torch.isclose(da, de, rtol=rtol, atol=atol)
+        if bool(bad.any()):
+            return Mismatch(i, "values", f"not within rtol={rtol} atol={atol}", _gap(e, a), _where(bad, e.shape, j))
     return None
 
 
