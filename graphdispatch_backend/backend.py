@@ -25,7 +25,7 @@ import torch.fx as fx
 from graphdispatch_backend.assemble import eager_checked, runner_for, watched_in_graph
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
-from graphdispatch_backend.codegen import generated_forward
+from graphdispatch_backend.codegen import deferred_forward, generated_forward
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.diagnostics.report import GraphRecord
@@ -206,7 +206,8 @@ class _Builder:
             return backward_fallback(self.session.events, record, native, exc)
 
     def _build(self, gm: fx.GraphModule, record: GraphRecord, role: Role) -> CompiledGraph:
-        native = generated_forward(gm)  # the original, before the passes: for contract fallbacks
+        # the original, before the passes: for contract fallbacks (generated if one comes)
+        native = deferred_forward(gm)
         # a graph with collectives: verdicts are agreed over the ranks of its groups
         agreement = agreement_for(collective_groups(gm))
         plan = plan_graph(gm, role, self.session.options, self.mutated is not None, agreement is not None)
@@ -243,15 +244,16 @@ class _Builder:
                 self.artifacts.module_rejections)
             self.artifacts.check_authoring(role.training)
         serving = plan.serving(ctx.pieces, ctx.split_reasons)
-        # forward, not __call__: nn.Module's call machinery costs microseconds per call
-        run: Callable[..., Any] = generated_forward(gm)
-        if serving.how is Serve.WHOLE:
+        run: Callable[..., Any]
+        if serving.how is Serve.WHOLE:  # the runner generates its piece's own forward
             run = self._runner(scope, gm, ctx.pieces[0], plan, record, agreement, fusion)
-        elif serving.fused and fusion is not None:  # fused around its captured pieces, or uncaptured
-            # the inputs whose novelty statistics its kernels take (fusion/statistics.py)
-            watched = watched_in_graph(plan, self.origins, self.watched, placeholders, self.mutated,
-                                       bool(record.substitutions), agreement)
-            run = fusion.unit(gm, run, watched)
+        else:  # forward, not __call__: nn.Module's call machinery costs microseconds per call
+            run = generated_forward(gm)
+            if serving.fused and fusion is not None:  # fused around its captured pieces, or uncaptured
+                # the inputs whose novelty statistics its kernels take (fusion/statistics.py)
+                watched = watched_in_graph(plan, self.origins, self.watched, placeholders, self.mutated,
+                                           bool(record.substitutions), agreement)
+                run = fusion.unit(gm, run, watched)
         if serving.without_history:
             run = without_history(run, native, self.session.events, record)
         if fusion is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import linecache
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -47,11 +48,45 @@ def generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
     docstring). A lazily recompiled GraphModule (what aot and Dynamo hand over) has a stub
     `forward` until its first call, which goes through nn.Module's call machinery on every
     call: the copy is compiled now."""
+    return module_of(gm, _bound(gm)).forward
+
+
+def deferred_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """`gm`'s generated forward as `gm` is now (its graph copied, its attributes taken now),
+    its Python generated at its first call: for a fallback most graphs never run (the graph
+    as aot lowered it, before the passes), whose code generation is tens of ms of a first
+    call for a graph of a thousand nodes."""
+    return _Deferred(_LazyGraphModule(gm, _bound(gm)))
+
+
+def _bound(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of `gm`'s graph, its ATen calls bound to their C++ entries."""
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             node.target = entry(node.target)
-    return module_of(gm, graph).forward
+    return graph
+
+
+class _Deferred:
+    """A lazily recompiled module's forward, generated once, at the first call (under a lock:
+    threads that race to it generate it once), and forgotten by FX when it goes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self._gm = gm
+        self._forward: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        forward = self._forward
+        if forward is None:
+            with self._lock:
+                if self._forward is None:
+                    _LazyGraphModule.force_recompile(self._gm)
+                    forget_source_when_gone(self._gm)
+                    self._forward = self._gm.forward
+                forward = self._forward
+        return forward(*args)
 
 
 def module_of(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
