@@ -56,7 +56,7 @@ def deferred_forward(gm: fx.GraphModule) -> Callable[..., Any]:
     its Python generated at its first call: for a fallback most graphs never run (the graph
     as aot lowered it, before the passes), whose code generation is tens of ms of a first
     call for a graph of a thousand nodes."""
-    return _Deferred(_LazyGraphModule(gm, _bound(gm)))
+    return _Deferred(unrun(gm, _bound(gm)))
 
 
 def _bound(gm: fx.GraphModule) -> fx.Graph:

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from graphdispatch_backend.codegen import unrun
 
 
 def boundary(nodes: Sequence[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -33,7 +34,7 @@ def extract(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs: Sequen
     """A GraphModule computing `outputs` (always returned as a tuple) from `inputs`.
     `run=False`: one that is compiled or read, not run as it is (a fused segment, which
     Inductor compiles from a copy): its Python code is generated only if something asks
-    for it (`_LazyGraphModule`), not here (tens of ms for a graph of a thousand nodes)."""
+    for it (codegen.py `unrun`), not here (tens of ms for a graph of a thousand nodes)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
@@ -44,7 +45,7 @@ def extract(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], outputs: Sequen
     for node in nodes:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[o] for o in outputs))
-    return (fx.GraphModule if run else _LazyGraphModule)(torch.nn.Module(), graph)
+    return fx.GraphModule(torch.nn.Module(), graph) if run else unrun(torch.nn.Module(), graph)
 
 
 def replace_with_call(

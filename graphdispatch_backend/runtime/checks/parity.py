@@ -65,11 +65,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _where(mask: torch.Tensor, shape: torch.Size, offset: int = 0) -> tuple[int, ...]:
     """The index in `shape` of `mask`'s first true element, `mask` being the flat elements
     from `offset` on."""
-    flat = offset + int(torch.nonzero(mask.reshape(-1))[0].item())
+    return unravel(offset + int(torch.nonzero(mask.reshape(-1))[0].item()), shape)
+
+
+def unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The index in `shape` of the `flat`-th element in row-major order."""
     index = []
     for size in reversed(shape):
-        index.append(flat % size)
-        flat //= size
+        index.append(flat % size if size else 0)
+        flat = flat // size if size else 0
     return tuple(reversed(index))
 
 

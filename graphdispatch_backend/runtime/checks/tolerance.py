@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
-from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, unravel
 
 _CHUNK = 1 << 20  # elements per float64 copy
 
@@ -63,7 +63,7 @@ class Tolerance:
                 kept = False
                 for kind, value, index in peaks:  # where: said only for a value kept
                     if value > largest[kind] or largest[f"{kind}_at"] is None:
-                        where = f"{what} {i} {list(_unravel(index, e.shape))}, call {call}"
+                        where = f"{what} {i} {list(unravel(index, e.shape))}, call {call}"
                         largest[kind], largest[f"{kind}_at"], kept = value, where, True
                 if kept:
                     self._report.largest_error(largest)
@@ -92,11 +92,3 @@ class Tolerance:
                 if kind not in best or value > best[kind][0]:
                     best[kind] = (value, start + index)
         return [(kind, value, index) for kind, (value, index) in best.items()]
-
-
-def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        index.append(flat % size if size else 0)
-        flat = flat // size if size else 0
-    return tuple(reversed(index))
