@@ -52,6 +52,39 @@ def test_a_kept_op_runs_as_its_aten_call():
     assert "torch.ops.aten.add.Tensor" in compiled.source
 
 
+def test_a_segment_is_called_past_inductors_own_call_after_its_first_but_not_while_profiled():
+    """Inductor's `CompiledFxGraph.__call__` runs at a segment's first call (the autotune
+    cache's writes end there) and while a profiler records (its trace names the call); the
+    other calls go to `current_callable` directly, with the same bits."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    x, w = torch.randn(8, 32), torch.randn(32, 32)
+    gm, args = _segment(residual, x, w)
+    own = []
+    real = CompiledFxGraph.__call__
+
+    def counted(self, inputs):
+        own.append(1)
+        return real(self, inputs)
+
+    for recipe in (CPU, recipe_for("cpu", FuseTolerance(rtol=1e-3, atol=1e-5))):
+        with mock.patch.object(CompiledFxGraph, "__call__", counted):
+            compiled = inductor.compile_segment(gm, recipe, frozenset())
+            call = compiled.run if recipe.exact else lambda *a: tuple(compiled.alone(list(a)))
+            own.clear()
+            first = call(*args)
+            assert len(own) == 1
+            for _ in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(first, call(*args)))
+            assert len(own) == 1  # past it
+            with torch.profiler.profile() as prof:
+                call(*args)
+            assert len(own) == 2
+            assert any("CompiledFxGraph" in e.name for e in prof.events())
+            call(*args)
+            assert len(own) == 2
+
+
 def plus_one(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x + 1, x * 2  # the add fused or kept, the graph's code is the same: only its marks differ
 

@@ -53,6 +53,20 @@ def test_nan_and_inf_are_new_once_each_and_a_negative_magnitude_counts():
     assert whys[5] is not None and "x max|x| 5" in whys[5]
 
 
+def test_within_says_not_new_only_where_judge_would():
+    """`within` (a fused graph's posted statistics, the usual call) is True only where `judge`
+    finds nothing new; where it says False, `judge` decides (NaN or inf seen before is not new)."""
+    watch = Novelty([0, 1], ["x", "y"])
+    watch.judge([1.5, 1.0]).checked()
+    watch.judge([1.5, math.nan]).checked()
+    values = [[0.0, 1.0], [1.99, 0.0], [2.0, 1.0], [1.0, 2.0], [1.0, math.nan], [math.inf, 1.0], [0.5, 1.5]]
+    for vals in values:
+        assert not watch.within(vals) or watch.judge(vals).why is None
+    assert [watch.within(v) for v in values] == [True, True, False, False, False, False, True]
+    assert watch.judge([1.0, math.nan]).why is None  # not within, and not new either
+    assert Novelty([0]).within([0.0]) is False  # nothing seen: every value is new
+
+
 def test_zero_then_anything():
     watch = Novelty([0])
     assert _calls(watch, [[0.0], [0.0], [1e-30]])[1:] == [None, "input 0 max|x| 1e-30, at or above 4.941e-324 "

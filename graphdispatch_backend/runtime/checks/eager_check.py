@@ -142,7 +142,11 @@ class EagerCheck:
         """A call its schedule did not pick, judged by the statistics its graph took (or, where
         its unit did not run, a reduction of its own): checked now when they are new, with the
         outputs it made as the served ones (nothing ran since: no input written, no draw)."""
-        seen = self._taken() or self._watch.observe(args)
+        values = self._posted.take()  # type: ignore[union-attr]
+        watch = self._watch
+        if values is not None and watch.within(values):  # the usual call: nothing new, nothing made
+            return out
+        seen = watch.observe(args) if values is None else watch.judge(values)
         if seen.why is None or self._needs_grad(args):
             return out
         self._due.novel(args)
