@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.codegen import generated_forward, unrun
+from graphdispatch_backend.codegen import deferred_forward, unrun
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.errors import Contain, KeptWhy, StrictModeError
 from graphdispatch_backend.fusion.inductor import CompiledSegment, inductor_lowers
@@ -86,7 +86,8 @@ class Fusion:
         else:
             taking = add_statistics(gm, watched)
             self.posted = Posted(watched)
-            unit = FusedUnit(self, generated_forward(taking), taking, self.posted, native, own)
+            # unfused with its statistics: run only while isolating, or where every op is kept
+            unit = FusedUnit(self, deferred_forward(taking), taking, self.posted, native, own)
         self.units.append(unit)
         return unit
 
