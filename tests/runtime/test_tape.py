@@ -87,8 +87,8 @@ def test_an_opaque_call_is_one_step_replayed_on_the_replays_tensors():
 
     def body(t: torch.Tensor) -> tuple[torch.Tensor]:
         three = t * 3
-        out = tape_mod.opaque(kernel, (three, w))[0] - 1
-        return (tape_mod.opaque(kernel, (three, w))[0] + out,)  # `three` read after an opaque step
+        out = tape_mod.opaque(kernel)(three, w)[0] - 1
+        return (tape_mod.opaque(kernel)(three, w)[0] + out,)  # `three` read after an opaque step
 
     x = torch.randn(4)
     graph = _capture(body, x)
@@ -239,7 +239,7 @@ def test_a_replay_hands_back_tensors_autograd_accepts_whatever_it_ran_in():
 
 def test_what_a_capture_refuses_is_refused_inside_an_opaque_call():
     with pytest.raises(CaptureRefused, match="_local_scalar_dense"):
-        _capture(lambda t: tape_mod.opaque(lambda u: (u * float(u.sum()),), (t,)), torch.randn(3))
+        _capture(lambda t: tape_mod.opaque(lambda u: (u * float(u.sum()),))(t), torch.randn(3))
 
 
 # -- through torch.compile: an artifact that syncs, one that reads a Python value --------------

@@ -131,7 +131,7 @@ class EagerCheck:
                 return self._check(args, *due)
         posted = self._posted
         if posted is not None:
-            posted.clear()
+            posted.stats = None
         try:
             out = self._compiled(*args)
         except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
@@ -193,7 +193,7 @@ class EagerCheck:
             out, failed = served, None
         else:
             if self._posted is not None:
-                self._posted.clear()
+                self._posted.stats = None
             with native_regions():  # judge the lowering; each artifact's gate judges the artifact
                 out, failed = side.run(lambda: self._compiled(*args))
             if self._posted is not None and failed is None:  # what the checked call saw, as its graph took it

@@ -16,24 +16,22 @@ from collections.abc import Sequence
 import torch
 
 
-class Posted:
-    """The statistics of a unit's last run on each thread, in the order of `positions` (the
-    graph's input positions the unit watches)."""
+class Posted(threading.local):
+    """The statistics a unit's last run posted, per thread (`stats`: a tensor, in the order of
+    `positions`, the graph's input positions the unit watches; None since taken or cleared).
+    The unit posts and the check clears by plain attribute writes: on every call of a fused
+    graph, a method call each would add a Python frame, which inside a model's call (its
+    kernels evict the frame's code) costs a few microseconds."""
 
-    def __init__(self, positions: Sequence[int]) -> None:
+    stats: torch.Tensor | None = None  # this thread's, until it posts
+
+    def __init__(self, positions: Sequence[int]) -> None:  # run again in each thread, with the same positions
         self.positions = tuple(positions)
-        self._local = threading.local()
-
-    def put(self, stats: torch.Tensor) -> None:
-        self._local.stats = stats
-
-    def clear(self) -> None:
-        self._local.stats = None
 
     def take(self) -> list[float] | None:
-        """The values the last run on this thread posted (None: none since `clear`)."""
-        stats = getattr(self._local, "stats", None)
+        """The values the last run on this thread posted (None: none since cleared)."""
+        stats = self.stats
         if stats is None:
             return None
-        self._local.stats = None
+        self.stats = None
         return stats.tolist()

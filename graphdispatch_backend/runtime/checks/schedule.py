@@ -63,14 +63,14 @@ def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_art
 class _Track:
     """One schedule's positions (see the module docstring)."""
 
-    __slots__ = ("_cap", "_dense", "_every", "_gap", "_next", "_nominal", "_rng", "_seed")
+    __slots__ = ("_cap", "_dense", "_every", "_gap", "_nominal", "_rng", "_seed", "next")
 
     def __init__(self, mode: str | int, seed: str) -> None:
         if isinstance(mode, str) and mode.isdigit():  # "A|B" carries integers as text
             mode = int(mode)
         if not is_recheck_mode(mode):
             raise ValueError(f"unknown recheck schedule {mode!r}")
-        self._next = self._nominal = 1
+        self.next = self._nominal = 1  # the next call it checks
         self._every = 1 if mode == "every" else mode if isinstance(mode, int) else 0
         self._dense = mode == "dense"
         self._cap = DENSE_CAP if self._dense else CAP
@@ -81,10 +81,10 @@ class _Track:
         self._rng: random.Random | None = None
 
     def __call__(self, n: int) -> bool:
-        if n < self._next:
+        if n < self.next:
             return False
         if self._every:
-            self._next = n + self._every
+            self.next = n + self._every
             return True
         if self._dense:
             # positions are computed from the nominal ones (1, 2, 4, 8, 12, 16, 24, ...), and
@@ -93,10 +93,10 @@ class _Track:
             share = 4 if nominal < DENSE_QUARTER_UNTIL else 2  # the interval: at most a quarter, then a half
             gap = nominal if nominal < DENSE_FROM else min(1 << ((nominal // share).bit_length() - 1), self._cap)
             self._nominal = nominal + gap
-            self._next = max(n + 1, self._nominal + self._jitter(gap))
+            self.next = max(n + 1, self._nominal + self._jitter(gap))
             return True
         gap = self._gap = min(max(self._gap, n), self._cap)  # 1, 2, 4, ... then CAP
-        self._next = n + gap + self._jitter(gap)
+        self.next = n + gap + self._jitter(gap)
         return True
 
     def _jitter(self, gap: int) -> int:
@@ -111,7 +111,7 @@ class Due:
     """One shape key's schedule: called once per call, true on a checked call. `mode` is a
     schedule (above) or "A|B", checked on either's calls."""
 
-    __slots__ = ("_tracks", "last", "n", "previous")
+    __slots__ = ("_soonest", "_tracks", "last", "n", "previous")
 
     def __init__(self, mode: str | int, seed: str) -> None:
         self.n = 0
@@ -120,12 +120,16 @@ class Due:
         # the first schedule keeps the plain seed: a graph's lowering checks fall on the same
         # calls with or without artifacts, and on every rank
         self._tracks = tuple(_Track(m, seed if i == 0 else f"{seed}|{m}") for i, m in enumerate(parts))
+        self._soonest = 1  # the first call any schedule checks: before it, none needs asking
 
     def __call__(self) -> bool:
         n = self.n = self.n + 1
+        if n < self._soonest:  # the usual call: no schedule's frame entered (it runs on every call)
+            return False
         due = False
-        for track in self._tracks:  # every schedule sees every call
+        for track in self._tracks:  # every schedule sees every call from its next position on
             due = track(n) or due
+        self._soonest = min(track.next for track in self._tracks)
         if due:
             self.previous, self.last = self.last, n
         return due
@@ -176,7 +180,7 @@ class GraphDue:
         """None, or why this call is checked: (what it saw, to widen what the checked calls
         saw; a description of its new inputs when they, not the `recheck` schedule of its
         shape key, made it due)."""
-        due = self._due(args)
+        due = self._schedule if self._keyed is None else self._due(args)
         scheduled = due()
         seen = self._novelty.observe(args) if self._novelty is not None else None
         novel = None if scheduled or seen is None else seen.why

@@ -52,14 +52,19 @@ class _Recording(threading.local):
 _recording = _Recording()
 
 
-def opaque(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """`fn(*args)`; while a host capture records on this thread, one step of its tape. For
-    compiled code whose kernels no dispatch mode sees (Inductor's fused kernels,
-    runtime/program/fused.py): a CUDA capture records their launches, so the host model records the
-    call and its replay makes it again, on the replay's tensors. The ATen ops it runs inside
-    are not recorded apart, and what a capture refuses is refused there too."""
-    recorder = _recording.recorder
-    return fn(*args) if recorder is None else recorder.opaque(fn, args)
+def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, called so that while a host capture records on this thread, each call is one
+    step of its tape. For compiled code whose kernels no dispatch mode sees (Inductor's
+    fused kernels, runtime/program/fused_unit.py): a CUDA capture records their launches, so
+    the host model records the call and its replay makes it again, on the replay's tensors.
+    The ATen ops it runs inside are not recorded apart, and what a capture refuses is
+    refused there too. One frame per call: a fused graph's segment is called on every call."""
+
+    def call(*args: Any) -> Any:
+        recorder = _recording.recorder
+        return fn(*args) if recorder is None else recorder.opaque(fn, args)
+
+    return call
 
 
 class Tape:

@@ -60,9 +60,7 @@ def _bind(outer: fx.GraphModule, compiled: Sequence[CompiledSegment]) -> Callabl
             # past aot's runtime wrapper once a first call showed it changes nothing
             run = done.run if done.alone is None else Direct(done.run, done.alone)
 
-            def segment(*args: Any, _run: Callable[..., Any] = run) -> Any:
-                return opaque(_run, args)
-
+            segment = opaque(run)
             segment.__name__ = segment.__qualname__ = f"gd_segment_{node.meta[SEGMENT_META]}"
             node.target = segment
     gm = module_of(outer, graph)
@@ -103,7 +101,7 @@ class FusedUnit:
         out = run(*args)
         if not posts:
             return out
-        self._posted.put(out[-1])  # type: ignore[union-attr]
+        self._posted.stats = out[-1]  # type: ignore[union-attr]
         return out[:-1]  # a slice: the graph's own container type
 
     def _isolated(self) -> tuple[Callable[..., Any], bool]:
