@@ -62,6 +62,7 @@ class _Recording(threading.local):
 
 
 _recording = _Recording()
+RECORDING = _recording  # read as `RECORDING.depth` on a path every call takes: in_recording() would add a frame
 
 
 def in_recording() -> bool:

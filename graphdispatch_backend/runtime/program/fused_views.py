@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from graphdispatch_backend.codegen import entry
 from graphdispatch_backend.passes.ops import is_view
-from graphdispatch_backend.runtime.cudagraph.engine import in_recording
+from graphdispatch_backend.runtime.cudagraph.engine import RECORDING
 
 _alias = torch._C._dynamo.guards._reinterpret_tensor  # (base, size, stride, offset from base's): Inductor's own
 
@@ -40,7 +40,7 @@ class ViewChain:
     def __call__(self, base: torch.Tensor) -> torch.Tensor:
         key = (base.shape, base.stride(), base.storage_offset(), base.dtype)
         found = self._layouts.get(key)
-        if found is not None and not in_recording():
+        if found is not None and not RECORDING.depth:  # (engine.in_recording, without its frame)
             return _alias(base, *found)
         out = self._chain(base)
         if len(self._layouts) < self.MAX_LAYOUTS and out.dtype == base.dtype and not out.is_conj() \
