@@ -136,17 +136,20 @@ class EagerCheck:
             out = self._compiled(*args)
         except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
             return self._lowering.failed_later(args, exc)
-        return out if posted is None or not self._on else self._after(args, out)
-
-    def _after(self, args: Sequence[Any], out: Any) -> Any:
-        """A call its schedule did not pick, judged by the statistics its graph took (or, where
-        its unit did not run, a reduction of its own): checked now when they are new, with the
-        outputs it made as the served ones (nothing ran since: no input written, no draw)."""
-        values = self._posted.take()  # type: ignore[union-attr]
-        watch = self._watch
-        if values is not None and watch.within(values):  # the usual call: nothing new, nothing made
+        if posted is None or not self._on:
             return out
-        seen = watch.observe(args) if values is None else watch.judge(values)
+        values = posted.take()
+        if values is not None and self._watch.within(values):  # type: ignore[union-attr]
+            return out  # the usual call: nothing new, nothing made (inline: it runs on every call)
+        return self._after(args, out, values)
+
+    def _after(self, args: Sequence[Any], out: Any, values: list[float] | None) -> Any:
+        """A call its schedule did not pick, judged by the statistics its graph took, `values`
+        (or, where its unit did not run, a reduction of its own): checked now when they are
+        new, with the outputs it made as the served ones (nothing ran since: no input written,
+        no draw)."""
+        watch = self._watch
+        seen = watch.observe(args) if values is None else watch.judge(values)  # type: ignore[union-attr]
         if seen.why is None or self._needs_grad(args):
             return out
         self._due.novel(args)
