@@ -1,5 +1,6 @@
-"""The Python a graph runs as: its generated forward, with every ATen call bound to the
-op's C++ entry (`OpOverload._op`) instead of `torch.ops.aten.<op>.<overload>(...)`.
+"""The Python a graph runs as: its generated forward (and Inductor's generated `call`,
+`bound_call`), with every ATen call bound to the op's C++ entry (`OpOverload._op`) instead
+of `torch.ops.aten.<op>.<overload>(...)`.
 
 `OpOverload.__call__` is a Python frame around that entry (`return self._op(*args,
 **kwargs)`). While Dynamo's frame-evaluation hook is installed (every call of a compiled
@@ -20,6 +21,7 @@ import copy
 import functools
 import linecache
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +43,79 @@ def entry(op: torch._ops.OpOverload) -> Callable[..., Any]:
         found.__module__ = "graphdispatch_ops"  # type: ignore[attr-defined]
         found = _ENTRIES.setdefault(op, found)
     return found
+
+
+def bound_call(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """Inductor's generated `call` with its ATen calls bound to their C++ entries. The ops
+    Inductor leaves to ATen (every op the exact recipe keeps, attention, the matmuls it calls
+    as ATen) are written `torch.ops.aten.<op>.<overload>(...)` in its code, each entering
+    `OpOverload.__call__`, a Python frame per op per call: 100 per call of HunyuanVideo's
+    fused graph, 5% of the call (one process, interleaved). A copy of the function over a
+    copy of its module's globals, in which `torch` reads as torch but for `torch.ops`, whose
+    overloads read as their entries (and likewise the op namespaces the module names, such
+    as `aten`); the module itself is left as it is (Inductor's code cache shares it with
+    every graph of the same code). A callable that is no Python function over torch's
+    globals (a wrapper of Inductor's own) is returned as it is."""
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType) or func.__globals__.get("torch") is not torch:
+        return fn
+    scope = {name: _Namespace(value) if isinstance(value, torch._ops._OpNamespace) else value
+             for name, value in func.__globals__.items()}
+    scope["torch"] = _Torch()
+    copied = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+    copied.__kwdefaults__ = func.__kwdefaults__
+    owner = getattr(fn, "__self__", None)
+    return copied if owner is None else types.MethodType(copied, owner)
+
+
+class _Torch:
+    """torch, but for `ops` (`bound_call`); each name read once, then an attribute."""
+
+    def __init__(self) -> None:
+        self.ops = _Ops()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        setattr(self, name, value)
+        return value
+
+
+class _Ops:
+    def __getattr__(self, name: str) -> Any:
+        value = _Namespace(getattr(torch.ops, name))
+        setattr(self, name, value)
+        return value
+
+
+class _Namespace:
+    """An op namespace whose packets give their overloads' C++ entries."""
+
+    def __init__(self, namespace: Any) -> None:
+        self._namespace = namespace
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._namespace, name)
+        if isinstance(value, torch._ops.OpOverloadPacket):
+            value = _Packet(value)
+        setattr(self, name, value)
+        return value
+
+
+class _Packet:
+    """An op packet whose overloads read as their C++ entries; called, the packet itself."""
+
+    def __init__(self, packet: torch._ops.OpOverloadPacket) -> None:
+        self._packet = packet
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._packet(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._packet, name)
+        if isinstance(value, torch._ops.OpOverload):
+            value = entry(value)
+        setattr(self, name, value)
+        return value
 
 
 def generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:

@@ -1,10 +1,14 @@
 """codegen.py: a deferred forward (the graph as aot lowered it, for a fallback most graphs
 never run) generates no code until its first call, then runs as the generated forward of
-the graph as it was, and FX forgets its source when it goes."""
+the graph as it was, and FX forgets its source when it goes. Inductor's generated `call`,
+bound (`bound_call`), enters no Python frame for the ATen calls it makes, computes the same,
+and leaves Inductor's module as it was."""
 
 from __future__ import annotations
 
+import functools
 import gc
+import sys
 import threading
 
 import torch
@@ -12,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.graph_module import _loader
 
-from graphdispatch_backend.codegen import deferred_forward, generated_forward
+from graphdispatch_backend.codegen import bound_call, deferred_forward, generated_forward
 
 
 class _Model(nn.Module):
@@ -71,3 +75,63 @@ def test_threads_racing_to_the_first_call_generate_it_once():
         t.join()
     assert len(outs) == 4 and all(torch.equal(o, outs[0]) for o in outs)
     assert len([k for k, source in _sources().items() if k not in before and "relu" in source]) == 1
+
+
+def _op_frames(fn, *args) -> tuple[int, object]:
+    """(the `OpOverload.__call__` frames `fn(*args)` entered, what it returned)."""
+    entered = []
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code is torch._ops.OpOverload.__call__.__code__:
+            entered.append(1)
+
+    sys.setprofile(count)
+    try:
+        out = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return len(entered), out
+
+
+def test_inductors_call_bound_makes_its_aten_calls_without_a_python_frame():
+    from torch._inductor.output_code import CompiledFxGraph
+
+    from graphdispatch_backend.fusion import inductor
+    from graphdispatch_backend.fusion.recipe import recipe_for
+    from graphdispatch_backend.testing import aten_graph
+
+    def block(x, w):  # gelu and layer norm kept by the exact recipe: ATen calls in Inductor's code
+        h = torch.nn.functional.gelu(x @ w) * 2 + 1
+        return torch.nn.functional.layer_norm(h, (h.shape[-1],)) - x
+
+    args = (torch.randn(8, 16), torch.randn(16, 16))
+    segment = inductor.compile_segment(aten_graph(block, *args).gm, recipe_for("cpu"), frozenset())
+    graphs = [c.cell_contents for c in segment.run.__closure__ if isinstance(c.cell_contents, inductor._Boxed)]
+    graph = graphs[0]._graph
+    assert isinstance(graph, CompiledFxGraph)
+    plain = graph.current_callable
+    module_torch = plain.__func__.__globals__["torch"]
+    frames, want = _op_frames(plain, list(args))
+    assert frames >= 3  # mm, gelu, layer norm: each through OpOverload.__call__
+    bound = bound_call(plain)
+    frames, got = _op_frames(bound, list(args))
+    assert frames == 0
+    assert all(torch.equal(w, g) and w.stride() == g.stride() for w, g in zip(want, got))
+    assert plain.__func__.__globals__["torch"] is module_torch is torch  # Inductor's module as it was
+    frames, _ = _op_frames(segment.run, *args)  # the segment's own calls, past the first
+    frames, _ = _op_frames(segment.run, *args)
+    assert frames == 0
+
+
+def test_what_is_no_function_over_torch_is_returned_as_it_is():
+    partial = functools.partial(torch.add, 1)
+    assert bound_call(partial) is partial
+    scope: dict = {}
+    exec("def call(args):\n    return args", scope)  # globals without torch
+    assert bound_call(scope["call"]) is scope["call"]
+    scope = {"torch": torch}
+    exec("def call(args):\n    return torch.ops.aten.add.Tensor(args[0], 1), torch.float32", scope)
+    bound = bound_call(scope["call"])
+    assert bound is not scope["call"] and scope["torch"] is torch
+    frames, (out, dtype) = _op_frames(bound, [torch.ones(2)])
+    assert frames == 0 and torch.equal(out, torch.full((2,), 2.0)) and dtype is torch.float32

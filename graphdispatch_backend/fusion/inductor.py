@@ -32,6 +32,7 @@ import torch.autograd.profiler as _profiler
 import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
+from graphdispatch_backend.codegen import bound_call
 from graphdispatch_backend.fusion.canonical import Composite, canonical, rewrite
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import op_name, recipe_allows
@@ -230,9 +231,10 @@ class _Boxed:
     (input alignment; on CUDA a backward's cudagraph manager). Its contexts cost 4-5 us per
     call inside a model's call (PixArt, HunyuanVideo: one segment, ~1% of a call). So the
     first call, and every call while a profiler records, go through `__call__`; the others
-    call `current_callable`, read anew each call."""
+    call `current_callable` with its ATen calls bound to their C++ entries
+    (codegen.bound_call), made again should Inductor ever set another."""
 
-    __slots__ = ("_graph", "_own", "_plain")
+    __slots__ = ("_bound", "_graph", "_own", "_plain", "_source")
 
     def __init__(self, graph: Any) -> None:
         from torch._inductor.output_code import CompiledFxGraph
@@ -240,13 +242,18 @@ class _Boxed:
         self._graph = graph
         self._plain = type(graph) is CompiledFxGraph  # a subclass, or another output: its own call, always
         self._own = True  # until the first call ran
+        self._source: Any = None  # the current_callable `_bound` was made from
+        self._bound: Any = None
 
     def __call__(self, args: list[Any]) -> Any:
         if self._own or _profiler._is_profiler_enabled:
             out = self._graph(args)
             self._own = not self._plain or self._graph.current_callable is None
             return out
-        return self._graph.current_callable(args)
+        source = self._graph.current_callable
+        if source is not self._source:
+            self._bound, self._source = bound_call(source), source
+        return self._bound(args)
 
 
 def _output_code(compiled: Any, depth: int = 8) -> Any:

@@ -61,8 +61,8 @@ class _Recording(threading.local):
     depth = 0
 
 
-_recording = _Recording()
-RECORDING = _recording  # read as `RECORDING.depth` on a path every call takes: in_recording() would add a frame
+# read as `RECORDING.depth` where every call passes (runtime/program/fused_views.py): in_recording() is a frame more
+RECORDING = _Recording()
 
 
 def in_recording() -> bool:
@@ -71,16 +71,16 @@ def in_recording() -> bool:
     derived verification set, a second eager run). The Python that runs inside stands for
     kernels that a replay runs without calling Python, and a capture forbids host syncs:
     artifact gates neither count these runs as calls nor re-check parity in them."""
-    return _recording.depth > 0
+    return RECORDING.depth > 0
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    _recording.depth += 1
+    RECORDING.depth += 1
     try:
         yield
     finally:
-        _recording.depth -= 1
+        RECORDING.depth -= 1
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
