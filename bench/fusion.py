@@ -39,6 +39,11 @@ every call bitwise; the warm first call of both <= 1.2x default Inductor's.
     python bench/fusion.py --scale 4 --no-learning    # the families 4x as wide (fixed per-call costs shrink)
     python bench/fusion.py --smoke          # a one-block demo, fp32, no Inductor baseline: the plumbing (CI)
     python bench/fusion.py --statistics --clock cpu   # only: where the tolerance's novelty statistics are taken
+    python bench/fusion.py --frames         # only: the Python frames one steady call enters, per variant
+
+`--frames`: only the Python frames one steady call enters, per variant and family
+(`sys.setprofile` over 100 calls after the warm ones): exact and repeatable where per-call
+times on a shared machine move by tens of percent between runs. JSON `fusion_frames`.
 
 `--statistics`: only an A/B of where a tolerance graph takes its inputs' novelty
 statistics, per family and dtype in one process, interleaved against default Inductor: in
@@ -207,6 +212,42 @@ def statistics_ablation(family: str, dtype: torch.dtype, repeats: int, inner: in
             "by_check_vs_without": paired_ratio(times, "by_check", "without")}
 
 
+def frames(family: str, dtype: torch.dtype, variants: tuple[str, ...], warm: int = WARM_CALLS,
+           calls: int = 100) -> dict[str, Any]:
+    """The Python frames one steady call enters, per variant (`sys.setprofile` over `calls`
+    calls after `warm`): the model's own Python, Dynamo's guards and aot's wrapper in every
+    variant, then each one's own. Exact and repeatable, where per-call times on a shared
+    machine move by tens of percent between runs; inside a model's call each frame costs
+    several times what it costs alone (its code evicted by the model's kernels)."""
+    torch.manual_seed(0)
+    model, inputs = FAMILIES[family]()
+    model = model.to(dtype).eval()
+    args = inputs(9, dtype)
+    row: dict[str, Any] = {"model": family, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
+    for name in variants:
+        torch._dynamo.reset()
+        fn = _compiled(name, model, dtype)
+        entered = [0]
+
+        def count(frame: Any, event: str, arg: Any, entered: list[int] = entered) -> None:
+            if event == "call":
+                entered[0] += 1
+
+        with torch.no_grad():
+            for _ in range(warm):
+                fn(**args)
+            sys.setprofile(count)
+            try:
+                for _ in range(calls):
+                    fn(**args)
+            finally:
+                sys.setprofile(None)
+        row[f"{name}_frames"] = entered[0] / calls
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    return row
+
+
 def learning() -> dict[str, Any]:
     """The demo with a fused op one ulp off: what the call that finds it costs, and a restart."""
     from unittest import mock
@@ -271,6 +312,8 @@ def main() -> None:
                        help="the families' widths and latent sides (LLMs: sequence and vocabulary) times N")
         p.add_argument("--statistics", action="store_true",
                        help="only: the tolerance with its novelty statistics in its kernels or taken by the check")
+        p.add_argument("--frames", action="store_true",
+                       help="only: the Python frames a steady call enters, per variant")
 
     args = parse_args(__doc__, extra)
     if args.cold:
@@ -294,6 +337,14 @@ def main() -> None:
         return
     # smoke: no default Inductor (a C++ build of half a minute on a fresh machine: figures, not plumbing)
     variants = tuple(v for v in VARIANTS if v != "inductor") if args.smoke else VARIANTS
+    if args.frames:
+        counted = ("inductor", "graphdispatch", "fused", "tolerance") if not args.smoke else variants[1:]
+        got = [frames(m, DTYPES[d], counted, warm=2 if args.smoke else WARM_CALLS) for m in models for d in dtypes]
+        emit("fusion_frames", {"rows": got, "calls": 100, "warm": WARM_CALLS}, [(
+            "Python frames one steady call enters (sys.setprofile over 100 calls after the warm ones)",
+            ["model", "dtype", *counted], [[r["model"], r["dtype"], *(f"{r[f'{v}_frames']:g}" for v in counted)]
+                                          for r in got])], [], args)
+        return
     rows = [measure(m, DTYPES[d], repeats, inner, variants, warm=not (args.cold or args.smoke), clock=clock,
                     smoke=args.smoke, scale=args.scale) for m in models for d in dtypes]
     learned = None if args.smoke or args.no_learning else learning()

@@ -100,3 +100,14 @@ def test_run_py_runs_a_script_and_summarises_it() -> None:
     _run(["bench/run.py", "--smoke", "--only", "emulate"])
     summary = json.loads((ROOT / "bench" / "results" / "smoke" / "run.json").read_text("utf-8"))
     assert list(summary["durations_s"]) == ["emulate"] and not summary["failures"], summary
+
+
+def test_fusions_frame_count_runs_and_counts_every_variant() -> None:
+    """bench/fusion.py --frames (the Python frames a steady call enters), on the demo: each
+    variant counted, none at zero (the demo's own Python is in every call)."""
+    start = time.time()
+    _run(["bench/fusion.py", "--frames", "--smoke", "--table-only"])
+    result = ROOT / "bench" / "results" / "smoke" / "fusion_frames.json"
+    assert result.stat().st_mtime >= start - 1
+    (row,) = json.loads(result.read_text("utf-8"))["rows"]
+    assert all(row[f"{v}_frames"] > 0 for v in ("graphdispatch", "fused", "tolerance")), row
