@@ -89,7 +89,7 @@ class ArtifactGate:
             positions = tuple(kernel_inputs)
 
             def tensors_only(*inputs: Any) -> Any:
-                return artifact(*(inputs[i] for i in positions))
+                return artifact(*[inputs[i] for i in positions])  # (a generator: a frame per input, per call)
 
             self._artifact = tensors_only
         self._native = native
