@@ -68,54 +68,51 @@ def bound_call(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
     return copied if owner is None else types.MethodType(copied, owner)
 
 
-class _Torch:
-    """torch, but for `ops` (`bound_call`); each name read once, then an attribute."""
+class _Reads:
+    """Reads each name of `_of` once, as `_made` makes it, then as a plain attribute."""
+
+    _of: Any
+
+    def __init__(self, of: Any) -> None:
+        self._of = of
+
+    def __getattr__(self, name: str) -> Any:
+        value = self._made(getattr(self._of, name))
+        setattr(self, name, value)
+        return value
+
+    def _made(self, value: Any) -> Any:
+        return value
+
+
+class _Torch(_Reads):
+    """torch, but for `ops` (`bound_call`)."""
 
     def __init__(self) -> None:
-        self.ops = _Ops()
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(torch, name)
-        setattr(self, name, value)
-        return value
+        super().__init__(torch)
+        self.ops = _Ops(torch.ops)
 
 
-class _Ops:
-    def __getattr__(self, name: str) -> Any:
-        value = _Namespace(getattr(torch.ops, name))
-        setattr(self, name, value)
-        return value
+class _Ops(_Reads):
+    def _made(self, value: Any) -> Any:
+        return _Namespace(value)
 
 
-class _Namespace:
+class _Namespace(_Reads):
     """An op namespace whose packets give their overloads' C++ entries."""
 
-    def __init__(self, namespace: Any) -> None:
-        self._namespace = namespace
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._namespace, name)
-        if isinstance(value, torch._ops.OpOverloadPacket):
-            value = _Packet(value)
-        setattr(self, name, value)
-        return value
+    def _made(self, value: Any) -> Any:
+        return _Packet(value) if isinstance(value, torch._ops.OpOverloadPacket) else value
 
 
-class _Packet:
+class _Packet(_Reads):
     """An op packet whose overloads read as their C++ entries; called, the packet itself."""
 
-    def __init__(self, packet: torch._ops.OpOverloadPacket) -> None:
-        self._packet = packet
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._packet(*args, **kwargs)
+        return self._of(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._packet, name)
-        if isinstance(value, torch._ops.OpOverload):
-            value = entry(value)
-        setattr(self, name, value)
-        return value
+    def _made(self, value: Any) -> Any:
+        return entry(value) if isinstance(value, torch._ops.OpOverload) else value
 
 
 def generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
