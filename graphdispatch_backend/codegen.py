@@ -59,8 +59,7 @@ def bound_call(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
     func = getattr(fn, "__func__", fn)
     if not isinstance(func, types.FunctionType) or func.__globals__.get("torch") is not torch:
         return fn
-    scope = {name: _Namespace(value) if isinstance(value, torch._ops._OpNamespace) else value
-             for name, value in func.__globals__.items()}
+    scope = {name: _namespace(value) for name, value in func.__globals__.items()}
     scope["torch"] = _Torch()
     copied = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
     copied.__kwdefaults__ = func.__kwdefaults__
@@ -93,9 +92,15 @@ class _Torch(_Reads):
         self.ops = _Ops(torch.ops)
 
 
+def _namespace(value: Any) -> Any:
+    """An op namespace (`torch.ops.aten`) as one whose overloads read as their entries;
+    anything else (`torch.ops.load_library`, a module's other globals) as it is."""
+    return _Namespace(value) if isinstance(value, torch._ops._OpNamespace) else value
+
+
 class _Ops(_Reads):
     def _made(self, value: Any) -> Any:
-        return _Namespace(value)
+        return _namespace(value)
 
 
 class _Namespace(_Reads):

@@ -135,3 +135,5 @@ def test_what_is_no_function_over_torch_is_returned_as_it_is():
     assert bound is not scope["call"] and scope["torch"] is torch
     frames, (out, dtype) = _op_frames(bound, [torch.ones(2)])
     assert frames == 0 and torch.equal(out, torch.full((2,), 2.0)) and dtype is torch.float32
+    exec("def ops_function(args):\n    return torch.ops.load_library", scope)  # not a namespace: as it is
+    assert bound_call(scope["ops_function"])([]) == torch.ops.load_library  # (a bound method: equal, not the same)

@@ -212,22 +212,19 @@ class Novelty:
         in the order of the watched positions: read now, as `observe` reads a CPU input's."""
         return self._decide(self._positions, values)
 
-    def within(self, values: Sequence[float]) -> bool:
-        """Whether statistics in the order of the watched positions (as `judge` takes them)
-        stay below what the checked calls saw: the call is not new, and nothing is made for it."""
+    def within(self, values: Sequence[float], names: Sequence[int] | None = None) -> bool:
+        """Whether statistics of the inputs at `names` (by default every watched position, in
+        order, as `judge` takes them) stay below what the checked calls saw: the call is not
+        new (False: it may be; NaN and inf need the slow path, `_novel`)."""
         seen = self._seen
-        for p, m in zip(self._positions, values):  # noqa: SIM110 (a generator: two more frames per call)
+        for p, m in zip(self._positions if names is None else names, values):  # noqa: SIM110 (a generator: two more frames per call)
             if not m < seen[p].limit:
                 return False
         return True
 
     def _decide(self, names: Sequence[int], values: Sequence[float]) -> Observation:
         """Statistics read now: new when an input's reaches past what the checked calls saw."""
-        seen = self._seen
-        for p, m in zip(names, values):
-            if not m < seen[p].limit:  # new (or NaN, or inf): the slow path says
-                return Observation(self, (names, values), self._novel(names, values))
-        return Observation(self, (names, values), None)
+        return Observation(self, (names, values), None if self.within(values, names) else self._novel(names, values))
 
     def _magnitude(self, t: torch.Tensor) -> float:
         """CPU tensor `t`'s largest magnitude, NaN if any is NaN, inf if any is infinite (and
