@@ -737,6 +737,32 @@ def test_a_rotation_of_transformers_caches_replays_without_capturing_after_the_f
     assert decode["captures"] == captures and decode["replays"] == 12 * 3 - 2 and not decode["declines"]
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_transformers_own_compile_path_generates_eagers_tokens_and_replays(fuse):
+    """`generate(..., compile_config=CompileConfig(backend="graphdispatch", ...))`:
+    transformers compiles the model's call itself and uses it for the decode steps (docs/
+    serving.md). Its CompileConfig's default `mode` is "reduce-overhead", which torch.compile
+    refuses beside `options`: `mode=None` says so. On a CPU transformers compiles only when
+    told to (`_compile_all_devices`)."""
+    transformers, model, prompt, kw = _llama()
+    kw.pop("disable_compile")
+    config = transformers.CompileConfig(backend="graphdispatch", mode=None,
+                                        options={"cuda_graphs": "emulate", "fuse": fuse})
+    config._compile_all_devices = True
+    with torch.no_grad():
+        for request in range(3):
+            ids = prompt if request == 0 else torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(
+                request))
+            ref = model.generate(ids, **kw)
+            assert torch.equal(model.generate(ids, compile_config=config, **kw), ref)
+    report = graphdispatch_backend.latest_report()
+    assert_report_accounted(report)
+    (decode,) = report["graphs"]  # the prefill runs uncompiled: transformers compiles the decode steps
+    assert decode["calls"] == 3 * (kw["max_new_tokens"] - 1)
+    assert decode["cuda_graph"]["replays"] == decode["calls"] - 2 and not decode["cuda_graph"]["declines"]
+    assert (decode["fusion"] or {}).get("status") == ("fused" if fuse else None)
+
+
 def test_several_pinned_inputs_moving_at_once_are_demoted_together():
     def four(a, b, c, d):
         return (a + b * c - d,)
