@@ -14,8 +14,8 @@ one after the other, the variants compiled in the order listed in the first and 
 reverse order in the second: where a process compiled first moves a ratio by several
 percent (PixArt fp32's tolerance against Inductor: 1.016-1.091 over four processes, and
 1.085 against 1.029 in one run's two), so the figures pool both orders (`per_process` in
-the JSON keeps each one's). In each process every variant is compiled (Dynamo reset between variants), called
-once to warm Inductor's caches, compiled again from a reset Dynamo and called once: the
+the JSON keeps each one's). In each process every variant is compiled (Dynamo reset
+between variants), called once to warm Inductor's caches, compiled again from a reset Dynamo and called once: the
 warm first call (compile plus one run, every cache warm as a restarted server finds it;
 `--cold`: the first compile's call, Inductor's caches empty). Then 5 calls on fresh inputs
 are compared with eager: bit for bit (`fuse=True` must be), or the largest error
@@ -211,6 +211,10 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = all(r[key] for r in rows)
     for key in [k for k in row if k.endswith(("_max_abs", "_max_rel", "_checks", "_beyond", "_budget"))]:
         row[key] = max(r[key] for r in rows)
+    for key in [k for k in row if k.endswith("_learned")]:  # what any process learned
+        row[key] = sorted({op for r in rows for op in r[key]})
+    for key in [k for k in row if k.endswith("_status")]:
+        row[key] = ",".join(sorted({status for r in rows for status in r[key].split(",") if status}))
     for name in VARIANTS:
         row[f"{name}_first_s"] = statistics.median(r[f"{name}_first_s"] for r in rows)
         if name in row["samples_us"]:
