@@ -314,3 +314,38 @@ def indexes_by_mask(indices: Any) -> bool:
     selection's size is known only after it ran (an index not known here counts as one)."""
     leaves = [i for i in pytree.tree_leaves(indices) if i is not None]
     return any(not isinstance(i, torch.Tensor) or i.dtype in (torch.bool, torch.uint8) for i in leaves)
+
+
+_INDEX_PUTS = frozenset({"aten::index_put", "aten::index_put_"})
+
+
+def fills_by_mask_from_host(node: fx.Node) -> bool:
+    """`x[mask] = 0` as aot traces it: `index_put` by one boolean mask, matching `x`'s sizes
+    where it stands, of a one-element constant of the module (aot's `lift_fresh_copy` of
+    it), not accumulating. On a CUDA tensor PyTorch makes such a value on the CPU, and
+    CUDA's `index_put_` then runs it as `masked_fill_` (ATen's canDispatchToMaskedFill: a
+    one-element CPU value, one mask of the indexed sizes): no host sync, where an
+    `index_put` by a mask otherwise reads the mask's count back to the host."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or schema.name not in _INDEX_PUTS or _argument(
+            node, "accumulate"):
+        return False
+    indices, value = _argument(node, "indices"), _argument(node, "values")
+    masks = [(at, i) for at, i in enumerate(indices or ()) if i is not None]
+    if len(masks) != 1 or not isinstance(masks[0][1], fx.Node) or not _one_element_constant(value):
+        return False
+    at, mask = masks[0]
+    target, selector = node.args[0].meta.get("val"), mask.meta.get("val")
+    if not isinstance(target, torch.Tensor) or not isinstance(selector, torch.Tensor):
+        return False
+    return selector.dtype in (torch.bool, torch.uint8) and tuple(selector.shape) == tuple(
+        target.shape[at:at + selector.dim()])
+
+
+def _one_element_constant(node: Any) -> bool:
+    if isinstance(node, fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return False
+    value = getattr(node.graph.owning_module, str(node.target), None)
+    return isinstance(value, torch.Tensor) and value.numel() == 1

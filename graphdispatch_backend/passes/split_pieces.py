@@ -10,7 +10,8 @@ after it ran; indexing by integer indices, `repeat_interleave` given its `output
 `weights[expert_ids]`), is a collective whose process group's backend a CUDA graph cannot
 hold (gloo runs on the host; NCCL collectives stay inside, as vLLM captures them: decided by
 the group, so the CPU model splits where a GPU would), produces a tensor on
-another device than the graph's (a CPU tensor in a CUDA graph), is an artifact call
+another device than the graph's (a CPU tensor in a CUDA graph; in the CPU model of a GPU
+also `x[mask] = 0`, whose one-element value a GPU keeps on the host), is an artifact call
 whose manifest says `"capturable": false`, or makes a tensor out of a Python-number input
 (marked by lift_scalars.py, which moved it to the top: the piece then takes its tensor).
 Such nodes stay inline, in order; each maximal run of other nodes with real work becomes
@@ -71,6 +72,7 @@ from graphdispatch_backend.passes.ops import (
     allocates_uninitialized,
     captured_collective,
     draws_random,
+    fills_by_mask_from_host,
     is_collective,
     is_effectful,
     nbytes,
@@ -113,12 +115,25 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return SplitReason.DYNAMIC_OUTPUT_SHAPE
     if draws_random(node):
         return SplitReason.RANDOM_OP
+    if graph_device == "cpu" and _host_value_on_a_gpu(node):
+        # the CPU model of a GPU: there `x[mask] = 0` reads a CPU tensor (ops.py
+        # fills_by_mask_from_host) and is split out below, so the model splits it alike
+        return SplitReason.FOREIGN_DEVICE
     # A tensor on another device, produced or read here: a CPU scalar would be baked into
     # the capture as a kernel argument and go stale on replay.
     for value in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
         if isinstance(value, torch.Tensor) and value.device.type != graph_device:
             return SplitReason.FOREIGN_DEVICE
     return None
+
+
+def _host_value_on_a_gpu(node: fx.Node) -> bool:
+    """A mask fill of a one-element constant, or aot's copy of that constant for it: on a
+    GPU, CPU tensors."""
+    if fills_by_mask_from_host(node):
+        return True
+    return node.target is torch.ops.aten.lift_fresh_copy.default and bool(node.users) and all(
+        fills_by_mask_from_host(user) and user.args[2] is node for user in node.users)
 
 
 def inline_nodes(gm: fx.GraphModule, graph_device: str) -> dict[fx.Node, SplitReason]:

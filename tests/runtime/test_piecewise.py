@@ -394,3 +394,39 @@ def test_draws_random_reads_dropout_arguments():
     assert not draws_random(node(sdpa, x, x, x, 0.0))
     assert draws_random(node(sdpa, x, x, x, dropout_p=0.1))
     assert not draws_random(node(aten.sin.default, x))
+
+
+def _masked_embedding(value: str) -> Callable[..., torch.Tensor]:
+    """transformers' vocab-parallel embedding (`tp_plan="auto"`): ids outside a rank's rows
+    masked to 0, by a constant or by a value the graph computes."""
+
+    def embed(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        mask = (ids < 2) | (ids >= 5)
+        ids = ids - 2
+        ids[mask] = 0 if value == "constant" else ids.max()
+        return nn.functional.embedding(ids, w) * 2
+
+    return embed
+
+
+@pytest.mark.parametrize("value", ["constant", "computed"])
+def test_a_mask_fill_of_a_constant_is_split_as_on_a_gpu_and_the_rest_replays(value):
+    """`x[mask] = 0` on a CUDA tensor reads a one-element CPU tensor, which CUDA's index_put_
+    fills as masked_fill_ (no host sync): the node is split out (`foreign_device`) and the
+    rest replays. The CPU model refused it as any index_put by a mask (a host sync), and the
+    piece holding it ran eagerly on every call. A value the graph computes stays refused."""
+    embed = _masked_embedding(value)
+    w = torch.randn(8, 4)
+    compiled = torch.compile(embed, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    with torch.no_grad():
+        for i in range(6):
+            ids = torch.randint(0, 8, (1, 8), generator=torch.Generator().manual_seed(i))
+            assert torch.equal(compiled(ids, w), embed(ids.clone(), w))
+    graph = only_graph()
+    cg = graph["cuda_graph"]
+    if value == "constant":
+        assert graph["split_reasons"] == {"foreign_device": 2}  # the constant's copy and the fill
+        assert cg["replays"] == 4 and cg["declines"] == {}, cg
+    else:
+        assert graph["split_reasons"] == {} and cg["replays"] == 0, graph["split_reasons"]
+        assert "indexing by a boolean mask" in cg["decline_details"]["capture_failed"], cg
