@@ -335,11 +335,21 @@ def fills_by_mask_from_host(node: fx.Node) -> bool:
     if len(masks) != 1 or not isinstance(masks[0][1], fx.Node) or not _one_element_constant(value):
         return False
     at, mask = masks[0]
-    target, selector = node.args[0].meta.get("val"), mask.meta.get("val")
+    target, selector = _argument(node, "self"), mask.meta.get("val")
+    target = target.meta.get("val") if isinstance(target, fx.Node) else None
     if not isinstance(target, torch.Tensor) or not isinstance(selector, torch.Tensor):
         return False
     return selector.dtype in (torch.bool, torch.uint8) and tuple(selector.shape) == tuple(
         target.shape[at:at + selector.dim()])
+
+
+def on_the_host_on_a_gpu(node: fx.Node) -> bool:
+    """What a GPU graph of `x[mask] = 0` holds on the host: the fill (`fills_by_mask_from_host`),
+    and aot's copy of its constant where only such fills read it."""
+    if fills_by_mask_from_host(node):
+        return True
+    return node.target is torch.ops.aten.lift_fresh_copy.default and bool(node.users) and all(
+        fills_by_mask_from_host(user) and _argument(user, "values") is node for user in node.users)
 
 
 def _one_element_constant(node: Any) -> bool:

@@ -72,10 +72,10 @@ from graphdispatch_backend.passes.ops import (
     allocates_uninitialized,
     captured_collective,
     draws_random,
-    fills_by_mask_from_host,
     is_collective,
     is_effectful,
     nbytes,
+    on_the_host_on_a_gpu,
     sized_by_arguments,
     storage_readers,
     unwritten_outputs,
@@ -115,7 +115,7 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return SplitReason.DYNAMIC_OUTPUT_SHAPE
     if draws_random(node):
         return SplitReason.RANDOM_OP
-    if graph_device == "cpu" and _host_value_on_a_gpu(node):
+    if graph_device == "cpu" and on_the_host_on_a_gpu(node):
         # the CPU model of a GPU: there `x[mask] = 0` reads a CPU tensor (ops.py
         # fills_by_mask_from_host) and is split out below, so the model splits it alike
         return SplitReason.FOREIGN_DEVICE
@@ -125,15 +125,6 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         if isinstance(value, torch.Tensor) and value.device.type != graph_device:
             return SplitReason.FOREIGN_DEVICE
     return None
-
-
-def _host_value_on_a_gpu(node: fx.Node) -> bool:
-    """A mask fill of a one-element constant, or aot's copy of that constant for it: on a
-    GPU, CPU tensors."""
-    if fills_by_mask_from_host(node):
-        return True
-    return node.target is torch.ops.aten.lift_fresh_copy.default and bool(node.users) and all(
-        fills_by_mask_from_host(user) and user.args[2] is node for user in node.users)
 
 
 def inline_nodes(gm: fx.GraphModule, graph_device: str) -> dict[fx.Node, SplitReason]:
