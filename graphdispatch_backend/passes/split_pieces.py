@@ -115,10 +115,6 @@ def split_reason(node: fx.Node, graph_device: str) -> SplitReason | None:
         return SplitReason.DYNAMIC_OUTPUT_SHAPE
     if draws_random(node):
         return SplitReason.RANDOM_OP
-    if graph_device == "cpu" and on_the_host_on_a_gpu(node):
-        # the CPU model of a GPU: there `x[mask] = 0` reads a CPU tensor (ops.py
-        # fills_by_mask_from_host) and is split out below, so the model splits it alike
-        return SplitReason.FOREIGN_DEVICE
     # A tensor on another device, produced or read here: a CPU scalar would be baked into
     # the capture as a kernel argument and go stale on replay.
     for value in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
@@ -132,6 +128,10 @@ def inline_nodes(gm: fx.GraphModule, graph_device: str) -> dict[fx.Node, SplitRe
     reasons: dict[fx.Node, SplitReason] = {}
     for node in gm.graph.nodes:
         reason = split_reason(node, graph_device)
+        if reason is None and graph_device == "cpu" and on_the_host_on_a_gpu(node):
+            # the CPU model of a GPU's capture: there `x[mask] = 0` reads a CPU tensor (ops.py
+            # fills_by_mask_from_host), split out as any; not a rule of fused segments on a CPU
+            reason = SplitReason.FOREIGN_DEVICE
         if reason is None and node.target is operator.getitem:
             src = node.args[0]
             reason = reasons.get(src) if isinstance(src, fx.Node) else None

@@ -409,15 +409,15 @@ def _masked_embedding(value: str) -> Callable[..., torch.Tensor]:
     return embed
 
 
-@pytest.mark.parametrize("value", ["constant", "computed"])
-def test_a_mask_fill_of_a_constant_is_split_as_on_a_gpu_and_the_rest_replays(value):
+@pytest.mark.parametrize(("value", "fuse"), [("constant", False), ("computed", False), ("constant", True)])
+def test_a_mask_fill_of_a_constant_is_split_as_on_a_gpu_and_the_rest_replays(value, fuse):
     """`x[mask] = 0` on a CUDA tensor reads a one-element CPU tensor, which CUDA's index_put_
     fills as masked_fill_ (no host sync): the node is split out (`foreign_device`) and the
     rest replays. The CPU model refused it as any index_put by a mask (a host sync), and the
     piece holding it ran eagerly on every call. A value the graph computes stays refused."""
     embed = _masked_embedding(value)
     w = torch.randn(8, 4)
-    compiled = torch.compile(embed, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    compiled = torch.compile(embed, backend="graphdispatch", options={"cuda_graphs": "emulate", "fuse": fuse})
     with torch.no_grad():
         for i in range(6):
             ids = torch.randint(0, 8, (1, 8), generator=torch.Generator().manual_seed(i))
