@@ -43,3 +43,41 @@ def test_a_pixart_pipeline_relocates_for_each_new_request(steps):
     # 6 steps: the embeddings moved before REPIN_AFTER replays: copied in from then on, no
     # capture per request; 20 steps: read in place at each request's address, a relocation each
     assert third["relocations"] == (1 if steps == 6 else 2)
+
+
+def _decode_step(x: torch.Tensor, pos: torch.Tensor, enc: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(0, pos, x * 2)  # written in place, as a KV cache
+    return (cache.sum(0, keepdim=True) + enc.mean(0, keepdim=True)) * x
+
+
+@pytest.mark.parametrize("aliased", [False, True], ids=["own_memory", "enc_in_the_cache"])
+def test_an_encoder_output_moving_with_its_cache_relocates(aliased):
+    """An encoder-decoder's decode step (T5, Whisper: `model.forward` compiled) gets a new
+    encoder output and a new cache per request: an input it only reads moved with one it
+    writes. Request 2 on relocates at its first call and replays every call (it used to
+    answer every call of request 2 eagerly: warmup, verifying, backing off). An encoder
+    output lying in the cache's own memory (a copy would miss the graph's writes) takes
+    the usual paths: captured and verified again, never a stale value."""
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    compiled = torch.compile(_decode_step, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    seen = []
+    with torch.no_grad():
+        for request in range(3):
+            store = torch.randn(70, 8)
+            enc_ref = store[64:].clone()
+            cache_ref, cache = torch.zeros(64, 8), store[:64] if aliased else torch.zeros(64, 8)
+            cache.zero_()
+            enc = store[64:] if aliased else enc_ref.clone()
+            for t in range(6):
+                x, pos = torch.randn(1, 8), torch.tensor([t])
+                want = _decode_step(x, pos, enc_ref, cache_ref)
+                assert torch.equal(compiled(x, pos, enc, cache), want) and torch.equal(cache, cache_ref), (request, t)
+            (graph,) = accounted_graphs()
+            seen.append(dict(graph["cuda_graph"]))
+    second, third = seen[1], seen[2]
+    if aliased:
+        assert second["relocations"] == 0 and second["eager_calls"] > seen[0]["eager_calls"]
+    else:
+        assert second["relocations"] == 1 and second["eager_calls"] == seen[0]["eager_calls"] == 2
+        assert third["relocations"] == 2 and third["replays"] == 3 * 6 - 2 and not third["declines"]

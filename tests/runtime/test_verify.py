@@ -23,6 +23,7 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import NOT_DISTINCT_LIMIT, GraphRunner, RuntimeScope
+from graphdispatch_backend.runtime.runner import verify as verify_module
 from graphdispatch_backend.runtime.runner.derive import derive, permuted
 
 
@@ -138,15 +139,31 @@ def test_repeated_integer_ids_are_permuted_not_invented():
     assert all(set(s.flatten().tolist()) <= {0, 1, 2, 5, 9} for s in seen)
 
 
-def test_single_repeated_integer_value_waits_then_declines_with_advice(caplog):
+def test_single_repeated_integer_value_waits_says_so_and_verifies_at_the_first_other_value(caplog, monkeypatch):
+    """One token id repeated (a recurrent decode step on a random model): no derived set
+    exists. Past the limit the calls are answered eagerly, counted and said once, with no
+    derived set tried again; the capture is kept, and the first call with another id
+    verifies it (it used to decline for good: a Mamba server never replayed again)."""
     runner, stats = make_runner(lambda ids, w: (w[ids] * 2,))
     w = torch.randn(8, 3)
-    replayed = run_loop(runner, lambda ids, w: (w[ids] * 2,), lambda: (torch.full((4,), 3), w),
-                        3 + NOT_DISTINCT_LIMIT + 2)
-    assert not any(replayed)
+    tries = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tries.append(1)
+        return derive(*args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "derive", counted)
+    repeated = 3 + NOT_DISTINCT_LIMIT + 4
+    ids = iter([[3] * 4] * repeated + [[1, 4, 6, 3]] + [[5] * 4] * 4)  # a new tensor each call
+    replayed = run_loop(runner, lambda ids, w: (w[ids] * 2,), lambda: (torch.tensor(next(ids)), w), repeated + 5)
+    assert not any(replayed[:repeated + 1]) and all(replayed[repeated + 1:]), replayed
     assert stats.declines == {"verify_inputs_not_distinct": 1}
     assert "one repeated integer or bool value" in stats.decline_details["verify_inputs_not_distinct"]
-    assert "same tensor object" in caplog.text
+    past = repeated - 2 - 1 - (NOT_DISTINCT_LIMIT + 1)  # less warmups, the capture call, the calls that waited
+    assert stats.eager_by_reason["verify_inputs_not_distinct"] == past, stats.eager_by_reason
+    assert len(tries) == 1 + NOT_DISTINCT_LIMIT + 1  # the capture call's, then each wait's: none after
+    assert caplog.text.count("held back") == 1 and "same tensor object" in caplog.text
+    assert "declined" not in caplog.text
 
 
 class PtrMemo:

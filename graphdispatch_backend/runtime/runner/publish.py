@@ -4,7 +4,8 @@
                 capture call's own, then sets derived from them in the same call)--> verified
              --(a mismatch, a failed replay, an artifact demoted, another rank's verdict)--> declined
              --(the caller repeats the verified values)--> a derived set (runner/derive.py),
-               or, after NOT_DISTINCT_LIMIT such calls without one, verify_not_distinct
+               or, after NOT_DISTINCT_LIMIT such calls without one, eager calls counted
+               verify_inputs_not_distinct until a call with other values verifies it
 
 Each verifying call is answered by the user's own eager run; its steps (the live set, a
 derived set) are a Trial's (runner/verify.py); a verdict that would change the
@@ -60,6 +61,10 @@ class Publisher:
                 self._transitions.decline(entry, Decline.CHECK_FAILED, "comparing with the verified inputs raised")
                 return Decline.CHECK_FAILED
             repeats = bool(agreed(self._agreement, int(repeated)))  # one rank repeating: every rank derives a set
+        if repeats and captured.waits > NOT_DISTINCT_LIMIT:
+            # no derived set came of the last tries: the call is answered eagerly, no set tried
+            # (each try runs eager again), the capture kept for the first call with other values
+            return Decline.VERIFY_NOT_DISTINCT
         if repeats:  # the caller repeats the verified values: verify on a set derived from them
             expected = trial.answer()
             verdict = trial.derived(moving, expected, salt=captured.verified)
@@ -85,14 +90,18 @@ class Publisher:
         return self._conclude(entry, captured, args, expected, verdicts, live)
 
     def _wait(self, entry: Entry, captured: Captured) -> None:
-        """No derived set: wait for a call with distinct values, NOT_DISTINCT_LIMIT calls at most."""
+        """No derived set: wait for a call with distinct values. Past NOT_DISTINCT_LIMIT such
+        calls, said once; the entry is not declined: a recurrent decode step fed one token
+        id for a while (Mamba's, its state read in place) gets other ids later, and its
+        first call with them verifies the capture. Only a verdict ends a capture."""
         captured.waits += 1
-        if captured.waits > NOT_DISTINCT_LIMIT:
-            self._transitions.decline(entry, Decline.VERIFY_NOT_DISTINCT, (
-                f"{captured.waits} calls in a row repeated the verified inputs' values, and no distinct set could be "
-                "derived from them (every moving input holds one repeated integer or bool value, or eager raised "
-                "on the derived values): call once with other values, or pass the same tensor object each call "
-                "(it is then read in place)"))
+        if captured.waits == NOT_DISTINCT_LIMIT + 1:
+            detail = (f"{captured.waits} calls in a row repeated the verified inputs' values, and no distinct set "
+                      "could be derived from them (every moving input holds one repeated integer or bool value, or "
+                      "eager raised on the derived values)")
+            then = ("its capture is kept, eager meanwhile: the first call with other values verifies it (to replay "
+                    "sooner, pass the same tensor object each call: it is then read in place, or verify_inputs=1)")
+            self._transitions.report(Decline.VERIFY_NOT_DISTINCT, detail, then=then, held=True)
 
     def _conclude(self, entry: Entry, captured: Captured, args: Sequence[Any], expected: Sequence[Any],
                   verdicts: list[Verdict], live: bool) -> Sequence[Any]:

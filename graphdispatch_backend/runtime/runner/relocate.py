@@ -109,10 +109,8 @@ class Relocator:
         held = transitions.never_moving(moved, args, self._writes.positions)
         if not moved or verified.gates_changed(self._gates):
             return None
-        if not held:
-            return self._reread(entry, phase, args, moved)
-        if held != moved:  # a cache and an input it only reads moved together: the usual paths
-            return None
+        if held != moved:  # inputs it only reads moved, alone or with a cache (an encoder output per request)
+            return self._reread(entry, phase, args, moved - held, held)
         entry.held |= held
         if not only_held_moved(entry, verified, args, list(state), self._align):
             return None
@@ -146,19 +144,25 @@ class Relocator:
             record_fields.parked(self._stats, sum(len(e.parked) for e in list(self._book.entries.values())))
         return now
 
-    def _reread(self, entry: Entry, phase: Verified, args: Sequence[Any], moved: set[int]) -> Verified | None:
-        """Inputs the graph only reads moved, nothing else (a pipeline's new prompt
-        embeddings and attention mask per request): the graph only moved. Captured again at
-        once, as a relocation is (no warmup, no verification: the same kernels on the same
-        layouts and alignment class), with those inputs moving from now on (copied in, as
-        any input that moves: cheap, and no capture per request), or, where one stayed put
-        for REPIN_AFTER replays first (a buffer that lives long), read in place at its new
-        address (at most MAX_REPINS times, as runner/transitions.py repins). Their copies
-        must lie as the verified capture read them (offset, strides, alignment class), or
-        this is no relocation: the usual paths re-capture and verify. The old capture is
-        released, and so is every parked one (they read these inputs where they were)."""
+    def _reread(self, entry: Entry, phase: Verified, args: Sequence[Any], moved: set[int],
+                held: set[int]) -> Verified | None:
+        """Inputs the graph only reads moved (a pipeline's new prompt embeddings and
+        attention mask per request), alone or with `held` inputs (an encoder-decoder's new
+        encoder output beside its new cache per request): the graph only moved. Captured
+        again at once, as a relocation is (no warmup, no verification: the same kernels on
+        the same layouts and alignment class), held inputs read at their new addresses, the
+        others moving from now on (copied in, as any input that moves: cheap, and no capture
+        per request), or, where one stayed put for REPIN_AFTER replays first (a buffer that
+        lives long), read in place at its new address (at most MAX_REPINS times, as
+        runner/transitions.py repins). Their copies must lie as the verified capture read
+        them (offset, strides, alignment class), and none may share memory with a held
+        input (a copy would not see the graph's writes), or this is no relocation: the usual
+        paths re-capture and verify. The old capture is released, and so is every parked one
+        (they read these inputs where they were)."""
         verified, state = phase.capture, list(self._lookup.state)
-        if not only_moved(verified, args, state, self._align, moved):
+        if not only_moved(verified, args, state, self._align, moved | held):
+            return None
+        if held and _shares_memory([args[p] for p in moved], [args[p] for p in held]):
             return None
         repin = (self._stats.replays - verified.replays_at >= transitions.REPIN_AFTER
                  and entry.repins < transitions.MAX_REPINS)
@@ -176,6 +180,7 @@ class Relocator:
                 stale.release()
             entry.parked.clear()
         entry.forced_moving |= set(moving)  # the next capture classifies as meant
+        entry.held |= held
         try:
             # the same graph, other addresses (its arguments: aliases, not the caller's tensors)
             made = self._capturer.capture(entry, warming, args, like=(verified.graph, verified.static_args),
@@ -188,11 +193,17 @@ class Relocator:
             return None
         now = self._transitions.verified(entry, made.capture)
         entry.repins += repin
-        self._transitions.relocated(moved, repin)
+        self._transitions.relocated(moved, repin, held)
         with self._stats.lock:
             self._stats.relocations += 1
             record_fields.parked(self._stats, sum(len(e.parked) for e in list(self._book.entries.values())))
         return now
+
+
+def _shares_memory(these: Sequence[torch.Tensor], those: Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor of `these` lies in the storage of one of `those`."""
+    storages = {t.untyped_storage().data_ptr() for t in those}
+    return any(t.untyped_storage().data_ptr() in storages for t in these)
 
 
 def _lies_as(buffer: torch.Tensor, t: torch.Tensor, ptr: int, align: int) -> bool:

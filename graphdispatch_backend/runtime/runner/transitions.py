@@ -156,13 +156,14 @@ class Transitions:
         if not isinstance(entry.phase, Eager):
             entry.phase = Warming()
 
-    def relocated(self, moved: set[int], repinned: bool) -> None:
-        """Inputs the graph only reads moved and nothing else: captured again at once
-        (runner/relocate.py), said in the timing notes by name."""
+    def relocated(self, moved: set[int], repinned: bool, held: set[int]) -> None:
+        """Inputs the graph only reads moved, alone or with `held` ones: captured again at
+        once (runner/relocate.py), said in the timing notes by name."""
         what = ", ".join(input_label(p, self._names) for p in sorted(moved))
         then = "read in place at the new address" if repinned else "copied in from now on"
-        self._scope.timing.note(f"relocate {self.name}: {what} moved, nothing else (same layout and alignment "
-                                f"class): captured again at once, {then}")
+        also = "".join(f", with {input_label(p, self._names)} (read in place)" for p in sorted(held))
+        self._scope.timing.note(f"relocate {self.name}: {what} moved{also}, nothing else (same layout and "
+                                f"alignment class): captured again at once, {then}")
 
     def demoted(self, entry: Entry, detail: str) -> None:
         """An artifact in the captured graph was demoted: captured again without it, at most
@@ -256,14 +257,15 @@ class Transitions:
             if isinstance(entry.phase, (Captured, Verified)):
                 self.recapture(entry, reason, detail, set())
 
-    def report(self, reason: Decline, detail: str, then: str | None = None) -> None:
+    def report(self, reason: Decline, detail: str, then: str | None = None, held: bool = False) -> None:
         """Count and log a decline; `then` says what becomes of the calls (by default the
-        shape key runs eager for good)."""
+        shape key runs eager for good); `held`: the capture is kept, not declined (it waits)."""
         self._stats.decline(reason.value, detail)
         self._scope.timing.note(f"cuda_graph_declined {self.name}: {reason.value}: {detail}")
         self._scope.events.warn_once(
-            f"decline:{reason.value}", "graphdispatch: CUDA graph declined for %s (%s): %s; %s",
-            self.name, reason.value, detail, then or "that shape key runs eager from now on",
+            f"decline:{reason.value}", "graphdispatch: CUDA graph %s for %s (%s): %s; %s",
+            "held back" if held else "declined", self.name, reason.value, detail,
+            then or "that shape key runs eager from now on",
         )
         self._scope.events.decision("decline", {"runner": self.name, "reason": reason.value, "detail": detail})
 
