@@ -127,3 +127,25 @@ def test_without_running_again_the_ops_the_differing_output_depends_on():
     assert named.name(2, None) == NONE_KNOWN
     assert named.name(-1, None) == "gd_suspects::noisy, aten::index_add"
     assert Suspects(listed=["aten::index_add"]).name(0, None) == "aten::index_add"
+
+
+def test_read_from_the_graph_a_buffer_written_whole_first_is_no_suspect():
+    """`out = torch.empty_like(h); dist.all_to_all_single(out, h)` as Dynamo traces it: the
+    collective's result copied into `out`, its first use. Nobody reads `out` unwritten, so
+    the op named is the one that may give other bits, not the allocation; a buffer read
+    before it is written stays named."""
+    def graph_of(write_first: bool) -> fx.GraphModule:
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        out = graph.call_function(torch.empty_like, (x,))
+        moved = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))  # stands in for the collective
+        if not write_first:
+            early = graph.call_function(torch.ops.aten.add.Tensor, (out, 1))
+        graph.call_method("copy_", (out, moved))
+        result = graph.call_function(torch.ops.gd_suspects.noisy, (out,))
+        graph.output((result, early) if not write_first else (result,))
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    assert Suspects(graph_of(True), rerun=False).name(0, None) == "gd_suspects::noisy"
+    read_unwritten = Suspects(graph_of(False), rerun=False).name(-1, None)
+    assert read_unwritten == "torch.empty_like (memory made uninitialized), gd_suspects::noisy"

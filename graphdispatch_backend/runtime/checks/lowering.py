@@ -77,11 +77,11 @@ class Lowering:
         self.declined = reason
         record_fields.lowering_declined(self._record, reason, detail, gradients)
         self._unused(reason)
-        message = f"{self._record.name} runs as the Dynamo graph, eagerly: the compiled graph {detail}"
+        message = f"{self._record.name} runs as the Dynamo graph, eagerly ({reason.value}): {detail}"
         self._events.decision("decline", {"graph": self._record.name, "reason": reason.value, "detail": detail})
         if self._strict:
             raise StrictModeError(message)
-        self._events.warn_once(f"lowering:{reason.value}", "graphdispatch: %s (%s)", message, reason.value)
+        self._events.warn_once(f"lowering:{reason.value}", "graphdispatch: %s", message)
 
     def _unused(self, reason: Decline) -> None:
         """The graph's artifacts serve no call from now on (the Dynamo graph runs): say so
@@ -97,5 +97,5 @@ class Lowering:
             self._record.called(False, Decline.OUT_OF_MEMORY.value)
             return out
         self._record.called(False, Decline.LOWERING_FAILED.value)
-        self.give_up(Decline.LOWERING_FAILED, f"raised {type(exc).__name__}: {exc}")
+        self.give_up(Decline.LOWERING_FAILED, f"the compiled graph raised {type(exc).__name__}: {exc}")
         return out

@@ -45,6 +45,28 @@ def _made_uninitialized(node: fx.Node) -> bool:
     return allocates_uninitialized(node) or torch_allocation(node)
 
 
+# writes that set every element of the tensor they are given (`copy_` broadcasts its source
+# to the destination's shape): an allocation whose first use is one of them is never read unwritten
+_WHOLE_WRITES = frozenset({"copy_", "fill_", "zero_"})
+_ATEN_WHOLE_WRITES = frozenset({torch.ops.aten.copy_.default, torch.ops.aten.copy.default, torch.ops.aten.fill_.Scalar,
+                                torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default})
+
+
+def _written_whole_first(node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether the first op to use allocation `node` writes all of it (`out = empty_like(x);
+    dist.all_to_all_single(out, x)`, traced as the collective and a `copy_` into `out`):
+    then no op reads its memory unwritten, and it is no suspect."""
+    if not node.users:
+        return False
+    first = min(node.users, key=order.__getitem__)
+    if not first.args or first.args[0] is not node:
+        return False
+    if first.op == "call_method":
+        return first.target in _WHOLE_WRITES
+    return first.op == "call_function" and (first.target in _ATEN_WHOLE_WRITES
+                                            or getattr(first.target, "__name__", None) in _WHOLE_WRITES)
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -139,6 +161,8 @@ class Suspects:
                 seen.add(node)
                 start.extend(node.all_input_nodes)
         nodes = [n for n in gm.graph.nodes if n in seen]
-        names = [f"{op_label(n)} (memory made uninitialized)" for n in nodes if _made_uninitialized(n)]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        names = [f"{op_label(n)} (memory made uninitialized)" for n in nodes
+                 if _made_uninitialized(n) and not _written_whole_first(n, order)]
         names += nondeterministic_ops(n for n in nodes if not is_collective(n))
         return ", ".join(dict.fromkeys(names)) or NONE_KNOWN
