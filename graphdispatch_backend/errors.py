@@ -200,6 +200,10 @@ class FusionOff(str, enum.Enum):
     UNCHECKABLE = "uncheckable"  # aot did not say which inputs it writes: no check against eager
     COLLECTIVES = "collectives"
     DYNAMIC_SHAPES = "dynamic_shapes"
+    # Dynamo fixed every input size but left strides symbolic (automatic dynamic, after a
+    # recompile for an input of the same shape laid out otherwise): unfused as dynamic
+    # shapes are, with a fix of its own to name
+    DYNAMIC_STRIDES = "dynamic_strides"
     NO_RECIPE = "no_recipe"  # no eager-numerics recipe for the device
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -69,6 +70,12 @@ _FUSION_OFF = {
     FusionOff.UNCHECKABLE: "the graph cannot be checked against eager (aot did not say which inputs it writes)",
     FusionOff.COLLECTIVES: "the graph holds collectives: every rank would have to agree on each recompile",
     FusionOff.DYNAMIC_SHAPES: "dynamic shapes: only graphs whose input shapes Dynamo fixed are fused",
+    FusionOff.DYNAMIC_STRIDES: (
+        "dynamic strides: Dynamo fixed every input size but left strides symbolic (it recompiled for an input "
+        "of the same shape laid out otherwise, such as a slice of a wider tensor); only graphs whose input shapes "
+        "and strides Dynamo fixed are fused. Compile with dynamic=False (one graph per input layout; "
+        "compile_repeated_blocks(..., dynamic=False) passes it on), or mark the input with "
+        "torch._dynamo.mark_static(tensor) before the call"),
 }
 
 
@@ -96,6 +103,22 @@ def fixed_shapes(gm: fx.GraphModule) -> bool:
         if isinstance(val, torch.Tensor) and not all(type(d) is int for d in (*val.shape, *val.stride())):
             return False
     return True
+
+
+def _strides_only(gm: fx.GraphModule) -> bool:
+    """Every tensor input's sizes are ints, and every symbolic input is a stride's symbol:
+    what automatic dynamic leaves after a recompile for a stride alone (a Flux single block
+    fed a slice of a wider tensor)."""
+    strides: set[Any] = set()  # the symbols the tensor inputs' strides are made of
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            if not all(type(d) is int for d in val.shape):
+                return False
+            strides |= {x for s in val.stride() if isinstance(s, torch.SymInt) for x in s.node.expr.free_symbols}
+    symbolic = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")
+                if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    return all(isinstance(s, torch.SymInt) and s.node.expr.free_symbols <= strides for s in symbolic)
 
 
 def _static(gm: fx.GraphModule) -> bool:
@@ -220,7 +243,8 @@ def _fusion_for(gm: fx.GraphModule, role: Role, options: Options, device: str, w
                 ranked: bool) -> FusionPlan:
     kind = torch.device(device).type
     off = (FusionOff.AUTOGRAD if role.training else FusionOff.UNCHECKABLE if not writes_known
-           else FusionOff.COLLECTIVES if ranked else FusionOff.DYNAMIC_SHAPES if not _static(gm)
+           else FusionOff.COLLECTIVES if ranked
+           else (FusionOff.DYNAMIC_STRIDES if _strides_only(gm) else FusionOff.DYNAMIC_SHAPES) if not _static(gm)
            else FusionOff.NO_RECIPE if kind not in ("cpu", "cuda") else None)
     if off is not None:
         return FusionPlan(kind, off, _FUSION_OFF.get(off, f"no eager-numerics recipe for {kind}"))

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import graphdispatch_backend
 from graphdispatch_backend.errors import Decline, Engine, FusionOff, GraphKind, SplitReason
 from graphdispatch_backend.options import Options
 from graphdispatch_backend.passes.context import PieceInfo
 from graphdispatch_backend.plan import Role, Serve, plan_graph
+from graphdispatch_backend.testing import accounted_graphs
 
 
 def _graph():
@@ -67,3 +71,30 @@ def test_a_decline_is_told_where_graphs_were_asked_for():
 def test_a_tolerance_is_checked_densely():
     assert _plan(fuse={"rtol": 1e-3, "atol": 1e-5}).recheck(Options.resolve({}, None)) == "dense"
     assert _plan(fuse=True).recheck(Options.resolve({}, None)) == "doubling"
+
+
+def test_a_graph_dynamic_only_in_its_strides_is_told_how_to_fuse():
+    """Dynamo recompiles for an input of the same shape laid out otherwise (a slice of a
+    wider tensor: Flux's single blocks under `compile_repeated_blocks`) and makes its
+    strides symbolic: unfused as dynamic shapes are, but the detail says it is the strides
+    and names the fix; with that fix (`dynamic=False`) every graph fuses. A size that
+    changes is still `dynamic shapes`."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def run(xs: list[torch.Tensor], **kwargs: Any) -> list[dict[str, Any]]:
+        torch._dynamo.reset()
+        graphdispatch_backend.reset()
+        compiled = torch.compile(f, backend="graphdispatch", options={"fuse": True, "cache_dir": False}, **kwargs)
+        for x in xs:
+            assert torch.equal(compiled(x), f(x))
+        return [g["fusion"] for g in accounted_graphs()]
+
+    contiguous, sliced = torch.randn(2, 16), torch.randn(2, 22)[:, :16]
+    first, strided = run([contiguous, sliced, torch.randn(2, 30)[:, 3:19]])
+    assert first["status"] == "fused" and strided["status"] == "off"
+    assert strided["detail"].startswith("dynamic strides: Dynamo fixed every input size but left strides symbolic")
+    assert "dynamic=False" in strided["detail"] and "torch._dynamo.mark_static(tensor)" in strided["detail"]
+    assert [g["status"] for g in run([contiguous, sliced], dynamic=False)] == ["fused", "fused"]
+    _, sized = run([contiguous, torch.randn(2, 20)])
+    assert sized == {"status": "off", "detail": "dynamic shapes: only graphs whose input shapes Dynamo fixed are fused"}

@@ -89,7 +89,8 @@ def _views_out(gm: fx.GraphModule, device: str) -> set[fx.Node]:
     with eager's layout (fusion/inductor.py `_strides_pass`), so each view has eager's
     strides (Inductor would view its own layout of the value, and a fake tensor's view may
     give a dim of size 1 another stride than eager's; the exact recipe leaves them to ATen
-    inside its segments instead). They split no segment."""
+    inside its segments instead). They split no segment. A chunk of a `split` or `unbind`
+    goes where its op goes (`_left_behind`)."""
     def view_like(node: fx.Node) -> bool:
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             return is_view(node.args[0])
@@ -106,10 +107,22 @@ def _views_out(gm: fx.GraphModule, device: str) -> set[fx.Node]:
     changed = True
     while changed:  # a view a segment's node reads stays in the segment, and the views it is made of
         inside = {n for n in tails if any(u.op == "call_function" and u not in tails and not _opaque(u, device)
-                                          for u in n.users)}
+                                          for u in n.users) or _left_behind(n, tails)}
         tails -= inside
         changed = bool(inside)
     return tails
+
+
+def _left_behind(node: fx.Node, tails: set[fx.Node]) -> bool:
+    """One output of a multi-output view (a `split`'s, `unbind`'s chunk) whose op stays in a
+    segment (another of its outputs is read there): it goes where its op goes, as `cut`
+    puts it. Left outside, the segment would return the op's list of views itself, which no
+    compiled graph returns (aot's output spec check fails and the graph runs unfused).
+    Returned by the segment, a chunk is Inductor's view of the value, laid out as the fake
+    tensor's: a `split` or `unbind` moves the offset or drops a dim, computing no stride of
+    a dim of size 1 (measured equal to eager's, transposed inputs too; the check judges
+    strides exactly)."""
+    return node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] not in tails
 
 
 def cut(gm: fx.GraphModule, recipe: Recipe,

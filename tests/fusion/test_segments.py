@@ -3,16 +3,22 @@ may not; the rewrites that let it lower ops aot leaves undecomposed, each exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import expecttest
+import pytest
 import torch
 import torch.fx as fx
 
 from graphdispatch_backend.fusion.canonical import ORIGIN, rewrite
 from graphdispatch_backend.fusion.recipe import EXACT_OPS, recipe_for
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut, op_name, recipe_allows
-from graphdispatch_backend.testing import aten_graph, normalize, op_counts
+from graphdispatch_backend.options import FuseTolerance
+from graphdispatch_backend.testing import accounted_graphs, aten_graph, normalize, op_counts
 
 CPU = recipe_for("cpu")
+TOL = {"rtol": 1e-3, "atol": 1e-5}
+CPU_TOL = recipe_for("cpu", FuseTolerance(**TOL))
 
 
 def _named(i: int):
@@ -60,6 +66,34 @@ def forward(self, arg0_1, arg1_1):
     def test_a_run_with_nothing_to_fuse_stays_inline(self):
         gm = aten_graph(lambda x, w: torch.exp(x @ w), torch.randn(2, 2), torch.randn(2, 2)).gm
         self.assertEqual(cut(gm, CPU, lambda i, seg: None), 0)
+
+    def test_a_returned_chunk_goes_where_its_split_goes(self):
+        """Under a tolerance the views of outputs run after the segment; but a `split` one of
+        whose chunks the segment reads stays in it, and so does the chunk it returns: left
+        outside, the segment returned the split's list of views (aot refused to compile it)."""
+        def f(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = (e * 2).chunk(2, dim=1)
+            return a + 1, b.t()
+
+        gm = aten_graph(f, torch.randn(2, 16)).gm
+        segments: list[fx.GraphModule] = []
+        self.assertEqual(cut(gm, CPU_TOL, lambda i, seg: segments.append(seg) or _named(i)), 1)
+        self.assertExpectedInline(normalize(segments[0]), """\
+def forward(self, arg0_1):
+    mul = torch.ops.aten.mul.Tensor(arg0_1, 2)
+    split = torch.ops.aten.split.Tensor(mul, 8, 1)
+    getitem = split[0]
+    getitem_1 = split[1]
+    add = torch.ops.aten.add.Tensor(getitem, 1)
+    return (getitem_1, add)""")
+        # the returned chunk's own view still runs after the segment, as ATen
+        self.assertExpectedInline(normalize(gm), """\
+def forward(self, arg0_1):
+    gd_segment_0 = tests_fusion_test_segments_gd_segment_0(arg0_1)
+    getitem_2 = gd_segment_0[0]
+    getitem_3 = gd_segment_0[1]
+    t = torch.ops.aten.t.default(getitem_2)
+    return (getitem_3, t)""")
 
 
 def _node(fn, *args, target: str) -> fx.Node:
@@ -121,3 +155,48 @@ def forward(self, arg0_1):
         self.assertEqual(sorted(n.meta[ORIGIN] for n in gm.graph.nodes if ORIGIN in n.meta),
                          ["aten._to_copy.default", "aten.rsub.Scalar", "aten.rsub.Scalar", "aten.t.default",
                           "aten.transpose.int"])
+
+
+def _chunk_one_returned(e: torch.Tensor) -> tuple[torch.Tensor, ...]:  # MochiRMSNormZero's shape
+    a, b = (e * 2).chunk(2, dim=1)
+    return a + 1, b
+
+
+def _unbind_two_returned(e: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    a, b, c, d = (e * 2).view(2, 4, 4).unbind(1)
+    return b * a, c, d.unsqueeze(0)
+
+
+def _uneven_split_returned_with_its_base(e: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = e * 2
+    a, b, c = y.split([3, 5, 8], dim=1)
+    return b + 1, a, y, c
+
+
+@pytest.mark.parametrize("fuse", [True, TOL], ids=["exact", "tolerance"])
+@pytest.mark.parametrize("f", [_chunk_one_returned, _unbind_two_returned, _uneven_split_returned_with_its_base],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_graph_that_reads_one_chunk_and_returns_another_is_fused(
+        fuse: object, f: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> None:
+    """Fused in both modes (the tolerance mode failed to compile it: `failed`, the ATen graph
+    served), every output eager's values (bits under `fuse=True`), strides and aliasing."""
+    compiled = torch.compile(f, backend="graphdispatch", options={"fuse": fuse, "cache_dir": False,
+                                                                  "cuda_graphs": "emulate"})
+    for i in range(4):
+        e = torch.randn(2, 16, generator=torch.Generator().manual_seed(i))
+        got, want = compiled(e), f(e)
+        for g, w in zip(got, want):
+            if fuse is True:
+                assert torch.equal(g, w)
+            else:
+                torch.testing.assert_close(g, w, **TOL)
+            assert g.stride() == w.stride()
+        assert _shared(got) == _shared(want)  # a chunk aliases its base, and the other chunks, as eager's
+    (graph,) = accounted_graphs()
+    assert graph["fusion"]["status"] == "fused", graph["fusion"]
+    assert graph["lowering_check"]["status"] == ("bitwise" if fuse is True else "within_tolerance")
+
+
+def _shared(outputs: tuple[torch.Tensor, ...]) -> list[list[bool]]:
+    """Which outputs share memory with which."""
+    return [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in outputs] for a in outputs]
