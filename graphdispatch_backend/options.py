@@ -296,7 +296,15 @@ def _fuse(value: Any) -> bool | FuseTolerance:
     """`fuse`: True, False, or a tolerance {"rtol": r, "atol": a}, both finite numbers >= 0."""
     if isinstance(value, (bool, FuseTolerance)):
         return value
-    if not isinstance(value, Mapping) or set(value) != {"rtol", "atol"}:
+    wanted = ("rtol", "atol")
+    if isinstance(value, Mapping) and set(value) != set(wanted):
+        missing = [k for k in wanted if k not in value]
+        # a mistyped key is named with its fix, as an unknown option key is
+        said = [f"unknown key {k!r}" + (did_you_mean(k, missing or wanted) if isinstance(k, str) else "")
+                for k in value if k not in wanted] or [" and ".join(map(repr, missing)) + " missing"]
+        raise OptionsError(f"option 'fuse': {'; '.join(said)}: a tolerance is {{'rtol': r, 'atol': a}} (both "
+                           f"keys), got {value!r}")
+    if not isinstance(value, Mapping):
         raise OptionsError(f"option 'fuse' must be True, False or a tolerance {{'rtol': r, 'atol': a}} (both "
                            f"keys), got {value!r}")
     tol = {}

@@ -3,7 +3,13 @@
 A session owns the artifact registry, the report, timing, events and the region exporter,
 and finds the runtime scopes (engine, pools, static buffers per engine) its runners share.
 `flush()` finalizes exports and writes `dispatch.json` and `timing.json`; it runs at
-process exit too.
+process exit too, and `reset()` runs it for the sessions it forgets.
+
+Several ranks (torch.distributed initialized, world size > 1) may share one `report_dir`:
+each rank but 0 writes `dispatch.rank<N>.json` and `timing.rank<N>.json`, rank 0 (like a
+single process) `dispatch.json` and `timing.json`, and the report records the rank
+(`distributed`). The rank is remembered from the last time the process group was seen,
+so the write at exit, usually after `destroy_process_group()`, still goes to the rank's file.
 
 Lifetime: sessions are kept for the process (their reports, plain data, are written at
 exit), but a session holds its scopes weakly: the runners hold their scope, so a scope,
@@ -25,7 +31,7 @@ import torch
 from graphdispatch_backend.artifacts.registry import Registry
 from graphdispatch_backend.diagnostics.events import Events, log
 from graphdispatch_backend.diagnostics.report import SessionReport
-from graphdispatch_backend.diagnostics.report_file import write_json_atomic
+from graphdispatch_backend.diagnostics.report_file import rank_file_names, write_json_atomic
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.export import RegionExporter
@@ -63,6 +69,7 @@ class Session:
         # weak: the runners hold their scope (module docstring)
         self._scopes: weakref.WeakValueDictionary[str, RuntimeScope] = weakref.WeakValueDictionary()
         self.report.runtime = self._runtime_figures
+        self._note_rank()
         self._lock = threading.Lock()
         for error in self.registry.errors:
             self.events.warn_once(
@@ -95,14 +102,23 @@ class Session:
                                    for name, s in scopes.items()},
                 "pools": {name: {"pool_bytes": s.engine.pool_bytes()} for name, s in scopes.items()}}
 
+    def _note_rank(self) -> None:
+        """Record the process's rank while its process group is up (module docstring)."""
+        found = process_rank()
+        if found is not None:
+            self.report.distributed = found
+
     def write(self) -> None:
-        """Write dispatch.json and timing.json. A report directory that cannot be written
-        is a warning (once), never a failure of the user's compile or run."""
+        """Write dispatch.json and timing.json (a rank's own names: module docstring). A
+        report directory that cannot be written is a warning (once), never a failure of the
+        user's compile or run."""
         if self.options.report_dir is None:
             return
+        self._note_rank()
+        report_name, timing_name = rank_file_names((self.report.distributed or {}).get("rank"))
         try:
-            path = self.report.write(self.options.report_dir)
-            write_json_atomic(path.with_name("timing.json"), self.timing.to_dict())
+            path = self.report.write(self.options.report_dir, report_name)
+            write_json_atomic(path.with_name(timing_name), self.timing.to_dict())
         except OSError as exc:
             self.events.warn_once("report_dir", "graphdispatch: cannot write the report to %s: %s",
                                   self.options.report_dir, exc)
@@ -111,6 +127,20 @@ class Session:
         if self.exporter is not None:
             self.exporter.finalize(self.events, self.contain)
         self.write()
+
+
+def process_rank() -> dict[str, Any] | None:
+    """`{rank, world_size, backend}` of this process's default process group, or None
+    where torch.distributed is not initialized (a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        backend: str | None = str(dist.get_backend())
+    except (RuntimeError, ValueError):  # a group without a backend name still has a rank
+        backend = None
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": backend}
 
 
 def _inductor_keys_fate(fuse: bool) -> str:
@@ -152,18 +182,32 @@ def flush() -> None:
 
 
 def reset() -> None:
-    """Forget every session (tests; a new compile starts a fresh session and report).
-    Call torch._dynamo.reset() too if compiled code should be dropped."""
+    """Write every session's report (as `flush()` does) and forget every session: a new
+    compile starts a fresh session and report. A report that cannot be written is a
+    warning, never an error of reset(): the sessions are forgotten all the same. Call
+    torch._dynamo.reset() too if compiled code should be dropped."""
     with _GLOBAL:
+        sessions = list(_SESSIONS.values())
         _SESSIONS.clear()
         _LATEST.clear()
+    # forgotten first: a flush that raises (strict exports) leaves no half-reset state
+    _flush_each(sessions, "at reset()")
+
+
+def _flush_each(sessions: list[Session], when: str) -> None:
+    """Flush each session; one whose report or exports cannot be written (OSError) is a
+    warning and the others are still written."""
+    for session in sessions:
+        try:
+            session.flush()
+        except OSError as exc:  # exports into a directory that vanished must fail neither exit nor reset()
+            log.warning("graphdispatch: could not write the report %s: %s", when, exc)
 
 
 def _flush_at_exit() -> None:
-    try:
-        flush()
-    except OSError as exc:  # region exports into a directory that vanished must not fail the exit
-        log.warning("graphdispatch: could not write the report at exit: %s", exc)
+    with _GLOBAL:
+        sessions = list(_SESSIONS.values())
+    _flush_each(sessions, "at exit")
 
 
 atexit.register(_flush_at_exit)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -120,6 +121,9 @@ BAD_VALUES = [
     ("fuse", {"rtol": 1e-3, "atol": -1}, "atol must be a finite number >= 0"),
     ("fuse", {"rtol": float("inf"), "atol": 0}, "rtol must be a finite number >= 0"),
     ("fuse", {"rtol": 1, "atol": 0, "mode": "allclose"}, "(both keys)"),
+    ("fuse", {"rtol": 1e-3, "atol": 1e-5, "rtl": 1}, "unknown key 'rtl' (did you mean 'rtol'?)"),
+    ("fuse", {"rtl": 1e-3, "atol": 1e-5}, "unknown key 'rtl' (did you mean 'rtol'?)"),
+    ("fuse", {"rtol": 1e-3}, "'atol' missing"),
     ("cache_dir", "", "a path"),
     ("cache_dir", True, "False (nothing kept on disk)"),
     ("cache_dir", 3, "None (the user's cache directory)"),
@@ -492,3 +496,33 @@ def test_bad_value_through_torch_compile_is_an_options_error():
     inner = info.value.inner_exception
     assert isinstance(inner, OptionsError)
     assert "'timing'" in str(inner) and "always" in str(inner)
+
+
+def test_what_the_readme_says_an_option_error_is():
+    """README "Options": torch.compile checks nothing; the error comes at the first call as
+    Dynamo's BackendCompilerFailed, a RuntimeError (not a ValueError), its message starting
+    with the OptionsError's, which names the fix, and `inner_exception` the OptionsError;
+    Options.resolve raises that ValueError itself, before any compile."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    said = " ".join(readme.split("## Options", 1)[1].split("\n## ", 1)[0].split("|", 1)[0].split())
+    for claim in ("`OptionsError`, a `ValueError` naming the fix", "`torch.compile` checks nothing",
+                  "first call", "`torch._dynamo.exc.BackendCompilerFailed` (a `RuntimeError`: `except ValueError` "
+                  "misses it), whose message starts with it and whose `inner_exception` is it",
+                  "`graphdispatch_backend.Options.resolve(options)`"):
+        assert claim in said, claim
+    model, x = _linear()
+    for options, fix in (({"cuda_graph": True}, "unknown option 'cuda_graph' (did you mean 'cuda_graphs'?)"),
+                         ({"fuse": {"rtol": 1e-3, "atol": 1e-5, "rtl": 1}},
+                          "option 'fuse': unknown key 'rtl' (did you mean 'rtol'?)")):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="graphdispatch", options=options)  # nothing checked yet
+        with pytest.raises(RuntimeError) as info:
+            compiled(x)
+        error = info.value
+        assert isinstance(error, BackendCompilerFailed) and not isinstance(error, ValueError)
+        assert str(error).startswith(f"backend='graphdispatch' raised:\nOptionsError: {fix}"), str(error)
+        assert isinstance(error.inner_exception, OptionsError) and isinstance(error.inner_exception, ValueError)
+        with pytest.raises(ValueError, match=re.escape(fix)):
+            graphdispatch_backend.Options.resolve(options)

@@ -1,11 +1,14 @@
 """Decisions as log records and as structured trace events.
 
-Logging goes through `logging.getLogger("graphdispatch_backend")`. Declines and demotions
-are WARNING once per reason per session (`warn_once`; a repeat is DEBUG): the origin
-runtime's fast path silently declined 1151 calls at INFO. Decisions a user may want to
-follow (a graph compiled, a region substituted, a parity verdict, an export) are INFO;
-the structured record of a decline or demotion, which `warn_once` already reported, is
-DEBUG.
+Logging goes through `logging.getLogger("graphdispatch_backend")`. What the user must see
+is WARNING once per key per session (`warn_once`; a repeat is DEBUG): the origin runtime's
+fast path silently declined 1151 calls at INFO. The key is the caller's: a CUDA-graph or
+lowering decline is keyed by its reason alone (the first graph declined for it is named;
+the report names every one; `autograd` and contract mismatches by graph), a demotion by
+artifact, region and reason (every demoted region is named), an authoring failure by its
+kind and key. Decisions a user may want to follow (a graph compiled, a region substituted,
+a parity verdict, an export) are INFO; the structured record of a decline or demotion,
+which `warn_once` already reported, is DEBUG.
 
 With `TORCH_TRACE=dir` set, each decision is also a `trace_structured` artifact named
 `graphdispatch_<kind>` with a JSON payload, next to Dynamo's own events, for tlparse.
@@ -38,7 +41,7 @@ class Events:
         self._lock = threading.Lock()
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
-        """WARNING the first time `key` (a reason) is seen in this session, DEBUG after."""
+        """WARNING the first time `key` is seen in this session, DEBUG after."""
         with self._lock:
             first = key not in self._warned
             self._warned.add(key)

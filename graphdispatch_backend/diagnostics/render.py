@@ -1,22 +1,26 @@
 """`python -m graphdispatch_backend report DIR`: a report directory as readable tables.
 
-In reading order: what ran (options, environment), whether every call is accounted for,
-the artifact bundles, graphs with their CUDA-graph state and decline reasons, captured
-pieces, fused graphs (kernels, the ops kept as ATen calls and why), artifacts with their
-status, parity verdicts, demotions and timings against native, the regions that matched
-or were rejected, timing phases and notes. Tables hold one line per row; long reasons are
+In reading order: what ran (options, environment, the rank and the other ranks' reports
+beside it), whether every call that reached graphdispatch is accounted for (a call Dynamo
+runs outside the backend, past its `recompile_limit`, is in no report), the artifact
+bundles, graphs with their CUDA-graph state and decline reasons, captured pieces, fused
+graphs (kernels, the ops kept as ATen calls and why), artifacts with their status, parity
+verdicts, demotions and timings against native, the regions that matched or were
+rejected, timing phases and notes. Tables hold one line per row; long reasons are
 listed in full under them.
 
-The directory is read by diagnostics/report_dir.py (`load`, `run_command`): a missing
-directory, a missing `dispatch.json`, corrupt JSON or another schema is a message on
-stderr and exit status 2; an unreadable `timing.json` is said, not fatal.
+The directory (or one rank's report file, `DIR/dispatch.rank1.json`) is read by
+diagnostics/report_dir.py (`load`, `run_command`): a missing directory, a missing
+`dispatch.json`, corrupt JSON or another schema is a message on stderr and exit status 2;
+an unreadable `timing.json` is said, not fatal.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.diagnostics.report_dir import run_command
+from graphdispatch_backend.diagnostics.report_dir import rank_reports, run_command
 from graphdispatch_backend.table import table
 
 CELL = 48  # widest table cell; the full text is listed under the table
@@ -58,15 +62,31 @@ def _speed(entry: dict[str, Any]) -> str:
 
 
 # -- sections ------------------------------------------------------------------------------
-def _header(report: dict[str, Any], source: str) -> list[str]:
+def _header(report: dict[str, Any], source: str, ranks: dict[int, str] | None) -> list[str]:
     env, opts = report.get("environment", {}), report.get("options", {})
     out = [f"graphdispatch report ({source})"]
     if env:
         out.append(f"torch {env.get('torch', '?')}, python {env.get('python', '?')}, "
                    f"CUDA {'available' if env.get('cuda_available') else 'not available'}")
+    out += _ranks(report.get("distributed"), ranks or {})
     shown = [f"{k}={opts[k]!r}" for k in _OPTION_KEYS if k in opts]
     if shown:
         out.append("options: " + ", ".join(shown))
+    return out
+
+
+def _ranks(distributed: dict[str, Any] | None, ranks: dict[int, str]) -> list[str]:
+    """Which rank wrote this report, and the other ranks' reports beside it (their files)."""
+    rank = (distributed or {}).get("rank", 0)
+    others = {r: path for r, path in ranks.items() if r != rank}
+    out = []
+    if distributed:
+        backend = f" {distributed['backend']}" if distributed.get("backend") else ""
+        out.append(f"rank {rank} of {distributed.get('world_size', '?')} (torch.distributed{backend})")
+    if others:
+        first = next(iter(others.values()))
+        out.append(f"other ranks' reports here: {', '.join(f'rank {r} {Path(p).name}' for r, p in others.items())} "
+                   f"(render one: python -m graphdispatch_backend report {first})")
     return out
 
 
@@ -104,7 +124,7 @@ def _summary(report: dict[str, Any]) -> list[str]:
     if broken:
         out.append(f"  ACCOUNTING MISMATCH (calls != replays + eager) in: {', '.join(broken)}")
     else:
-        out.append("  every call accounted for: calls == replays + eager on each graph")
+        out.append("  every call that reached graphdispatch accounted for: calls == replays + eager on each graph")
     return out
 
 
@@ -388,13 +408,21 @@ def _artifact_checks(report: dict[str, Any]) -> list[str]:
 
 
 def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, source: str = "dispatch.json",
-           timing_missing: str | None = None) -> str:
-    out = _header(report, source) + _summary(report) + _registry(report) + _authoring(report) + _graphs(report)
+           timing_missing: str | None = None, ranks: dict[int, str] | None = None) -> str:
+    """The report as tables; `ranks`: the report files of every rank in its directory."""
+    out = _header(report, source, ranks) + _summary(report) + _registry(report) + _authoring(report) + _graphs(report)
     out += _pieces(report) + _fusion(report) + _artifacts(report) + _artifact_checks(report) + _regions(report)
     out += _timing(timing, timing_missing)
     return "\n".join(out)
 
 
 def report_command(directory: str) -> int:
+    """`report DIR` (rank 0's report where several ranks wrote there, naming the others'
+    files) or `report DIR/dispatch.rankN.json` (rank N's)."""
     return run_command(directory, lambda report, timing, missing, source: render(
-        report, timing, source=source, timing_missing=missing), "the renderer")
+        report, timing, source=source, timing_missing=missing, ranks=_rank_files(source)), "the renderer")
+
+
+def _rank_files(source: str) -> dict[int, str]:
+    """Every rank's report file in the directory of `source` (the report being rendered)."""
+    return {r: str(path) for r, path in rank_reports(Path(source).parent).items()}

@@ -336,6 +336,8 @@ class SessionReport:
     runtime: Callable[[], dict[str, Any]] | None = None
     # authoring failures found while compiling (unmatched, signature), once per key
     authoring: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    # {rank, world_size, backend} where torch.distributed is initialized (session.py); None: one process
+    distributed: dict[str, Any] | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def add_authoring(self, failure: str, artifact: str, key: str, message: str) -> bool:
@@ -358,9 +360,11 @@ class SessionReport:
         graphs = [g.to_dict() for g in list(self.graphs)]
         with self.lock:
             authoring = [dict(a) for a in self.authoring]
+        distributed = {"distributed": dict(self.distributed)} if self.distributed is not None else {}
         return {
             "schema_version": SCHEMA_VERSION,
             "environment": self.environment,
+            **distributed,  # absent for one process: its report is as it always was
             "options": self.options,
             "registry": self.registry,
             "totals": {**_totals(graphs), **(self.runtime() if self.runtime else {})},
@@ -369,9 +373,10 @@ class SessionReport:
             "graphs": graphs,
         }
 
-    def write(self, report_dir: str | os.PathLike[str]) -> Path:
-        """dispatch.json, compact (module docstring): `expand` of it equals `to_dict()`."""
-        path = Path(report_dir) / "dispatch.json"
+    def write(self, report_dir: str | os.PathLike[str], name: str = "dispatch.json") -> Path:
+        """`name` (dispatch.json; a rank's own: report_file.rank_file_names), compact (module
+        docstring): `expand` of it equals `to_dict()`."""
+        path = Path(report_dir) / name
         write_json_atomic(path, compact(self.to_dict()))
         return path
 

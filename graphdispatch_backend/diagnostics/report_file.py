@@ -1,5 +1,6 @@
 """The report as a file: `dispatch.json`'s schema, its compact form and its expansion, the
-JSON layout (a value that fits on a line is written on one), atomic writes.
+JSON layout (a value that fits on a line is written on one), atomic writes, and the file
+names of each rank where several share a report directory (`rank_file_names`).
 
 The file is sized to what a reader needs (`compact`): a region with news (an artifact, a
 rejection, an export) keeps its whole entry; the others, most of a model, keep their name,
@@ -17,6 +18,7 @@ import base64
 import enum
 import json
 import os
+import re
 import sys
 import threading
 import zlib
@@ -34,6 +36,18 @@ REGION_KEYS = ("name", "module", "instance", "class", "fingerprint", "inputs", "
                "convex", "deterministic", "mutates", "artifact", "rejections")
 ENCODING = "zlib+base64"  # of compact JSON: `region_graphs` in the file
 WIDTH = 120  # a JSON value that fits on a line of this width is written on one
+REPORT_NAME, TIMING_NAME = "dispatch.json", "timing.json"
+RANK_REPORT = re.compile(r"dispatch\.rank([1-9][0-9]*)\.json")  # another rank's report (rank_file_names)
+
+
+def rank_file_names(rank: int | None) -> tuple[str, str]:
+    """(report, timing) file names of a rank in a report directory that several ranks may
+    share: rank 0, or a process without torch.distributed (None), keeps `dispatch.json` and
+    `timing.json`, so every reader finds it where a single process writes it; rank N>0
+    writes `dispatch.rankN.json` and `timing.rankN.json`."""
+    if not rank:
+        return REPORT_NAME, TIMING_NAME
+    return f"dispatch.rank{rank}.json", f"timing.rank{rank}.json"
 
 
 def json_default(value: Any) -> Any:
