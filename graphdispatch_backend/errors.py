@@ -126,6 +126,9 @@ class Decline(str, enum.Enum):
     # the graph writes an input where graphdispatch cannot locate, and a whole snapshot of it
     # is larger than max_snapshot_bytes: nothing that needs the snapshot (a check, a capture) runs
     SNAPSHOT_TOO_LARGE = "snapshot_too_large"
+    # under `strict`, a check failed inside the call, which raised StrictModeError instead of
+    # answering: counted, so that a strict run's calls add up too
+    STRICT_RAISED = "strict_raised"
 
 
 class SplitReason(str, enum.Enum):

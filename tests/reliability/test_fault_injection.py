@@ -596,6 +596,34 @@ def test_strict_error_names_the_artifact_region_and_call(tmp_path, counts, k, mo
     counts["injected_faults"] += 1
 
 
+@pytest.mark.parametrize("mode", ["emulate", "off"])
+def test_a_strict_run_accounts_for_the_call_that_raised(tmp_path, counts, mode):
+    """Under strict a failing check raises in the call: the call is counted all the same
+    (`strict_raised`), as its region counted its own native run; the artifact is demoted,
+    so the calls after it run the native region, bitwise, and every count adds up (the
+    graph counted one call fewer than its region before)."""
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    options = dict(EMULATE) if mode == "emulate" else {"cuda_graphs": False}
+    model = make()
+    compiled = torch.compile(model, backend="graphdispatch", options={
+        **options, "strict": True, "artifacts": str(bundle(tmp_path, kernel("return F.linear(input0.t(), weight, bias)")))})
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        with pytest.raises(GraphDispatchError):
+            compiled(x)
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            assert torch.equal(compiled(x), model(x))
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    cg = graph["cuda_graph"]
+    assert graph["calls"] == 4 == cg["replays"] + cg["eager_calls"], cg
+    assert cg["eager_by_reason"]["strict_raised"] == 1, cg["eager_by_reason"]
+    sub = substitution(graphdispatch_backend.latest_report())
+    assert sub["demoted"] and sub["calls"] + sub["replays"] + sub["native_calls"] == 4, sub
+    counts["injected_faults"] += 1
+
+
 def test_strict_error_for_a_kernel_that_does_not_load_names_it(tmp_path, counts):
     torch._dynamo.reset()
     graphdispatch_backend.reset()

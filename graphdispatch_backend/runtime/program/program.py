@@ -27,7 +27,7 @@ from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.record_fields import contract_broken
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import Decline
+from graphdispatch_backend.errors import Decline, StrictModeError
 from graphdispatch_backend.runtime.call.calls import Answered, begin_call, end_call, take_entry
 from graphdispatch_backend.runtime.call.contract import PlaceholderContract
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
@@ -86,14 +86,29 @@ class CompiledGraph:
         if not self._trusted and not self._contract.check(args):
             return self._contract_fallback(args)
         if self._eager_reason is not None:
-            out = self._run(*args)
+            try:
+                out = self._run(*args)
+            except StrictModeError:
+                self._raised()
+                raise
             self._record.called(False, self._eager_reason)
             return out
         begin_call()
-        out = self._run(*args)
+        try:
+            out = self._run(*args)
+        except StrictModeError:
+            self._raised()
+            raise
         reason = end_call()
         self._record.called(reason is None, reason)
         return out
+
+    def _raised(self) -> None:
+        """Under `strict`, a check failed inside the call, which raises StrictModeError: it
+        is counted all the same (`strict_raised`), as its regions counted theirs, so that
+        `calls == replays + eager_calls` holds for a strict run too."""
+        end_call()
+        self._record.called(False, Decline.STRICT_RAISED.value)
 
     def _contract_fallback(self, args: Sequence[Any]) -> Sequence[Any]:
         detail = self._contract.explain(args) or "inputs differ from the traced placeholders"
@@ -115,7 +130,11 @@ class CompiledGraph:
             return self._contract_fallback(args)
         begin_call()
         start = timing.now()
-        out = self._run(*args)
+        try:
+            out = self._run(*args)
+        except StrictModeError:
+            self._raised()
+            raise
         timing.add("execute", timing.now() - start)
         reason = end_call() if self._eager_reason is None else self._eager_reason
         self._record.called(reason is None, reason)
