@@ -27,6 +27,13 @@ compile (`graphdispatch_backend.reset()`, `torch._dynamo.reset()`), its eager tw
 4. `rotation`: ROTATION caches used in turn (one per slot) for ROUNDS rounds of SHORT-token
    requests. Target: no capture and no eager decode call after the first round.
 
+An encoder-decoder, a T5 (2 + 2 layers, d_model 256, 4 heads of 64) reading an encoder
+input of ENC_LEN tokens per request, runs the first and third cases: each request brings a
+new encoder output with its new cache, an input the decode step only reads moving with one
+it writes (runner/relocate.py relocates both at once, the encoder output read in place
+where the last one stayed put REPIN_AFTER replays, else copied in). Same targets, the bytes
+copied per replay against the decoder's self-attention cache.
+
 A fifth, `prefill`, times one prefill call with a new cache (what the first forward of
 every request runs: transformers makes the cache's zeros there and writes the prompt's
 rows) at PREFILL_LENGTHS, A/B interleaved (bench/common.py), against eager: aot_eager,
@@ -39,8 +46,8 @@ lowering alone <= PREFILL_MAX x eager at the largest length, logits and caches b
 
 Every generate's tokens and logits equal the eager twin's (`torch.equal`), else the
 script exits 1. `--smoke`: a one-layer model of hidden 64 at `max_cache_len` 32, 3 requests,
-rotation of 2 for 2 rounds, the prefill at 32; the Llama runs every case, the MoE only the
-first (each case compiles afresh, 4 s here; the cases' code is the same for both models):
+rotation of 2 for 2 rounds, the prefill at 32, an encoder input of 16; the Llama runs every
+case, the MoE and the T5 only the first (each case compiles afresh, 4 s here; the cases' code is the same for both models):
 the plumbing, no figure.
 """
 
@@ -67,15 +74,23 @@ MOE = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "moe_in
 LENGTH, PROMPT_LEN, TOKENS, SHORT, REQUESTS, ROTATION, ROUNDS = 4096, 8, 24, 4, 12, 4, 3
 EVERY_MAX, MEDIAN_MAX, REUSED_MAX, COPY_MAX = 1.3, 1.1, 1.05, 0.01
 PREFILL_LENGTHS, PREFILL_MAX, PREFILL_REPEATS = (1024, 4096), 1.1, 15
+T5 = {"vocab_size": 1024, "d_model": 256, "d_kv": 64, "d_ff": 512, "num_layers": 2, "num_decoder_layers": 2,
+      "num_heads": 4}
+ENC_LEN = 512  # the encoder input per request: its output, [1, 512, 256] float32, is what moves with the cache
 MOE_CASES = ("new cache", "one cache reused", "short requests", "rotation")  # the MoE's (all: CASES)
+T5_CASES = ("new cache", "short requests")
 SMOKE: dict[str, Any] = {
     "LLAMA": {**LLAMA, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
     "MOE": {**MOE, "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
             "num_key_value_heads": 2},
     "LENGTH": 32, "PROMPT_LEN": 4, "TOKENS": 6, "SHORT": 2, "REQUESTS": 3, "ROTATION": 2, "ROUNDS": 2,
-    "PREFILL_LENGTHS": (32,), "PREFILL_REPEATS": 2, "MOE_CASES": ("new cache",),
+    "T5": {**T5, "vocab_size": 128, "d_model": 64, "d_kv": 32, "d_ff": 128, "num_layers": 1, "num_decoder_layers": 1,
+           "num_heads": 2},
+    "PREFILL_LENGTHS": (32,), "PREFILL_REPEATS": 2, "MOE_CASES": ("new cache",), "T5_CASES": ("new cache",),
+    "ENC_LEN": 16,
 }
+KINDS = ("llama", "moe", "t5")
 
 
 def _model(kind: str) -> Any:
@@ -88,6 +103,9 @@ def _model(kind: str) -> Any:
     if kind == "moe":
         config = transformers.Qwen2MoeConfig(**MOE, **common, experts_implementation="batched_mm")
         return transformers.Qwen2MoeForCausalLM(config).eval()
+    if kind == "t5":
+        config = transformers.T5Config(**T5, decoder_start_token_id=0, pad_token_id=0, eos_token_id=None)
+        return transformers.T5ForConditionalGeneration(config).eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, **common)).eval()
 
 
@@ -236,16 +254,18 @@ def _prefill(base: Any, prompt: torch.Tensor, length: int) -> dict[str, Any]:
 def section_server(smoke: bool) -> tuple[dict[str, Any], list[Any], list[Target], bool]:
     if smoke:
         globals().update(SMOKE)
-    prompt = torch.randint(0, 100, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    prompts = {kind: torch.randint(0, 100, (1, ENC_LEN if kind == "t5" else PROMPT_LEN),
+                                   generator=torch.Generator().manual_seed(1)) for kind in KINDS}
+    cases = {"llama": tuple(CASES), "moe": MOE_CASES, "t5": T5_CASES}
     runs = []
-    for kind in ("llama", "moe"):
+    for kind in KINDS:
         base = _model(kind)
         for name, run in CASES.items():
-            if kind == "llama" or name in MOE_CASES:
-                runs.append(_case(kind, name, base, prompt, run))
+            if name in cases[kind]:
+                runs.append(_case(kind, name, base, prompts[kind], run))
         if kind == "llama":
             raise_dynamo_limits()  # every side compiles transformers' one forward wrapper
-            prefills = [_prefill(base, prompt, length) for length in PREFILL_LENGTHS]
+            prefills = [_prefill(base, prompts[kind], length) for length in PREFILL_LENGTHS]
     graphdispatch_backend.reset()
     rows, targets = [], []
     for r in runs:
@@ -253,7 +273,7 @@ def section_server(smoke: bool) -> tuple[dict[str, Any], list[Any], list[Target]
         rows.append([r["model"], r["case"], len(r["ratios"]), f"{max(later):.2f}", f"{statistics.median(later):.2f}",
                      f"{r['decode']['replays']}/{r['decode']['calls']}", r["decode"]["captures"],
                      r["decode"]["relocations"], f"{r['generates']} {'yes' if r['bitwise'] else 'NO'}"])
-    for kind in ("llama", "moe"):
+    for kind in KINDS:
         case = {r["case"]: r for r in runs if r["model"] == kind}
         new = case["new cache"]
         later = new["ratios"][1:]
@@ -319,6 +339,9 @@ def _uncaptured(case: dict[str, Any]) -> int:
 
 
 def _cache_bytes(kind: str) -> int:
+    """The decoder's self-attention cache (keys and values, float32)."""
+    if kind == "t5":
+        return 2 * T5["num_decoder_layers"] * T5["num_heads"] * LENGTH * T5["d_kv"] * 4
     cfg = MOE if kind == "moe" else LLAMA
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * LENGTH * head_dim * 4

@@ -150,13 +150,13 @@ class Relocator:
         attention mask per request), alone or with `held` inputs (an encoder-decoder's new
         encoder output beside its new cache per request): the graph only moved. Captured
         again at once, as a relocation is (no warmup, no verification: the same kernels on
-        the same layouts and alignment class), held inputs read at their new addresses, the
-        others moving from now on (copied in, as any input that moves: cheap, and no capture
-        per request), or, where one stayed put for REPIN_AFTER replays first (a buffer that
-        lives long), read in place at its new address (at most MAX_REPINS times, as
-        runner/transitions.py repins). Their copies must lie as the verified capture read
-        them (offset, strides, alignment class), and none may share memory with a held
-        input (a copy would not see the graph's writes), or this is no relocation: the usual
+        the same layouts and alignment class), held inputs and the inputs that moved with
+        them read in place at their new addresses; inputs that moved alone moving from now on
+        (copied in, as any input that moves: cheap, and no capture per request), or, where
+        one stayed put for REPIN_AFTER replays first (a buffer that lives long), read in place
+        at its new address (at most MAX_REPINS times, as runner/transitions.py repins). Their
+        copies must lie as the verified capture read them (offset, strides, alignment class),
+        and none may share memory with a held input, or this is no relocation: the usual
         paths re-capture and verify. The old capture is released, and so is every parked one
         (they read these inputs where they were)."""
         verified, state = phase.capture, list(self._lookup.state)
@@ -164,8 +164,13 @@ class Relocator:
             return None
         if held and _shares_memory([args[p] for p in moved], [args[p] for p in held]):
             return None
-        repin = (self._stats.replays - verified.replays_at >= transitions.REPIN_AFTER
-                 and entry.repins < transitions.MAX_REPINS)
+        # read in place at the new address: inputs that moved with a held one live as long as it
+        # (an encoder output, the cross-attention keys of its request), and the relocation
+        # captures anyway, so reading them costs no capture and saves a copy per replay (2 MiB
+        # a decode step for a small T5 at 512 encoder tokens: bench/serving.py); others once
+        # they stayed put REPIN_AFTER replays
+        repin = bool(held) or (self._stats.replays - verified.replays_at >= transitions.REPIN_AFTER
+                               and entry.repins < transitions.MAX_REPINS)
         ptrs = dict(zip(verified.pinned, verified.ptrs))
         if not repin and not all(_lies_as(self._capturer.buffer(p, args[p]), args[p], ptrs[p], self._align)
                                  for p in moved):
@@ -192,7 +197,7 @@ class Relocator:
         if made.capture.pinned != pinned:  # not the classification meant: verified as any capture
             return None
         now = self._transitions.verified(entry, made.capture)
-        entry.repins += repin
+        entry.repins += repin and not held  # MAX_REPINS bounds the captures repins add: these add none
         self._transitions.relocated(moved, repin, held)
         with self._stats.lock:
             self._stats.relocations += 1
