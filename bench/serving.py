@@ -47,8 +47,8 @@ lowering alone <= PREFILL_MAX x eager at the largest length, logits and caches b
 Every generate's tokens and logits equal the eager twin's (`torch.equal`), else the
 script exits 1. `--smoke`: a one-layer model of hidden 64 at `max_cache_len` 32, 3 requests,
 rotation of 2 for 2 rounds, the prefill at 32, an encoder input of 16; the Llama runs every
-case, the MoE and the T5 only the first (each case compiles afresh, 4 s here; the cases' code is the same for both models):
-the plumbing, no figure.
+case, the MoE and the T5 only the first (each case compiles afresh, 4 s here; the cases'
+code is the same for every model): the plumbing, no figure.
 """
 
 from __future__ import annotations

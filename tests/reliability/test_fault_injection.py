@@ -606,8 +606,9 @@ def test_a_strict_run_accounts_for_the_call_that_raised(tmp_path, counts, mode):
     graphdispatch_backend.reset()
     options = dict(EMULATE) if mode == "emulate" else {"cuda_graphs": False}
     model = make()
-    compiled = torch.compile(model, backend="graphdispatch", options={
-        **options, "strict": True, "artifacts": str(bundle(tmp_path, kernel("return F.linear(input0.t(), weight, bias)")))})
+    source = kernel("return F.linear(input0.t(), weight, bias)")
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={**options, "strict": True, "artifacts": str(bundle(tmp_path, source))})
     with torch.no_grad():
         x = torch.randn(4, 8)
         with pytest.raises(GraphDispatchError):
