@@ -36,7 +36,7 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.export import RegionExporter
 from graphdispatch_backend.fusion.verdicts import Verdicts, default_dir
-from graphdispatch_backend.options import Options
+from graphdispatch_backend.options import FuseTolerance, Options
 from graphdispatch_backend.runtime.cudagraph.cuda import CudaGraphEngine
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import RuntimeScope
@@ -143,11 +143,16 @@ def process_rank() -> dict[str, Any] | None:
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": backend}
 
 
-def _inductor_keys_fate(fuse: bool) -> str:
+def _inductor_keys_fate(fuse: bool | FuseTolerance) -> str:
+    if isinstance(fuse, FuseTolerance):
+        return ("the tolerance's compile applies each one but its own few (fallback_by_default, triton.cudagraphs, "
+                "emulate_precision_casts: bf16 intermediates rounded where eager rounds them); graphs holding "
+                "collectives are not fused; each graph's fusion.inductor_keys says which were applied and which "
+                "overridden")
     if fuse:
         return ("the fusion compile applies each one the eager-numerics recipe does not set (the recipe's "
-                "settings keep eager's bits); each graph's fusion.inductor_keys says which were applied and which "
-                "overridden")
+                "settings keep eager's bits); graphs holding collectives are not fused; each graph's "
+                "fusion.inductor_keys says which were applied and which overridden")
     return ("graphdispatch compiles nothing with Inductor without fuse=True (or mode='max-autotune-no-cudagraphs'): "
             "they change nothing here")
 

@@ -162,3 +162,18 @@ def test_two_gloo_ranks_sharing_a_report_dir_each_keep_their_report(tmp_path, ca
     assert main(["report", str(report_dir / "dispatch.rank1.json")]) == 0
     shown = capsys.readouterr().out
     assert "rank 1 of 2" in shown and "1 graph, 5 calls" in shown and "rank 0 dispatch.json" in shown
+
+
+@pytest.mark.parametrize(("fuse", "says", "never"), [
+    (True, "eager-numerics recipe", "tolerance's compile"),
+    ({"rtol": 1e-3, "atol": 1e-5}, "tolerance's compile applies each one", "eager-numerics recipe"),
+    (False, "change nothing here", "recipe")])
+def test_inductor_keys_in_options_are_said_once_for_the_mode_given(caplog, fuse, says, never):
+    """A framework (FastVideo) passes Inductor keys to every backend: the one line says what
+    becomes of them in the mode given; a tolerance has no eager-numerics recipe to speak of."""
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="graphdispatch_backend"):
+        _run({"cuda_graphs": False, "fuse": fuse, "cache_dir": False, "emulate_precision_casts": True}, 1)
+    said = [r.getMessage() for r in caplog.records if "Inductor settings" in r.getMessage()]
+    assert len(said) == 1 and says in said[0] and never not in said[0], said
