@@ -30,8 +30,8 @@ import torch
 
 from graphdispatch_backend.artifacts.registry import Registry
 from graphdispatch_backend.diagnostics.events import Events, log
-from graphdispatch_backend.diagnostics.report import SessionReport
 from graphdispatch_backend.diagnostics.report_file import rank_file_names, write_json_atomic
+from graphdispatch_backend.diagnostics.session_report import SessionReport
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, StrictModeError
 from graphdispatch_backend.export import RegionExporter

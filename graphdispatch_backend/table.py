@@ -1,4 +1,5 @@
-"""Plain-text tables for the command line (reports, verdicts, benchmarks).
+"""Plain-text tables for the command line (reports, verdicts, benchmarks), and the cells
+that read the same in all of them (`counts`, `plural`).
 
 Left-aligned columns two spaces apart, a dashed rule under the header, no trailing
 spaces. `max_width` cuts a longer cell to that many characters ending in "..."; the full
@@ -25,3 +26,16 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int |
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+CELL = 48  # a report's widest table cell; the full text is listed under the table
+
+
+def counts(by: dict[str, int] | None, skip: tuple[str, ...] = ()) -> str:
+    """`{"warmup": 1, "verifying": 2}` as `verifying=2, warmup=1` (sorted), "-" when empty."""
+    items = [(k, v) for k, v in sorted((by or {}).items()) if k not in skip]
+    return ", ".join(f"{k}={v}" for k, v in items) or "-"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -20,45 +20,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from graphdispatch_backend.diagnostics.render_artifacts import artifact_checks, artifacts, authoring, regions, registry
 from graphdispatch_backend.diagnostics.report_dir import rank_reports, run_command
-from graphdispatch_backend.table import table
+from graphdispatch_backend.table import CELL, counts, plural, table
 
-CELL = 48  # widest table cell; the full text is listed under the table
 _OPTION_KEYS = ("cuda_graphs", "fuse", "timing", "speed_gate", "strict", "warmup", "verify_inputs", "max_captures",
                 "recheck", "artifact_recheck")
 
 
 # -- small formatters --------------------------------------------------------------------
-def _counts(counts: dict[str, int] | None, skip: tuple[str, ...] = ()) -> str:
-    items = [(k, v) for k, v in sorted((counts or {}).items()) if k not in skip]
-    return ", ".join(f"{k}={v}" for k, v in items) or "-"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.3f}"
-
-
-def _speed(entry: dict[str, Any]) -> str:
-    """Time against native, as native/artifact (above 1.00x the artifact is faster)."""
-    parts = []
-    for s in entry.get("speed") or []:
-        ratio = f"{s['speedup']:.2f}x" if s.get("speedup") else "?"
-        parts.append(f"gate {ratio} ({s['artifact_ms']:.3f} vs {s['native_ms']:.3f} ms)")
-    if len(parts) > 1:
-        ratios = [s["speedup"] for s in entry["speed"] if s.get("speedup")]
-        parts = [f"gate {min(ratios):.2f}-{max(ratios):.2f}x over {len(entry['speed'])} regions"] if ratios else parts
-    shadow = entry.get("shadow") or {}
-    if shadow.get("calls"):
-        per_call = ""
-        if shadow.get("artifact_ms_per_call") is not None:
-            per_call = f", {shadow['artifact_ms_per_call']:.3f} vs {shadow['native_ms_per_call']:.3f} ms/call"
-        ratio = f"{shadow['speedup']:.2f}x" if shadow.get("speedup") else "?"
-        parts.append(f"shadow {ratio} ({shadow['calls']} calls{per_call})")
-    return "; ".join(parts) or "-"
 
 
 # -- sections ------------------------------------------------------------------------------
@@ -105,20 +77,20 @@ def _summary(report: dict[str, Any]) -> list[str]:
     fell_back = sum(1 for g in graphs if g["kind"] == "fallback")
     backwards = [g["backward"] for g in graphs if g.get("backward")]
     out = ["", "Summary",
-           f"  {_plural(len(graphs), 'graph')}, {_plural(calls, 'call')}: {replays} replayed from a captured graph, "
-           f"{eager} eager" + (f" ({_counts(by_reason)})" if eager else ""),
-           f"  {_plural(len(subs), 'substitution')}, {demoted} demoted to native; "
-           + (f"{_plural(fell_back, 'graph')} fell back on a compile error" if fell_back
+           f"  {plural(len(graphs), 'graph')}, {plural(calls, 'call')}: {replays} replayed from a captured graph, "
+           f"{eager} eager" + (f" ({counts(by_reason)})" if eager else ""),
+           f"  {plural(len(subs), 'substitution')}, {demoted} demoted to native; "
+           + (f"{plural(fell_back, 'graph')} fell back on a compile error" if fell_back
               else "no graph fell back on a compile error")]
     if subs:  # what the artifacts' check schedule left unjudged (see "Artifact checks")
         unchecked = sum(s.get("served_since_check", 0) for s in subs)
         gap = max(s.get("largest_gap", 0) for s in subs)
-        out.append(f"  artifacts: {_plural(unchecked, 'region call')} served since their last check, "
-                   f"at most {_plural(gap, 'call')} served unchecked in a row")
+        out.append(f"  artifacts: {plural(unchecked, 'region call')} served since their last check, "
+                   f"at most {plural(gap, 'call')} served unchecked in a row")
     if backwards:
         b_calls = sum(b["calls"] for b in backwards)
         b_replays = sum(b["cuda_graph"]["replays"] for b in backwards)
-        out.append(f"  {_plural(len(backwards), 'backward')} of autograd graphs, {_plural(b_calls, 'run')} "
+        out.append(f"  {plural(len(backwards), 'backward')} of autograd graphs, {plural(b_calls, 'run')} "
                    f"({sum(b['checks'] for b in backwards)} by the lowering check): {b_replays} replayed, "
                    f"{b_calls - b_replays} eager")
     if broken:
@@ -138,21 +110,6 @@ def _balanced(g: dict[str, Any]) -> bool:
     return g["calls"] == cg["replays"] + cg["eager_calls"] and sum(cg["eager_by_reason"].values()) == cg["eager_calls"]
 
 
-def _registry(report: dict[str, Any]) -> list[str]:
-    reg = report.get("registry", {})
-    out = ["", "Artifact bundles"]
-    if not reg.get("roots") and not reg.get("loaded"):
-        return out + ["  none (options['artifacts'] not set)"]
-    out.append(f"  roots: {', '.join(reg.get('roots', [])) or '-'}")
-    enable = reg.get("enabled_filter")
-    out.append(f"  loaded: {', '.join(reg.get('loaded', [])) or 'none'}; "
-               f"enable: {', '.join(enable) if enable is not None else 'all verified'}; "
-               f"excluded by enable: {', '.join(reg.get('excluded_ids', [])) or 'none'}")
-    for err in reg.get("errors", []):
-        out.append(f"  REJECTED bundle {err.get('bundle')}: {err.get('reason')}: {err.get('message')}")
-    return out
-
-
 def _graphs(report: dict[str, Any]) -> list[str]:
     rows, details = [], []
     for g in _with_backwards(report["graphs"]):
@@ -162,8 +119,8 @@ def _graphs(report: dict[str, Any]) -> list[str]:
             f"{lowering['checked']} ({lowering['novelty']} novel)" if lowering.get("novelty") else lowering["checked"])
         rows.append([g["name"], g["kind"], g["nodes"], len(g.get("substitutions", ())), g["calls"], cg["replays"],
                      cg["eager_calls"], "ok" if _balanced(g) else "MISMATCH", lowering.get("status", "-"), checks,
-                     f"{cg['mode']}: {cg['state']}", cg["captures"], _counts(cg["eager_by_reason"]),
-                     _counts(cg["declines"])])
+                     f"{cg['mode']}: {cg['state']}", cg["captures"], counts(cg["eager_by_reason"]),
+                     counts(cg["declines"])])
         if lowering.get("detail"):
             details.append(f"  {g['name']}: {lowering['status']}: {lowering['detail']}")
         for reason, detail in sorted(cg["decline_details"].items()):
@@ -192,8 +149,8 @@ def _pieces(report: dict[str, Any]) -> list[str]:
         for p in pieces:
             cg = p.get("cuda_graph") or {}
             rows.append([g["name"], p["index"], "captured" if p["capturable"] else "eager", p["nodes"],
-                         _counts(p.get("split_reasons")), cg.get("state", "-"),
-                         cg.get("replays", "-"), _counts(cg.get("eager_by_reason"))])
+                         counts(p.get("split_reasons")), cg.get("state", "-"),
+                         cg.get("replays", "-"), counts(cg.get("eager_by_reason"))])
     if not rows:
         return []
     return ["", "Pieces (piecewise capture: nodes a CUDA graph cannot hold run eager between them)",
@@ -256,68 +213,6 @@ def _why_kept(k: dict[str, Any]) -> str:
     return "from the verdict cache"
 
 
-def _artifacts(report: dict[str, Any]) -> list[str]:
-    artifacts = report.get("artifacts", {})
-    if not artifacts:
-        return ["", "Artifacts", "  none"]
-    rows, demotions, unmatched = [], [], []
-    patterns = report.get("registry", {}).get("patterns") or {}
-    for aid, a in sorted(artifacts.items()):
-        reasons: dict[str, int] = {}
-        for d in a["demotions"]:
-            reasons[d["reason"]] = reasons.get(d["reason"], 0) + 1
-            demotions.append(f"  {aid} on {d['graph']} {d['region']}: {d['reason']}: {d['detail']}")
-        rows.append([aid, a.get("status", "-"), len(a["regions_matched"]), a["calls"], a.get("replays", 0),
-                     a["native_calls"], _counts(a["parity"]), _counts(reasons), _counts(a["rejections"]), _speed(a)])
-        if a.get("status") == "unmatched":
-            hint = (a.get("suggestion") or {}).get("text", "")
-            unmatched.append(f"  {aid}: pattern `{patterns.get(aid, '?')}` matched no region"
-                             + (f"; {hint}" if hint else ""))
-    out = ["", "Artifacts (calls / replays: region calls the artifact answered eagerly / from a captured graph; "
-               "native: region calls the native region answered instead, eagerly or from a captured graph "
-               "(a failing gate, a demotion); runs made only to check or record are not calls; "
-               "rejections: regions refused, by reason, `module` where the pattern does not name them)",
-           table(["artifact", "status", "regions", "calls", "replays", "native", "parity", "demotions", "rejections",
-                  "time vs native (>1.00x: artifact faster)"], rows)]
-    if not any(a["speed"] or (a.get("shadow") or {}).get("calls") for a in artifacts.values()):
-        out.append("  no timings: set speed_gate=True or timing='shadow' to time each artifact against native")
-    if unmatched:
-        out += ["", "Unmatched artifacts (patterns are fnmatch over the compiled module's named_modules() names, "
-                    "anchored at both ends)"] + unmatched
-    if demotions:
-        out += ["", "Demotions (the artifact serves no more calls for that region this session)"] + demotions
-    return out
-
-
-def _regions(report: dict[str, Any]) -> list[str]:
-    rows, rejections, total = [], [], 0
-    for g in report["graphs"]:
-        subs = {s["region"]: s for s in g["substitutions"]}
-        total += len(g["regions"])
-        for r in g["regions"]:
-            rejected = r.get("rejections") or []
-            sub = subs.get(r["name"])
-            if not sub and not rejected:
-                continue
-            if sub is None:
-                verdict, served, native = "-", "-", "-"
-            else:
-                verdict = f"demoted ({sub['reason']})" if sub["demoted"] else f"parity {sub['parity']}"
-                served, native = sub["calls"] + sub.get("replays", 0), sub["native_calls"]
-            rows.append([g["name"], r["name"], r["class"], r["fingerprint"][:12], r.get("artifact") or "-", verdict,
-                         served, native, ", ".join(f"{j['artifact']}:{j['reason']}" for j in rejected) or "-"])
-            rejections += [f"  {g['name']} {r['name']} x {j['artifact']}: {j['reason']}: {j['detail']}"
-                           for j in rejected]
-    title = f"Regions with an artifact or a rejection ({len(rows)} of {total}; every region is in dispatch.json)"
-    if not rows:
-        return ["", title, "  none"]
-    out = ["", title, table(["graph", "region", "class", "fingerprint", "artifact", "verdict", "served", "native",
-                             "rejected"], rows, max_width=CELL)]
-    if rejections:
-        out += ["", "Rejections (why an artifact does not substitute a region)"] + rejections
-    return out
-
-
 def _timing(timing: dict[str, Any] | None, missing: str | None) -> list[str]:
     if timing is None:
         return ["", f"Timing: {missing}"] if missing else []
@@ -335,83 +230,17 @@ def _timing(timing: dict[str, Any] | None, missing: str | None) -> list[str]:
     dropped = timing.get("notes_dropped", 0)
     if notes or dropped:
         rows = [[v, k] for k, v in sorted(notes.items(), key=lambda kv: (-kv[1], kv[0]))[:20]]
-        title = f"Notes ({_plural(len(notes), 'distinct note')}" + (f", {dropped} more dropped" if dropped else "")
+        title = f"Notes ({plural(len(notes), 'distinct note')}" + (f", {dropped} more dropped" if dropped else "")
         out += ["", title + (", top 20)" if len(notes) > 20 else ")"), table(["count", "note"], rows)]
     return out
 
 
-def _authoring(report: dict[str, Any]) -> list[str]:
-    failures = report.get("authoring") or []
-    errors = report.get("registry", {}).get("errors") or []
-    demoted = [s for g in report["graphs"] for s in g["substitutions"] if s["demoted"]]
-    if not failures and not errors and not demoted:
-        return []
-    out = ["", "Authoring failures (each logged once at WARNING; strict=True fails the compile on each)"]
-    out += [f"  {e.get('reason')}: {e.get('bundle')}: {e.get('message')}" for e in errors]
-    out += [f"  {f['failure']}: {f['message']}" for f in failures]
-    if demoted:
-        out.append(f"  demoted: {_plural(len(demoted), 'substitution')} (see Demotions)")
-    return out
-
-
 # which check caught a demoted artifact (SubstitutionRecord.caught_by), as "Caught at a check" says it
-_CAUGHT_BY = {
-    "artifact_recheck": "its artifact_recheck schedule",
-    "novelty": "a check for novel inputs (they left what the checked calls had seen)",
-    "recheck": "the graph's check against eager, on its schedule",
-    "shadow": "timing='shadow'",
-}
-
-
-def _artifact_checks(report: dict[str, Any]) -> list[str]:
-    """Per graph and per artifact: the calls its artifacts served since their last check and
-    the largest gap (calls served unchecked in a row), from the substitution records; and
-    the call that caught a demoted one, with the calls it had served unchecked before."""
-    rows: list[list[Any]] = []
-    per_artifact: dict[str, list[int]] = {}  # graphs, regions, served, unchecked, largest gap
-    caught: list[str] = []
-    for g in report["graphs"]:
-        by_artifact: dict[str, list[dict[str, Any]]] = {}
-        for s in g["substitutions"]:
-            by_artifact.setdefault(s["artifact"], []).append(s)
-        for aid, subs in sorted(by_artifact.items()):
-            served = sum(s["calls"] + s.get("replays", 0) for s in subs)
-            unchecked = sum(s.get("served_since_check", 0) for s in subs)
-            gap = max(s.get("largest_gap", 0) for s in subs)
-            novel = sum(s.get("novelty_checks", 0) for s in subs)
-            rows.append([g["name"], aid, len(subs), served, unchecked, gap, novel])
-            total = per_artifact.setdefault(aid, [0, 0, 0, 0, 0, 0])
-            total[0] += 1
-            total[1] += len(subs)
-            total[2] += served
-            total[3] += unchecked
-            total[4] = max(total[4], gap)
-            total[5] += novel
-            for s in subs:
-                if s.get("caught_at_call") is not None:
-                    by = _CAUGHT_BY.get(s.get("caught_by") or "", "a check")
-                    caught.append(f"  {aid} on {g['name']} {s['region']}: caught at call {s['caught_at_call']} of its "
-                                  f"shape key by {by}; {_plural(s.get('unchecked_calls') or 0, 'call')} served "
-                                  "unchecked since the check before it")
-    if not rows:
-        return []
-    rows += [["all graphs", aid, *t[1:]] for aid, t in sorted(per_artifact.items()) if t[0] > 1]
-    opts = report.get("options", {})
-    schedule = f"artifact_recheck={opts['artifact_recheck']!r}" if "artifact_recheck" in opts else "recheck"
-    out = ["", f"Artifact checks ({schedule}; served: region calls the artifact answered, eagerly or replayed; "
-               "since last check: those served since each region's last check, unchecked; largest gap: the most one "
-               "region served unchecked in a row; novelty checks: eager calls its gates checked beyond the schedule "
-               "because their inputs left what the checked calls had seen)",
-           table(["graph", "artifact", "regions", "served", "since last check", "largest gap", "novelty checks"],
-                 rows)]
-    return out + ["", "Caught at a check (the calls before it were served as computed)"] + caught if caught else out
-
-
 def render(report: dict[str, Any], timing: dict[str, Any] | None = None, *, source: str = "dispatch.json",
            timing_missing: str | None = None, ranks: dict[int, str] | None = None) -> str:
     """The report as tables; `ranks`: the report files of every rank in its directory."""
-    out = _header(report, source, ranks) + _summary(report) + _registry(report) + _authoring(report) + _graphs(report)
-    out += _pieces(report) + _fusion(report) + _artifacts(report) + _artifact_checks(report) + _regions(report)
+    out = _header(report, source, ranks) + _summary(report) + registry(report) + authoring(report) + _graphs(report)
+    out += _pieces(report) + _fusion(report) + artifacts(report) + artifact_checks(report) + regions(report)
     out += _timing(timing, timing_missing)
     return "\n".join(out)
 

@@ -17,8 +17,8 @@ import torch
 
 import graphdispatch_backend
 import graphdispatch_backend.backend as backend_module
-from graphdispatch_backend.diagnostics.report import SessionReport
 from graphdispatch_backend.diagnostics.report_file import write_json_atomic
+from graphdispatch_backend.diagnostics.session_report import SessionReport
 from graphdispatch_backend.passes import PIPELINE
 from graphdispatch_backend.passes import run_pipeline as real_run_pipeline
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine

@@ -14,9 +14,9 @@ import pytest
 import graphdispatch_backend
 from graphdispatch_backend import ReportError
 from graphdispatch_backend.__main__ import main
-from graphdispatch_backend.diagnostics.report import SessionReport
 from graphdispatch_backend.diagnostics.report_dir import load, rank_reports
 from graphdispatch_backend.diagnostics.report_file import rank_file_names, write_json_atomic
+from graphdispatch_backend.diagnostics.session_report import SessionReport
 
 
 def _write_rank(folder: Path, rank: int, world: int = 3, calls: int = 0) -> None:

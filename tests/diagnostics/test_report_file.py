@@ -21,8 +21,8 @@ import torch
 import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts.bundle import verify_bundle
-from graphdispatch_backend.diagnostics.report import SessionReport
 from graphdispatch_backend.diagnostics.report_file import KIND_KEYS, SCHEMA_VERSION, expand, json_default
+from graphdispatch_backend.diagnostics.session_report import SessionReport
 from graphdispatch_backend.testing import Stack
 
 KB = 1000
