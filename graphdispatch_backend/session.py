@@ -20,6 +20,7 @@ session is gone), and the next compile makes a new one.
 from __future__ import annotations
 
 import atexit
+import os
 import platform
 import threading
 import weakref
@@ -163,16 +164,32 @@ _GLOBAL = threading.Lock()
 
 
 def session_for(options: Options, make_contain: Callable[[bool], Contain]) -> Session:
+    """The session of `options` (one per option set), made at its first compile; it is
+    the latest session from now on (`latest_report()`)."""
     with _GLOBAL:
         session = _SESSIONS.get(options)
+        made = session is None
         if session is None:
             session = _SESSIONS[options] = Session(options, make_contain)
         _LATEST[:] = [session]
-        return session
+        sharing = [s for s in _SESSIONS.values() if s is not session and _same_dir(s, session)] if made else []
+    if sharing:  # two option sets, one dispatch.json: the last written would hide the other's calls
+        session.events.warn_once(
+            "report_dir_shared", "graphdispatch: compiles with different options share report_dir %s: each option "
+            "set's session writes dispatch.json over the other's (the file holds whichever wrote last); give each "
+            "its own report_dir", options.report_dir)
+    return session
+
+
+def _same_dir(a: Session, b: Session) -> bool:
+    if a.options.report_dir is None or b.options.report_dir is None:
+        return False
+    return os.path.abspath(a.options.report_dir) == os.path.abspath(b.options.report_dir)
 
 
 def latest_report() -> dict[str, Any] | None:
-    """The current session's report as a dict (None before any compile)."""
+    """The report of the session that compiled last, as a dict (None before any compile):
+    a process compiling with several option sets has a session, and a report, per set."""
     with _GLOBAL:
         session = _LATEST[0] if _LATEST else None
     return session.report.to_dict() if session is not None else None

@@ -177,3 +177,20 @@ def test_inductor_keys_in_options_are_said_once_for_the_mode_given(caplog, fuse,
         _run({"cuda_graphs": False, "fuse": fuse, "cache_dir": False, "emulate_precision_casts": True}, 1)
     said = [r.getMessage() for r in caplog.records if "Inductor settings" in r.getMessage()]
     assert len(said) == 1 and says in said[0] and never not in said[0], said
+
+
+def test_two_option_sets_sharing_a_report_dir_are_warned_of(tmp_path, caplog):
+    """Two models compiled with different options in one process are two sessions, each
+    writing dispatch.json: sharing a report_dir, the file holds whichever wrote last. The
+    second compile says so, once; one option set (or separate folders) says nothing."""
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    shared, own = str(tmp_path / "shared"), str(tmp_path / "own")
+    with caplog.at_level(logging.WARNING, logger="graphdispatch_backend"):
+        _run({"cuda_graphs": "emulate", "report_dir": shared}, 2)
+        _run({"cuda_graphs": "emulate", "report_dir": own, "warmup": 1}, 2)
+        assert "share report_dir" not in caplog.text
+        _run({"cuda_graphs": False, "report_dir": shared}, 2)
+        _run({"cuda_graphs": False, "report_dir": shared}, 2)
+    assert caplog.text.count("share report_dir") == 1, caplog.text
+    assert graphdispatch_backend.latest_report()["options"]["cuda_graphs"] is False  # the session compiled last
