@@ -283,3 +283,6 @@ class AuthoringFailure(str, enum.Enum):
 
     UNMATCHED = "unmatched"  # an enabled artifact whose pattern names no region of the model
     SIGNATURE = "signature"  # the pattern names a region, the signature does not fit it
+    # a pinned region.fingerprint refuses a region the rest of the manifest describes (a
+    # recompile with symbolic sizes: a fingerprint covers shapes); graph_artifacts.py says when
+    FINGERPRINT = "fingerprint"

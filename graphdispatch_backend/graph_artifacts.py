@@ -1,7 +1,17 @@
 """The artifacts of one graph being compiled: each region matched against the registry
 (counted per artifact), the gate that answers a substituted region, each region's report
-entry, and the authoring failures (an artifact that names a region and does not fit it, or
-names nothing) said once, or raised together under `strict`.
+entry, and the authoring failures (an artifact that names a region and does not fit it, by
+signature or by a pinned fingerprint, or names nothing) said once, or raised together under
+`strict`.
+
+A pinned `region.fingerprint` says which graph is the artifact's (a fingerprint covers
+shapes): one kind of a wide pattern (`*.mlp` over two widths), or a decode step's graph
+beside the prefill's, whose regions have the same names. So a fingerprint rejection is a
+failure only where the rest of the manifest describes the region (its signature fits, or
+would with `null` where the region's dims are symbolic: the recompile with dynamic shapes
+that the docs say `null` is for) and the pin fits none of the regions the pattern names in
+the graph, nor one of another kind in an earlier graph. A pin that contradicts its own
+signature is said; a pin doing its job is not.
 
 backend.py wires one per Dynamo graph into the pass pipeline (`PassContext.matcher` and
 `make_call`); matching itself is pure (artifacts/match.py).
@@ -16,8 +26,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphdispatch_backend.artifacts.authoring import signature_failure, unmatched
-from graphdispatch_backend.artifacts.match import MatchOutcome, match_for_autograd, match_region
+from graphdispatch_backend.artifacts.authoring import fingerprint_failure, signature_failure, unmatched
+from graphdispatch_backend.artifacts.match import (
+    MatchOutcome,
+    match_for_autograd,
+    match_region,
+    pin_fits,
+    signature_miss,
+    symbolic_only_miss,
+)
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import GraphRecord, SubstitutionRecord
@@ -47,6 +64,8 @@ class GraphArtifacts:
         self.module_rejections: Counter[str] = Counter()
         self.pattern_hits: Counter[str] = Counter()  # artifact -> regions its pattern named
         self.failures: list[str] = []  # authoring failures of this graph, raised together under strict
+        # artifact -> region kind -> (key, message) of its first region a pinned fingerprint refused
+        self.pinned_out: dict[str, dict[str, tuple[str, str]]] = {}
 
     def match(self, region: Region) -> MatchOutcome:
         reg = self.session.registry
@@ -112,7 +131,27 @@ class GraphArtifacts:
                     key, message = signature_failure(rejection.artifact, region.name, region.module, region.cls,
                                                      rejection.detail)
                     self._authoring_failure(AuthoringFailure.SIGNATURE, rejection.artifact, key, message)
+                elif rejection.reason is Rejection.FINGERPRINT:
+                    self._pinned_out(rejection.artifact, region)
         return entry
+
+    def _pinned_out(self, artifact_id: str, region: Region) -> None:
+        """Keep what to say of a region a pinned fingerprint refused (the first of its kind)
+        where the rest of the manifest describes it (module docstring); whether it is said
+        waits for every region of the graph (check_authoring)."""
+        artifact = self.session.registry.artifacts.get(artifact_id)
+        kind = generalize(region.module)
+        if artifact is None or kind in self.pinned_out.get(artifact_id, {}):
+            return
+        m = artifact.manifest
+        miss = signature_miss(m, region)
+        if miss is not None and not symbolic_only_miss(m, region):
+            return  # the signature refuses it too: not the region the manifest is for
+        shapes = [s.shape for s in [*region.kernel_specs, *region.output_specs] if s is not None]
+        shapes += [e.shape for e in [*m.inputs, *m.outputs]]
+        self.pinned_out.setdefault(artifact_id, {})[kind] = fingerprint_failure(
+            artifact_id, region.name, region.module, region.cls, m.fingerprint or "", region.fingerprint, miss,
+            dynamic=any(d is None for shape in shapes for d in shape))
 
     def _authoring_failure(self, failure: AuthoringFailure, artifact: str, key: str, message: str) -> None:
         """An author's mistake: one WARNING per key (artifact and region kind) and one report
@@ -133,7 +172,23 @@ class GraphArtifacts:
             patterns = {a.id: a.manifest.module for a in session.registry.artifacts.values()}
             for miss in unmatched(patterns, hits, names, self.model_modules):
                 self._authoring_failure(AuthoringFailure.UNMATCHED, miss.artifact, miss.artifact, miss.message())
+        self._check_pins()
         if self.failures and session.options.strict:
             raise StrictModeError(f"{record.name}: {len(self.failures)} authoring failure(s): "
                                   + "; ".join(self.failures))
 
+    def _check_pins(self) -> None:
+        """The fingerprint rejections that are an author's mistake (module docstring): the pin
+        fit no region of this graph, nor one of another kind in an earlier graph."""
+        if not self.pinned_out:
+            return
+        here = self.record.region_detail()[0]
+        earlier = [e for g in list(self.session.report.graphs) if g is not self.record for e in g.region_detail()[0]]
+        for artifact, kinds in sorted(self.pinned_out.items()):
+            if any(pin_fits(e, artifact) for e in here):
+                continue
+            if any(generalize(e["module"]) not in kinds and pin_fits(e, artifact) for e in earlier):
+                continue
+            for kind in sorted(kinds):
+                key, message = kinds[kind]
+                self._authoring_failure(AuthoringFailure.FINGERPRINT, artifact, key, message)

@@ -1,4 +1,5 @@
-"""Authoring checks over a session's graphs: enabled artifacts that name no region (pure).
+"""Authoring checks over a session's graphs: enabled artifacts that name no region, and the
+words of an artifact that names a region and does not fit it (pure).
 
 An artifact is unmatched when its pattern matched no region of any graph compiled so far
 and, when the compiled root module is known, none of the model's module names either: a
@@ -51,3 +52,28 @@ def signature_failure(artifact: str, region: str, module: str, cls: str, detail:
     kind = generalize(module)
     return f"{artifact}:{kind}", (f"artifact {artifact} does not fit region {region} ({cls}; once per kind `{kind}`, "
                                   f"every region is in the report): signature: {detail}")
+
+
+PIN_FIX = ("a fingerprint pins one graph, its shapes included, so it fits no other size: delete region.fingerprint "
+           "(the pattern and signature then choose the regions, null dims included, and parity is checked per shape)")
+
+
+def fingerprint_failure(artifact: str, region: str, module: str, cls: str, pinned: str, found: str,
+                        miss: str | None, dynamic: bool) -> tuple[str, str]:
+    """(key, message) of a pinned `region.fingerprint` that refuses a region the rest of the
+    manifest describes, once per artifact and region kind: what differs and the fix. `miss`:
+    the signature's own miss, which null dims where the region's are symbolic would mend (a
+    recompile with dynamic shapes), or None where the signature fits; `dynamic`: the region
+    has symbolic dims or the manifest null ones. A fingerprint covers the boundary's shapes:
+    a pin never fits the recompile that a manifest's null dims are written for."""
+    kind = generalize(module)
+    if miss is not None:
+        why = f"the region's sizes are not the ones the manifest was written for ({miss}); {PIN_FIX}"
+    elif dynamic:
+        why = f"the signature fits (its null dims included), the pin does not: {PIN_FIX}"
+    else:
+        why = (f"the signature fits, so the graph itself differs from the one pinned (an op, an argument or a "
+               f"stride): if this region is the one to serve, pin {found} or delete region.fingerprint")
+    return f"{artifact}:{kind}", (f"artifact {artifact} does not fit region {region} ({cls}; once per kind `{kind}`, "
+                                  f"every region is in the report): fingerprint: manifest {pinned}, region {found}: "
+                                  f"{why}")

@@ -76,6 +76,21 @@ def read_manifest(folder: Path) -> Manifest:
         raise _reject(BundleRejection.MANIFEST, str(exc)) from None
 
 
+def claimed_id(folder: Path) -> str | None:
+    """The id a bundle's manifest gives, read on its own, or None: for a bundle rejected for
+    anything else (a hash mismatch, an unknown key), so the verdict and `enable` can name the
+    bundle the author means. Reading it executes nothing."""
+    try:
+        st = _regular(folder / MANIFEST_NAME, MANIFEST_NAME)
+        if st.st_size > MAX_MANIFEST_BYTES:
+            return None
+        data = json.loads((folder / MANIFEST_NAME).read_bytes().decode("utf-8"))
+    except (BundleRejected, OSError, RecursionError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    artifact_id = data.get("id") if isinstance(data, dict) else None
+    return artifact_id if isinstance(artifact_id, str) and artifact_id else None
+
+
 def list_folder(folder: Path) -> list[str]:
     """Every entry below `folder` as a relative posix path, refusing what a bundle may not hold."""
     found: list[str] = []

@@ -190,7 +190,8 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
             alone = ", ".join(f"`{p}`" for p, fp in k.own_choices(every) if fp is None)
             out.append(f"  `{pattern}` also names {others} region(s) of other kinds: keep the fingerprint (as the "
                        "scaffold command below does)" + (f", or name this kind alone: {alone}" if alone else ""))
-        region = {"module": pattern, "fingerprint": k.fingerprint}
+        # a fingerprint only where it must pick this kind: a pin fits no other size (scaffold.py)
+        region = {"module": pattern, **({"fingerprint": k.fingerprint} if others else {})}
         out.append(f'  "region": {json.dumps(region)},')
         out.append(f'  "signature": {json.dumps(signature(k.entry))},')
         strides = "; ".join(", ".join(f"{e['name']} {stride_text(e)}" for e in k.entry[side] if stride_text(e))

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.artifacts.bundle import hash_bundle, read_manifest, verify_bundle
+from graphdispatch_backend.artifacts.bundle import claimed_id, hash_bundle, verify_bundle
 from graphdispatch_backend.artifacts.manifest import Manifest
 from graphdispatch_backend.artifacts.registry import discover
 from graphdispatch_backend.artifacts.signature import manifest_miss
@@ -97,12 +97,9 @@ class _Spec:
 
 
 def _id_of(folder: Path) -> str:
-    """The id a rejected bundle claims, when its manifest parses (a hash mismatch, say): it
-    tells the author which bundle to fix. Reading the manifest executes nothing."""
-    try:
-        return read_manifest(folder).id
-    except BundleRejected:
-        return "?"
+    """The id a rejected bundle claims (a hash mismatch, an unknown key elsewhere in its
+    manifest): it tells the author which bundle to fix; "?" where no id can be read."""
+    return claimed_id(folder) or "?"
 
 
 def hash_command(bundle: str) -> int:

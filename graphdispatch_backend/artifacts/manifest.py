@@ -90,8 +90,11 @@ def _keys(obj: Any, field: str, required: set[str], optional: set[str]) -> dict[
     for key in obj:
         if not isinstance(key, str) or key not in required | optional:
             known = sorted(required | optional)
-            raise ManifestError(_join(field, str(key)), f"unknown key{did_you_mean(str(key), known)}; keys here: "
-                                f"{', '.join(known) or 'none'}")
+            # the allowed keys, and apart the ones this object lacks: a list of allowed keys
+            # read as the file's own keys once made the mistyped one look present
+            absent = ", ".join(k for k in known if k not in obj)
+            raise ManifestError(_join(field, str(key)), f"unknown key{did_you_mean(str(key), known)}; allowed keys: "
+                                f"{', '.join(known) or 'none'}" + (f"; absent here: {absent}" if absent else ""))
     for key in sorted(required):
         if key not in obj:
             raise ManifestError(_join(field, key), "missing required key")

@@ -19,7 +19,7 @@ from typing import Any
 
 from graphdispatch_backend.artifacts.fingerprint import fingerprint
 from graphdispatch_backend.artifacts.manifest import Manifest, version_tuple
-from graphdispatch_backend.artifacts.signature import manifest_miss
+from graphdispatch_backend.artifacts.signature import fits_but_for_symbolic_dims, manifest_miss
 from graphdispatch_backend.errors import Rejection
 from graphdispatch_backend.patterns import matches
 from graphdispatch_backend.region import Region, TensorSpec
@@ -49,6 +49,13 @@ def signature_miss(manifest: Manifest, region: Region) -> str | None:
     """Why the manifest's signature does not fit the region, or None if it does. The
     region's size inputs (dynamic shapes) are not part of it: a kernel never gets them."""
     return manifest_miss(manifest, region.kernel_names, region.kernel_specs, region.output_specs, region.mutates)
+
+
+def symbolic_only_miss(manifest: Manifest, region: Region) -> bool:
+    """Whether the manifest's signature would fit the region with null where the region's
+    dims are symbolic: only a recompile with dynamic shapes stands between them."""
+    return fits_but_for_symbolic_dims(manifest, region.kernel_names, region.kernel_specs, region.output_specs,
+                                      region.mutates)
 
 
 def torch_miss(manifest: Manifest, torch_version: str) -> str | None:
@@ -131,6 +138,21 @@ def _first_miss(m: Manifest, region: Region, torch_version: str) -> tuple[Reject
     if not region.deterministic:
         return Rejection.NONDETERMINISTIC, "the region draws random numbers"
     return None
+
+
+# Rejections made once the fingerprint check passed (or added after matching: substitution's
+# `overlap`, a kernel that would not load): where the artifact got one, its pin fit the region.
+PAST_FINGERPRINT = frozenset({Rejection.SIGNATURE, Rejection.NOT_CONVEX, Rejection.NONDETERMINISTIC,
+                              Rejection.NOT_SELECTED, Rejection.OVERLAP, Rejection.LOAD_FAILED})
+
+
+def pin_fits(entry: dict[str, Any], artifact: str) -> bool:
+    """Whether a region's report entry says the artifact's pinned fingerprint fit it: the
+    artifact was selected there, or refused for a reason checked after the fingerprint."""
+    if entry.get("artifact") == artifact:
+        return True
+    return any(r["artifact"] == artifact and Rejection(r["reason"]) in PAST_FINGERPRINT
+               for r in entry.get("rejections") or ())
 
 
 AUTOGRAD_DETAIL = ("the graph needs autograd and the manifest declares no backward (artifacts are "

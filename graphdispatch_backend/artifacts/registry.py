@@ -4,6 +4,11 @@ Roots are searched one level deep (`root/artifact.json`, `root/*/artifact.json`)
 bundle is verified even when `enable` narrows the selection, so a corrupt bundle is always
 reported; a bad bundle is recorded in `errors` and never hides the good ones. Entry code
 is loaded lazily, the first time an artifact matches a region.
+
+`enable` naming an id that no bundle claims (a typo) is an error, with the closest id. One
+that a rejected bundle claims (its kernel edited after `artifacts hash`) is not: it is that
+bundle's rejection, said as every rejection is (a WARNING naming the fix; `strict` raises),
+and the run goes on without it, as it would without `enable`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.artifacts.bundle import VerifiedBundle, load_entry, verify_bundle
+from graphdispatch_backend.artifacts.bundle import VerifiedBundle, claimed_id, load_entry, verify_bundle
 from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, Manifest
 from graphdispatch_backend.errors import BundleRejected, BundleRejection, Contain, RegistryError, did_you_mean
 
@@ -114,6 +119,7 @@ class Registry:
     def load(cls, roots: Sequence[str], enable: Sequence[str] | None = None) -> Registry:
         reg = cls(roots=tuple(roots), enabled_filter=tuple(enable) if enable is not None else None)
         found: dict[str, list[VerifiedBundle]] = {}
+        refused: dict[str, dict[str, str]] = {}  # id a rejected bundle claims -> its error
         for root in reg.roots:
             path = Path(root)
             if not path.is_dir():
@@ -134,7 +140,10 @@ class Registry:
                 try:
                     bundle = verify_bundle(folder)
                 except BundleRejected as exc:
-                    reg.errors.append({"bundle": str(folder), "reason": exc.reason.value, "message": exc.detail})
+                    error = {"bundle": str(folder), "reason": exc.reason.value, "message": exc.detail}
+                    reg.errors.append(error)
+                    if (claimed := claimed_id(folder)) is not None:
+                        refused.setdefault(claimed, error)
                     continue
                 found.setdefault(bundle.manifest.id, []).append(bundle)
         verified: dict[str, Artifact] = {}
@@ -155,13 +164,19 @@ class Registry:
             reg.artifacts = verified
             return reg
         missing = sorted(set(enable) - set(verified))
+        for artifact_id in missing:
+            if artifact_id in refused and artifact_id not in duplicated:  # its rejection says why (docstring)
+                refused[artifact_id]["message"] += f"; enable names {artifact_id!r}: the run goes on without it"
+        missing = [m for m in missing if m not in refused or m in duplicated]
         if missing:
             dup = sorted(duplicated.intersection(missing))
+            rejected = ", ".join(f"{i} ({e['reason']})" for i, e in sorted(refused.items()))
+            meant = did_you_mean(missing[0], [*verified, *refused])
             raise RegistryError(
-                f"enable names {', '.join(repr(m) for m in missing)}{did_you_mean(missing[0], verified)}, which no "
-                "verified bundle provides; "
+                f"enable names {', '.join(repr(m) for m in missing)}{meant}, which no verified bundle provides; "
                 f"available: {', '.join(reg.verified_ids) or 'none'}"
                 + (f" ({', '.join(dup)}: provided by more than one folder, see errors)" if dup else "")
+                + (f"; rejected: {rejected}" if rejected else "")
             )
         reg.artifacts = {k: v for k, v in verified.items() if k in enable}
         reg.excluded = {k: v for k, v in verified.items() if k not in enable}

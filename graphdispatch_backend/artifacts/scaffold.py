@@ -5,11 +5,17 @@ PATTERN names (see `report DIR --regions`) and its ATen graph, as the report kee
 and writes OUT/kernel.py, which calls the same ATen ops in the same order on the same
 arguments (`torch.ops.aten.addmm.default(...)`, casts included: the graph was lowered
 under the observed autocast, and artifacts run with autocast off), and OUT/artifact.json
-with the region's pattern, fingerprint, signature and hashed files. So the bundle passes
-bitwise parity as written, and an author edits from a known-good start. Under dynamic
-shapes the kernel computes the region's sizes from its tensor inputs' dims. Its comments
-give every value's dtype, shape and stride, the inputs' and outputs' included: parity
-compares the outputs' strides, so an author sees them before a failure says so.
+with the region's pattern, signature and hashed files. So the bundle passes bitwise parity
+as written, and an author edits from a known-good start. Under dynamic shapes the kernel
+computes the region's sizes from its tensor inputs' dims. Its comments give every value's
+dtype, shape and stride, the inputs' and outputs' included: parity compares the outputs'
+strides, so an author sees them before a failure says so.
+
+The manifest pins `region.fingerprint` only when `--fingerprint` picks one kind among those
+the pattern names: a fingerprint covers the boundary's shapes, so a pinned bundle never
+serves a new batch size nor the recompile with a symbolic one, which writing `null` in the
+signature's dims is for (docs/artifacts.md, dynamic shapes). The pattern and the signature
+choose the regions, and parity is checked at the first call of each shape.
 
 The manifest lists both devices: the kernel is torch ops, which run on either, parity is
 checked at run time on the device it runs on, and a region's fingerprint taken on one
@@ -216,7 +222,7 @@ def devices(kind: Kind, graph: dict[str, Any]) -> list[str]:
 
 
 def _manifest(kind: Kind, pattern: str, artifact_id: str, report: dict[str, Any], files: list[dict[str, Any]],
-              graph: dict[str, Any]) -> dict[str, Any]:
+              graph: dict[str, Any], pin: bool) -> dict[str, Any]:
     env = report.get("environment") or {}
     major, minor, _ = version_tuple(str(env.get("torch", "")))
     runs_on = devices(kind, graph)
@@ -227,7 +233,8 @@ def _manifest(kind: Kind, pattern: str, artifact_id: str, report: dict[str, Any]
         "schema_version": 1,
         "id": artifact_id,
         "description": description,
-        "region": {"module": pattern, "fingerprint": kind.fingerprint},
+        # pinned only to pick one kind among several (module docstring): a pin fits no other size
+        "region": {"module": pattern, **({"fingerprint": kind.fingerprint} if pin else {})},
         "signature": signature(kind.entry),
         "entry_point": {"file": KERNEL_NAME, "symbol": "forward"},
         "files": files,
@@ -260,7 +267,7 @@ def scaffold(report: dict[str, Any], pattern: str, out: Path, *, fingerprint: st
     (out / KERNEL_NAME).write_text(text, "utf-8")
     kernel = out / KERNEL_NAME
     files = [{"path": KERNEL_NAME, "sha256": sha256_file(kernel), "bytes": kernel.stat().st_size}]
-    manifest = _manifest(kind, pattern, artifact_id, report, files, graph)
+    manifest = _manifest(kind, pattern, artifact_id, report, files, graph, pin=fingerprint is not None)
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", "utf-8")
     verify_bundle(out)  # what the registry will check, now
     return manifest
@@ -281,8 +288,9 @@ def scaffold_command(directory: str, pattern: str, out: str, fingerprint: str | 
     counts = ", ".join(f"{len(sig[k])} {k[:-1] if len(sig[k]) == 1 else k}" for k in ("inputs", "outputs"))
     if sig.get("mutates"):
         counts += f", writes {', '.join(sig['mutates'])} in place"
+    pinned = manifest["region"].get("fingerprint")
     print(f"wrote {Path(out) / KERNEL_NAME} and {Path(out) / MANIFEST_NAME}: artifact {manifest['id']} for "
-          f"`{pattern}` (fingerprint {manifest['region']['fingerprint']}), {counts}, parity bitwise")
+          f"`{pattern}`" + (f" (fingerprint {pinned}, pinned)" if pinned else "") + f", {counts}, parity bitwise")
     print(f"next: python -m graphdispatch_backend artifacts verify {out}; then compile with "
           f"options={{'artifacts': {str(Path(out).parent)!r}}}")
     return 0

@@ -9,6 +9,7 @@ report entry read back). The miss is said so an author can act on it ("input 1
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,23 @@ def manifest_miss(manifest: Manifest, names: Sequence[str], inputs: Sequence[Any
     """Why the manifest's signature does not fit the region, or None if it does."""
     return (_side_miss(manifest.inputs, names, inputs, "inputs")
             or _side_miss(manifest.outputs, None, outputs, "outputs") or _mutates_miss(manifest.mutates, mutates))
+
+
+def fits_but_for_symbolic_dims(manifest: Manifest, names: Sequence[str], inputs: Sequence[Any],
+                               outputs: Sequence[Any], mutates: Sequence[str]) -> bool:
+    """Whether the manifest would fit with `null` written where the region's dims are
+    symbolic: all that differs is the recompile with dynamic shapes that `null` is for."""
+    def loosened(entries: Sequence[SignatureEntry], specs: Sequence[Any]) -> tuple[SignatureEntry, ...]:
+        return tuple(dataclasses.replace(e, shape=tuple(None if got is None else want
+                                                        for want, got in zip(e.shape, s.shape)))
+                     if s is not None and len(e.shape) == len(s.shape) else e
+                     for e, s in zip(entries, specs))
+
+    if len(manifest.inputs) != len(inputs) or len(manifest.outputs) != len(outputs):
+        return False
+    loose = dataclasses.replace(manifest, inputs=loosened(manifest.inputs, inputs),
+                                outputs=loosened(manifest.outputs, outputs))
+    return manifest_miss(loose, names, inputs, outputs, mutates) is None
 
 
 def _side_miss(entries: Sequence[SignatureEntry], names: Sequence[str] | None,
@@ -37,10 +55,12 @@ def _side_miss(entries: Sequence[SignatureEntry], names: Sequence[str] | None,
         if len(entry.shape) != len(spec.shape) or any(
             want is not None and want != got for want, got in zip(entry.shape, spec.shape)
         ):
-            dynamic = len(entry.shape) == len(spec.shape) and any(
-                want is not None and got is None for want, got in zip(entry.shape, spec.shape))
-            hint = (" (null: a dim Dynamo made dynamic, as when it recompiles for a new batch size;"
-                    " write null there to match it)") if dynamic else ""
+            hint = ""
+            if len(entry.shape) == len(spec.shape):  # the sizes differ, not the rank
+                dynamic = any(want is not None and got is None for want, got in zip(entry.shape, spec.shape))
+                hint = (" (null: a dim Dynamo made dynamic, as when it recompiles for a new batch size;"
+                        " write null there to match it)" if dynamic
+                        else " (a size that varies between calls: write null there)")
             return f"{label}: shape {_shape(entry.shape)}, region has {_shape(spec.shape)}{hint}"
     return None
 

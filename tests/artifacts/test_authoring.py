@@ -21,7 +21,7 @@ from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts import registry
 from graphdispatch_backend.errors import StrictModeError
 from graphdispatch_backend.runtime.gates.demote import ArtifactDemoted
-from graphdispatch_backend.testing import MLP_OUTPUTS, MLP_SOURCE, Stack, mlp_inputs, write_bundle
+from graphdispatch_backend.testing import MLP_OUTPUTS, MLP_SOURCE, Stack, mlp_inputs, region_entry, write_bundle
 
 
 class Outer(torch.nn.Module):
@@ -33,22 +33,28 @@ class Outer(torch.nn.Module):
         return self.model(x)
 
 
-def exact(root: Path, pattern: str = "*.blocks.*.mlp", artifact_id: str = "mlp", **fields: Any) -> Path:
-    """A bundle that serves the dim-8 MLP exactly (batch 2)."""
-    return write_bundle(root / artifact_id, artifact_id, pattern, mlp_inputs(2), MLP_OUTPUTS, MLP_SOURCE, **fields)
+def exact(root: Path, pattern: str = "*.blocks.*.mlp", artifact_id: str = "mlp", batch: int | None = 2,
+          **fields: Any) -> Path:
+    """A bundle that serves the dim-8 MLP exactly (at `batch`; None: any)."""
+    return write_bundle(root / artifact_id, artifact_id, pattern, mlp_inputs(batch), MLP_OUTPUTS, MLP_SOURCE,
+                        **fields)
 
 
-def run(artifacts: list[Path] | Path, strict: bool = False, calls: int = 2, report_dir: Path | None = None) -> None:
+def run(artifacts: list[Path] | Path | None, strict: bool = False, calls: int = 2, report_dir: Path | None = None,
+        batches: list[int] | None = None, model: torch.nn.Module | None = None, dynamic: bool | None = None) -> None:
+    """`calls` calls at batch 2, or one call per batch of `batches` (a new batch makes Dynamo
+    recompile with a symbolic one, unless `dynamic` is False), each output eager's."""
     torch.manual_seed(0)
-    model = Outer().eval()
-    options: dict[str, Any] = {"artifacts": [str(p) for p in artifacts] if isinstance(artifacts, list)
-                               else str(artifacts), "strict": strict}
+    model = (model or Outer()).eval()
+    options: dict[str, Any] = {"strict": strict}
+    if artifacts is not None:
+        options["artifacts"] = [str(p) for p in artifacts] if isinstance(artifacts, list) else str(artifacts)
     if report_dir is not None:
         options["report_dir"] = str(report_dir)
-    compiled = torch.compile(model, backend="graphdispatch", options=options)
+    compiled = torch.compile(model, backend="graphdispatch", options=options, dynamic=dynamic)
     with torch.no_grad():
-        for _ in range(calls):
-            x = torch.randn(2, 8)
+        for batch in batches or [2] * calls:
+            x = torch.randn(batch, 8)
             assert torch.equal(compiled(x), model(x))
     graphdispatch_backend.flush()
 
@@ -84,6 +90,11 @@ def _signature(tmp_path: Path) -> Path:
     return tmp_path / "root"
 
 
+def _fingerprint(tmp_path: Path) -> Path:
+    exact(tmp_path / "root", fingerprint="0" * 32)  # the trial's `badfp`: a pin no region has
+    return tmp_path / "root"
+
+
 # (root maker, what the one WARNING line says)
 FAILURES = [
     (_missing_root, "missing_root"),
@@ -91,6 +102,7 @@ FAILURES = [
     (_tampered_bundle, "hash_mismatch"),
     (_unmatched, "did you mean `*.blocks.*.mlp`: 2 regions"),
     (_signature, "signature: input 2 'input0': dtype bfloat16, region has float32"),
+    (_fingerprint, f"fingerprint: manifest {'0' * 32}, region "),
 ]
 IDS = [f.__name__.strip("_") for f, _ in FAILURES]
 
@@ -191,3 +203,121 @@ def test_the_rendered_report_shows_rejections_by_reason_and_what_was_meant(tmp_p
     authoring = out.split("Authoring failures", 1)[1].split("\n\n", 1)[0]
     assert "unmatched: artifact inner matched no region" in authoring
     assert "signature: artifact wide does not fit region model.blocks.0.mlp" in authoring
+
+
+# -- a pinned region.fingerprint ------------------------------------------------------------------
+
+
+def pin(batch: int = 2) -> str:
+    """The fingerprint of Outer's MLP regions compiled at `batch` (a static graph)."""
+    torch.manual_seed(0)
+    return region_entry(Outer().eval(), torch.randn(batch, 8), name="model.blocks.0.mlp")["fingerprint"]
+
+
+def fingerprint_warnings(log: pytest.LogCaptureFixture) -> list[str]:
+    return [w for w in warnings(log) if "does not fit" in w and ": fingerprint: " in w]
+
+
+def test_a_pin_that_stops_fitting_after_a_recompile_warns_with_the_fix(tmp_path, gd_log):
+    """The trial's `case_null keepfp`: null written in the batch dims as the docs say, the
+    scaffold's pin kept. Batch 5 makes Dynamo recompile with a symbolic batch, whose graph
+    has another fingerprint (it covers shapes): the artifact served nothing there, without a
+    word and under strict too. It is a WARNING naming the pin and the fix, once for the kind,
+    counted in `authoring`, and strict fails that compile."""
+    fp = pin()
+    exact(tmp_path / "root", batch=None, fingerprint=fp)
+    run(tmp_path / "root", batches=[2, 5, 3])
+    (line,) = fingerprint_warnings(gd_log)
+    assert f"fingerprint: manifest {fp}, region " in line and "the signature fits (its null dims included)" in line
+    assert "delete region.fingerprint" in line and "once per kind `model.blocks.*.mlp`" in line
+    report = graphdispatch_backend.latest_report()
+    assert [(a["failure"], a["artifact"]) for a in report["authoring"]] == [("fingerprint", "mlp")]
+    assert report["artifacts"]["mlp"]["status"] == "partly_rejected"
+    assert [len(g["substitutions"]) for g in report["graphs"] if g["nodes"]] == [2, 0]  # served where it fits
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        run(tmp_path / "root", strict=True, batches=[2, 5])
+    assert isinstance(info.value.inner_exception, StrictModeError)
+    assert "fingerprint: manifest" in str(info.value.inner_exception)
+
+
+def test_a_pinned_concrete_batch_on_the_recompile_says_both_fixes(tmp_path, gd_log):
+    """The trial's `case_batch2 1122` on a scaffold that pinned the fingerprint: batch 2 pinned
+    and written, the recompile with a symbolic batch refused on the pin (checked first) with
+    no WARNING, where docs/artifacts.md promises one that says to write null. It says that,
+    and that the pin must go too."""
+    exact(tmp_path / "root", fingerprint=pin())
+    run(tmp_path / "root", batches=[2, 5])
+    (line,) = fingerprint_warnings(gd_log)
+    assert "the region's sizes are not the ones the manifest was written for (input 2 'input0': shape [2, 8], " \
+           "region has [null, 8] (null: a dim Dynamo made dynamic" in line
+    assert "write null there to match it" in line and "delete region.fingerprint" in line
+    assert graphdispatch_backend.latest_report()["artifacts"]["mlp"]["status"] == "partly_rejected"
+
+
+def test_a_pin_that_picks_one_static_graph_of_the_same_modules_is_silent(tmp_path, gd_log):
+    """What transformers' static-cache decode bundles pin for: the prefill's and the decode
+    step's graphs name the same modules at other sizes, and the bundle is the decode's
+    (tests/artifacts/test_in_place.py). Here: static graphs at batch 3, then 2; the bundle,
+    pinned and written at 2, refuses the first on both pin and signature (another graph,
+    not a recompile it claims), serves the second, and strict passes."""
+    exact(tmp_path / "root", fingerprint=pin())
+    run(tmp_path / "root", strict=True, batches=[3, 2, 2], dynamic=False)
+    report = graphdispatch_backend.latest_report()
+    assert [len(g["substitutions"]) for g in report["graphs"] if g["nodes"]] == [0, 2]
+    assert warnings(gd_log) == [] and report["authoring"] == []
+
+
+def test_the_documented_null_workflow_serves_a_scaffold_across_the_recompile(tmp_path, gd_log):
+    """docs/artifacts.md as written: scaffold, write null in the dims that vary, and "the
+    artifact keeps serving across the recompile". The scaffold pinned the fingerprint, which
+    no recompile with a symbolic batch has: it pins one now only to pick a kind (--fingerprint)."""
+    run(None, report_dir=tmp_path / "report")
+    assert main(["artifacts", "scaffold", str(tmp_path / "report"), "--region", "*.blocks.*.mlp",
+                 str(tmp_path / "kernels" / "mlp")]) == 0
+    path = tmp_path / "kernels" / "mlp" / "artifact.json"
+    doc = json.loads(path.read_text())
+    assert "fingerprint" not in doc["region"]
+    for entry in [doc["signature"]["inputs"][2], *doc["signature"]["outputs"]]:
+        entry["shape"][0] = None  # the batch; the manifest is not among the hashed files
+    path.write_text(json.dumps(doc))
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    run(tmp_path / "kernels", strict=True, batches=[2, 5, 3])
+    report = graphdispatch_backend.latest_report()
+    assert [len(g["substitutions"]) for g in report["graphs"] if g["nodes"]] == [2, 2]
+    assert report["artifacts"]["mlp"]["status"] == "serving" and warnings(gd_log) == []
+
+
+class TwoWidths(torch.nn.Module):
+    """`*.blocks.*.mlp` names two kinds: the dim-8 MLPs of `model` and the dim-4 one of
+    `head` (behind a graph break, in a graph of its own, with `split`)."""
+
+    def __init__(self, split: bool) -> None:
+        super().__init__()
+        self.model, self.head, self.proj, self.split = Stack(depth=2, dim=8), Stack(depth=1, dim=4), \
+            torch.nn.Linear(8, 4), split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.model(x))
+        if self.split:
+            torch._dynamo.graph_break()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_graph", "graph_break"])
+def test_a_pin_that_picks_one_kind_of_a_wide_pattern_is_silent(tmp_path, gd_log, split):
+    """What the docs say a pin is for: a wide pattern over two kinds, the pin keeping one.
+    The other kind's fingerprint rejections are the pin doing its job: no WARNING, and
+    strict passes, in the same graph or a later one."""
+    exact(tmp_path / "root", fingerprint=pin())
+    run(tmp_path / "root", strict=True, model=TwoWidths(split))
+    report = graphdispatch_backend.latest_report()
+    served = {s["region"] for g in report["graphs"] for s in g["substitutions"]}
+    assert served == {"model.blocks.0.mlp", "model.blocks.1.mlp"}
+    refused = {r["name"]: r["rejections"] for g in report["graphs"] for r in g["regions"]
+               if r["name"] == "head.blocks.0.mlp"}
+    assert [j["reason"] for j in refused["head.blocks.0.mlp"]] == ["fingerprint"]
+    assert warnings(gd_log) == [] and report["authoring"] == []
+    assert report["artifacts"]["mlp"]["status"] == "serving"

@@ -82,11 +82,11 @@ def test_a_pattern_lists_the_manifest_fields_to_copy_and_they_serve(report_dir, 
     assert fields["region"]["module"] == "stack.blocks.*.mlp"
     report = expand(json.loads((report_dir / "dispatch.json").read_text()))  # every region whole
     region = next(r for r in report["graphs"][0]["regions"] if r["name"] == "stack.blocks.0.mlp")
-    assert fields["region"]["fingerprint"] == region["fingerprint"]
+    assert "fingerprint" not in fields["region"]  # the pattern names this kind alone: no pin (scaffold.py)
     assert [i["name"] for i in fields["signature"]["inputs"]] == [i["name"] for i in region["inputs"]]
 
     write_bundle(tmp_path / "kernels" / "mlp", "mlp", fields["region"]["module"], source=MLP_SOURCE,
-                 fingerprint=fields["region"]["fingerprint"], **fields["signature"])
+                 **fields["signature"])
     graphdispatch_backend.reset()
     torch._dynamo.reset()
     out_compiled, eager = compile_once(tmp_path / "second", tmp_path / "kernels")
@@ -99,6 +99,8 @@ def test_a_pattern_lists_the_manifest_fields_to_copy_and_they_serve(report_dir, 
 def test_a_pattern_naming_several_kinds_warns_to_keep_the_fingerprint(report_dir, capsys):
     out = listing(capsys, str(report_dir), "--regions", "*.blocks.*.mlp")
     assert out.count('"region"') == 2 and "also names 1 region(s) of other kinds: keep the fingerprint" in out
+    # pinned here, where only the fingerprint picks the kind
+    assert all('"fingerprint": ' in line for line in out.splitlines() if line.lstrip().startswith('"region"'))
 
 
 def test_a_pattern_naming_nothing_says_what_would(report_dir, capsys):

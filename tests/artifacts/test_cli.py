@@ -89,8 +89,9 @@ REJECTIONS = [
     (_undeclared, "bad", "undeclared_file: notes.md"),
     (_symlink, "bad", "symlink: link"),
     (_pycache, "bad", "pycache: __pycache__"),
-    (_unknown_key, "?", "manifest: extra: unknown key"),  # no trustworthy id when the manifest does not parse
-    (_not_json, "?", "manifest: artifact.json is not valid JSON"),
+    # the id the manifest gives, even where another key fails it: the author sees which bundle to fix
+    (_unknown_key, "bad", "manifest: extra: unknown key"),
+    (_not_json, "?", "manifest: artifact.json is not valid JSON"),  # no id to read
 ]
 
 

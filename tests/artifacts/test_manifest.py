@@ -195,7 +195,20 @@ def test_a_mistyped_key_gets_did_you_mean_and_the_keys_allowed_there(field, mean
     doc = edited(field, "x")
     message = str(rejects(doc, field))
     assert f"unknown key (did you mean {meant!r}" in message, message
-    assert "keys here: " in message and meant in message.split("keys here: ")[1]
+    assert "allowed keys: " in message and meant in message.split("allowed keys: ")[1]
+
+
+def test_a_renamed_key_is_named_as_absent_not_listed_as_if_the_file_had_it():
+    """`capturabel` in place of `capturable`: the message listed the allowed keys as "keys
+    here", which read as the file holding both; it says "allowed keys" and names the key
+    the object lacks."""
+    doc = valid()
+    doc["capturabel"] = doc.pop("capturable", True)
+    message = str(rejects(doc, "capturabel"))
+    assert "keys here" not in message, message
+    allowed, absent = message.split("allowed keys: ")[1].split("; absent here: ")
+    assert "capturable" in allowed.split(", ") and "capturable" in absent.split(", "), message
+    assert "id" not in absent.split(", ")  # a key the object has is never called absent
 
 
 # -- missing required keys ------------------------------------------------------------------

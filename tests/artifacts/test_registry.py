@@ -171,12 +171,29 @@ def test_no_enable_admits_every_verified_bundle(three):
     assert summary["enabled_filter"] is None and summary["excluded_ids"] == [] and summary["loaded"] == ["a", "b"]
 
 
-@pytest.mark.parametrize("unknown", ["nope", "bad"])  # never seen, or seen but rejected
-def test_enable_naming_an_unknown_id_is_an_error_naming_it_and_the_available_ones(three, unknown):
+def test_enable_naming_an_unknown_id_is_an_error_naming_it_and_the_available_ones(three):
     with pytest.raises(RegistryError) as info:
-        Registry.load([str(three)], enable=["a", unknown])
+        Registry.load([str(three)], enable=["a", "nope"])
     message = str(info.value)
-    assert repr(unknown) in message and "available: a, b" in message
+    assert "'nope'" in message and "available: a, b" in message and "rejected: bad (hash_mismatch)" in message
+
+
+def test_enable_naming_a_rejected_bundle_is_its_rejection_and_the_run_goes_on(three):
+    """`bad` exists and fails its sha256 check: enable naming it used to raise "no verified
+    bundle provides" (every call of the model, and the hash_mismatch said nowhere). It is the
+    bundle's rejection, with its fix, and the run goes on without it (the session warns it,
+    and raises it under strict, as every rejected bundle)."""
+    reg = Registry.load([str(three)], enable=["a", "bad"])
+    assert list(reg.artifacts) == ["a"] and list(reg.excluded) == ["b"]
+    (error,) = reg.errors
+    assert error["reason"] == "hash_mismatch" and "artifacts hash" in error["message"]
+    assert error["message"].endswith("; enable names 'bad': the run goes on without it")
+
+
+def test_enable_naming_a_rejected_bundle_s_id_mistyped_suggests_it(three):
+    with pytest.raises(RegistryError) as info:
+        Registry.load([str(three)], enable=["bda"])
+    assert "(did you mean 'bad'?)" in str(info.value) and "rejected: bad (hash_mismatch)" in str(info.value)
 
 
 def test_enable_naming_a_mistyped_id_gets_did_you_mean(three):
@@ -279,3 +296,26 @@ def test_enable_naming_an_unknown_id_fails_the_compile_with_a_registry_error(tmp
             torch.randn(2, 4))
     inner = info.value.inner_exception
     assert isinstance(inner, RegistryError) and "'zzz'" in str(inner) and "available: a" in str(inner)
+
+
+def test_enable_naming_a_tampered_bundle_warns_its_fix_and_the_run_goes_on(tmp_path, gd_log):
+    """The trial's `enable_tampered`: kernel.py edited after `artifacts hash`, the bundle named
+    by `enable`. Every call used to raise RegistryError ("available: none"), no report was
+    written and the hash_mismatch was said nowhere. Now the run serves eager's output, the
+    WARNING names the mismatch and `artifacts hash`, and `strict` raises it."""
+    folder = write_bundle(tmp_path / "root" / "mlp", "mlp", "mlp", MLP_INPUTS, OUT, MLP_SOURCE)
+    (folder / "kernel.py").write_text(MLP_SOURCE + "# tuned\n")
+    options = {"artifacts": str(tmp_path / "root"), "enable": "mlp", "report_dir": str(tmp_path / "out")}
+    model, x = Block().eval(), torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend="graphdispatch", options=options)(x), model(x))
+    graphdispatch_backend.flush()
+    said = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING"]
+    assert [w for w in said if "(size_mismatch)" in w and "artifacts hash" in w and "enable names 'mlp'" in w], said
+    report = graphdispatch_backend.load_report(tmp_path / "out")
+    assert report["registry"]["loaded"] == [] and report["graphs"][0]["substitutions"] == []
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", options={**options, "strict": True})(x)
+    assert "size_mismatch" in str(info.value.inner_exception)

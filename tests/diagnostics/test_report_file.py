@@ -77,7 +77,8 @@ def test_a_two_layer_diffusers_model_writes_under_100_kb_and_every_command_reads
     assert f"{len(regions)} regions, {len({r['fingerprint'] for r in regions})} kinds" in listing
     fields = _cli(capsys, "report", str(path.parent), "--regions", "transformer_blocks.*.ff")
     ff = next(r for r in regions if r["name"] == "transformer_blocks.0.ff")
-    assert f'"fingerprint": "{ff["fingerprint"]}"' in fields and '"signature"' in fields
+    # the pattern names one kind: no pin to copy (a fingerprint covers shapes; artifacts/scaffold.py)
+    assert '"region": {"module": "transformer_blocks.*.ff"}' in fields and '"signature"' in fields
 
     # `artifacts scaffold` writes the kernel from the compressed region graph; `verify
     # --report` matches the bundle against the file's regions
@@ -85,7 +86,7 @@ def test_a_two_layer_diffusers_model_writes_under_100_kb_and_every_command_reads
     assert "wrote" in _cli(capsys, "artifacts", "scaffold", str(path.parent), "--region", "transformer_blocks.*.ff",
                            str(bundle))
     manifest = verify_bundle(bundle).manifest
-    assert manifest.fingerprint == ff["fingerprint"]
+    assert manifest.fingerprint is None and ff["fingerprint"] in (bundle / "kernel.py").read_text()
     assert "torch.ops.aten." in (bundle / "kernel.py").read_text()
     assert "ff  ok" in _cli(capsys, "artifacts", "verify", str(tmp_path / "kernels"), "--report", str(path.parent))
 

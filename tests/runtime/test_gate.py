@@ -148,10 +148,13 @@ def test_allclose_fail_when_nan_or_inf_positions_differ_even_within_tolerance(tm
 
 
 def test_artifact_raising_on_its_first_call(tmp_path):
-    mlp_bundle(tmp_path, "raise RuntimeError('kernel launch failed')")
+    folder = mlp_bundle(tmp_path, "raise RuntimeError('kernel launch failed')")
     _, _, sub = run(tmp_path)
     assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "raised", "failed")
-    assert sub["detail"] == "RuntimeError: kernel launch failed"
+    # the kernel's line, as a capture's refusal names it (the detail used to stop at the error)
+    line = 1 + next(i for i, text in enumerate((folder / "kernel.py").read_text().splitlines()) if "raise" in text)
+    at = f"forward (<graphdispatch artifact mlp:kernel.py>:{line})"
+    assert sub["detail"] == f"RuntimeError: kernel launch failed, at {at}"
     assert (sub["calls"], sub["native_calls"]) == (0, 4)
 
 
@@ -163,6 +166,24 @@ def test_artifact_raising_at_its_kth_call_is_demoted_then_and_the_run_goes_on(tm
     assert (sub["calls"], sub["native_calls"]) == (2, 3)  # served calls 1-2; native from call 3 on
     warnings = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING" and "demoted" in r.getMessage()]
     assert len(warnings) == 1 and "out of registers" in warnings[0]
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_a_kernel_that_syncs_names_the_manifest_fix_for_its_capture(tmp_path, capturable):
+    """The trial's `case_hostsync`: a kernel that reads a value on the host (never true here)
+    makes the capture fail, naming the artifact and its line, but never said that
+    `"capturable": false` lets the rest of the graph replay. It says so; and with that
+    written, the graph is captured around the call and replays, the kernel serving each call."""
+    mlp_bundle(tmp_path, "if out.abs().max() > 1e30:\n    raise RuntimeError('overflow')", capturable=capturable)
+    _, _, sub = run(tmp_path, calls=6, cuda_graphs="emulate")
+    graph = graphdispatch_backend.latest_report()["graphs"][-1]
+    assert not sub["demoted"] and sub["calls"] + sub["replays"] == 6  # not the kernel's fault: it serves
+    if capturable:
+        detail = graph["cuda_graph"]["decline_details"]["capture_failed"]
+        assert "a host sync) in artifact mlp (" in detail and '"capturable": false in its artifact.json' in detail
+        assert graph["cuda_graph"]["replays"] == 0
+    else:
+        assert "capture_failed" not in graph["cuda_graph"]["declines"] and graph["cuda_graph"]["replays"] > 0
 
 
 # -- bad outputs at a later call ---------------------------------------------------------------------------

@@ -332,7 +332,9 @@ def test_an_artifact_a_capture_refuses_fails_the_capture_named_and_serves_eagerl
     assert cg["replays"] == 0 and cg["declines"] == {"capture_failed": 1}
     detail = cg["decline_details"]["capture_failed"]
     assert detail.startswith(f"CaptureRefused: {error}")
-    assert f"in artifact mlp-{kind}, at forward (<graphdispatch artifact mlp-{kind}:kernel.py>:" in detail
+    # the artifact, the manifest's fix (capturable: false, then the rest of the graph replays), its line
+    assert f"in artifact mlp-{kind} (" in detail and '"capturable": false in its artifact.json' in detail
+    assert f", at forward (<graphdispatch artifact mlp-{kind}:kernel.py>:" in detail
     (sub,) = graph["substitutions"]
     assert not sub["demoted"] and sub["calls"] == 6  # not the artifact's fault: it serves every (eager) call
 

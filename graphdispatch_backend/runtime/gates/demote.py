@@ -23,6 +23,7 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Demotion, StrictModeError
 from graphdispatch_backend.runtime.checks.parity import Mismatch
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
+from graphdispatch_backend.runtime.cudagraph.refusals import where
 
 
 class ArtifactDemoted(StrictModeError):
@@ -80,6 +81,13 @@ class Demoter:
         if in_recording():  # inside a call not counted yet, and no call of the region's own
             return f"at the region's call {n + 1}, while a CUDA graph was recorded"
         return f"at the region's call {n + (0 if counted else 1)}"
+
+
+def raised(exc: BaseException) -> str:
+    """A `raised` demotion's detail: the error, and the kernel's line that raised it (as a
+    capture's refusal says it: `forward (<graphdispatch artifact mlp:kernel.py>:10)`)."""
+    origin = where(exc)
+    return f"{type(exc).__name__}: {exc}" + (f", at {origin}" if origin else "")
 
 
 def describe(outs: Sequence[Any] | None) -> str:

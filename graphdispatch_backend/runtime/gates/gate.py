@@ -57,9 +57,14 @@ from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.cudagraph.refusals import refused_by_capture
 from graphdispatch_backend.runtime.gates.beside import Beside
 from graphdispatch_backend.runtime.gates.checked import CheckBook
-from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta
+from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta, raised
 from graphdispatch_backend.runtime.gates.judge import GateJudge, as_tuple, meta
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
+
+# the fix a CUDA capture's refusal inside an artifact names: its own words say what the kernel
+# did (a host sync, a size known only after it ran), not what the author may change
+CAPTURE_FIX = ('a capture refuses it: set "capturable": false in its artifact.json and the CUDA graph is split '
+               "around the call, so the rest of the graph replays; or take that operation out of the kernel")
 
 
 class ArtifactGate:
@@ -174,9 +179,9 @@ class ArtifactGate:
         if exc is not None and in_recording() and refused_by_capture(exc):
             # not the artifact's fault as an eager kernel: the capture fails, naming it, and
             # the graph's eager calls go on serving it (a demotion would lose it for good)
-            raise CaptureRefused(f"{exc} in artifact {self._record.artifact}") from exc
+            raise CaptureRefused(f"{exc} in artifact {self._record.artifact} ({CAPTURE_FIX})") from exc
         if exc is not None:
-            self._demote(Demotion.RAISED, f"{type(exc).__name__}: {exc}", cause=exc, counted=False, inputs=inputs)
+            self._demote(Demotion.RAISED, raised(exc), cause=exc, counted=False, inputs=inputs)
             return None
         outs = as_tuple(result)
         if meta(outs) != expected:

@@ -27,7 +27,7 @@ from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 from graphdispatch_backend.runtime.gates.checked import CheckBook
-from graphdispatch_backend.runtime.gates.demote import describe, describe_meta
+from graphdispatch_backend.runtime.gates.demote import describe, describe_meta, raised
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
 # what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
@@ -140,7 +140,7 @@ class GateJudge:
                                           "those inputs may hold what it wrote)")
             return Demotion.MUTATED_INPUT, f"wrote into {len(o.touched)} of its inputs ({names}){undone}", None
         if o.raised is not None:
-            return Demotion.RAISED, f"{type(o.raised).__name__}: {o.raised}", None
+            return Demotion.RAISED, raised(o.raised), None
         outs = as_tuple(o.result)
         if recheck and meta(outs) != self.passed.get(key, meta(outs)):  # what a later call would call bad
             expected = describe_meta(self.passed[key])

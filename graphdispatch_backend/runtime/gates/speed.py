@@ -18,6 +18,7 @@ import torch
 
 from graphdispatch_backend.errors import Contain, Demotion
 from graphdispatch_backend.runtime.gates.beside import Beside
+from graphdispatch_backend.runtime.gates.demote import raised
 
 SPEED_REPEATS = 7
 Speed = dict[str, Any]  # artifact_ms, native_ms, speedup: the record's `speed`
@@ -49,7 +50,7 @@ class SpeedTrial:
         # like raising at any other call, instead of escaping into the user's forward.
         artifact_ms, exc = self._contain_artifact(lambda: _median_ms(lambda: self._artifact(*inputs), inputs))
         if exc is not None:
-            return None, (Demotion.RAISED, f"{type(exc).__name__}: {exc} (while timing it for speed_gate)")
+            return None, (Demotion.RAISED, f"{raised(exc)} (while timing it for speed_gate)")
         speed = {"artifact_ms": artifact_ms, "native_ms": native_ms,
                  "speedup": native_ms / artifact_ms if artifact_ms else None}
         if artifact_ms < native_ms:
