@@ -129,6 +129,9 @@ class Decline(str, enum.Enum):
     # under `strict`, a check failed inside the call, which raised StrictModeError instead of
     # answering: counted, so that a strict run's calls add up too
     STRICT_RAISED = "strict_raised"
+    # the call raised the caller's own error (eager raises it on the same inputs: an index past
+    # a static cache's end): counted, answered by no output
+    RAISED = "raised"
 
 
 class SplitReason(str, enum.Enum):

@@ -158,3 +158,40 @@ def test_linalg_error_check_still_raises_after_replays():
         compiled(torch.randn(3, 3) + 3 * torch.eye(3))
     with pytest.raises(torch.linalg.LinAlgError):
         compiled(torch.zeros(3, 3))
+
+
+def _write_row(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(0, pos, x)  # a static cache's row: a position past its end raises, eagerly too
+    return cache.sum(0) * 2
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3] * 3 + [9] + [0, 1] * 3])
+def test_a_call_past_a_static_cache_raises_eagers_error_is_counted_and_the_graph_goes_on(positions):
+    """A request run past its static cache's end raises the IndexError eager raises. Where
+    that call was checked (its new position made it novel) the rows to snapshot are located
+    first, and that raised: it used to decline the lowering for good (`check_failed`, the
+    caller's error blamed on graphdispatch) and every later call ran eagerly. Now the
+    error is the caller's, each raising call is counted (`raised`), and the calls after it
+    replay, bitwise."""
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    compiled = torch.compile(_write_row, backend="graphdispatch", options=EMULATE, dynamic=False)
+    cache, twin = torch.zeros(4, 8), torch.zeros(4, 8)
+    raised = []
+    with torch.no_grad():
+        for i, p in enumerate(positions):
+            x = torch.randn(1, 8)
+            try:
+                out = compiled(cache, torch.tensor([p]), x)
+            except IndexError:
+                raised.append(i)
+                with pytest.raises(IndexError):
+                    _write_row(twin, torch.tensor([p]), x)
+                continue
+            assert torch.equal(out, _write_row(twin, torch.tensor([p]), x)) and torch.equal(cache, twin), i
+    assert raised == [i for i, p in enumerate(positions) if p >= 4]
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    cg = graph["cuda_graph"]
+    assert graph["calls"] == len(positions) == cg["replays"] + cg["eager_calls"], cg
+    assert cg["eager_by_reason"]["raised"] == len(raised) and graph["lowering_check"]["status"] == "bitwise", graph
+    assert cg["replays"] >= len(positions) - len(raised) - 2 - 2  # warmup, verifying, one check each side

@@ -35,8 +35,17 @@ class Lowering:
     def declined_call(self, args: Sequence[Any]) -> Any:
         """A call after the verdict: the Dynamo graph answers it, counted with the reason."""
         assert self.declined is not None
-        out = self._eager(*args)
-        self._record.called(False, self.declined.value)
+        return self._answer(args, self.declined)
+
+    def _answer(self, args: Sequence[Any], reason: Decline) -> Any:
+        """The Dynamo graph answers the call, counted with `reason`; where it raises (the
+        caller's error), counted `raised`, and raised."""
+        try:
+            out = self._eager(*args)
+        except Exception:
+            self._record.called(False, Decline.RAISED.value)
+            raise
+        self._record.called(False, reason.value)
         return out
 
     def verdict(self, reason: Decline, detail: str, answer: Any, gradients: Sequence[str] = ()) -> Any:
@@ -50,19 +59,20 @@ class Lowering:
         """What this call writes could not be snapshotted, so it is not checked. Too large
         for max_snapshot_bytes (it always will be): the compiled graph answers, unchecked,
         and the report says why. Memory short this once: the Dynamo graph answers (eager's
-        values), and the next due call tries again. Anything else: check_failed."""
+        values), and the next due call tries again. Anything else: check_failed, once the
+        Dynamo graph answered the call; where it raises too, the inputs are the caller's error
+        (a position past a static cache's end, which locating the rows to snapshot reads
+        first): it is raised as eager raises it, and no verdict falls on the lowering."""
         if isinstance(exc, SnapshotRefused):
             record_fields.unchecked(self._record, exc.detail)
             self._events.warn_once(f"unchecked:{self._record.name}", "graphdispatch: %s is not checked against "
                                    "eager: %s", self._record.name, exc.detail)
             return self._compiled(*args)
-        reason = Decline.OUT_OF_MEMORY if is_out_of_memory(exc) else Decline.CHECK_FAILED
-        if reason is Decline.CHECK_FAILED:
-            self.give_up(reason, f"snapshot of the written inputs raised {type(exc).__name__}: {exc}")
-        else:
+        if is_out_of_memory(exc):
             record_fields.unchecked(self._record, f"snapshotting what the call writes ran out of memory: {exc}")
-        out = self._eager(*args)
-        self._record.called(False, reason.value)
+            return self._answer(args, Decline.OUT_OF_MEMORY)
+        out = self._answer(args, Decline.CHECK_FAILED)  # raises the caller's own error, if that is what it was
+        self.give_up(Decline.CHECK_FAILED, f"snapshot of the written inputs raised {type(exc).__name__}: {exc}")
         return out
 
     def own(self, step: Callable[[], Any]) -> None:
