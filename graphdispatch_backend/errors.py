@@ -210,6 +210,9 @@ class FusionOff(str, enum.Enum):
     # recompile for an input of the same shape laid out otherwise): unfused as dynamic
     # shapes are, with a fix of its own to name
     DYNAMIC_STRIDES = "dynamic_strides"
+    # every tensor shape fixed, a Python number input symbolic (a sliding-window cache's
+    # token count): unfused as dynamic shapes are, said for what it is
+    DYNAMIC_SCALARS = "dynamic_scalars"
     NO_RECIPE = "no_recipe"  # no eager-numerics recipe for the device
 
 

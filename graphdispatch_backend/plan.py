@@ -70,6 +70,11 @@ _FUSION_OFF = {
     FusionOff.UNCHECKABLE: "the graph cannot be checked against eager (aot did not say which inputs it writes)",
     FusionOff.COLLECTIVES: "the graph holds collectives: every rank would have to agree on each recompile",
     FusionOff.DYNAMIC_SHAPES: "dynamic shapes: only graphs whose input shapes Dynamo fixed are fused",
+    FusionOff.DYNAMIC_SCALARS: (
+        "dynamic Python numbers: every tensor shape is fixed, but Dynamo made a Python number input symbolic (a "
+        "transformers sliding-window or hybrid cache counts its tokens in an int); fused code is compiled for fixed "
+        "inputs only, so such a graph is not fused (with dynamic=False each value would be a graph of its own, past "
+        "Dynamo's recompile_limit): it runs unfused, captured and checked as any other"),
     FusionOff.DYNAMIC_STRIDES: (
         "dynamic strides: Dynamo fixed every input size but left strides symbolic (it recompiled for an input "
         "of the same shape laid out otherwise, such as a slice of a wider tensor); only graphs whose input shapes "
@@ -119,6 +124,14 @@ def _strides_only(gm: fx.GraphModule) -> bool:
     symbolic = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")
                 if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))]
     return all(isinstance(s, torch.SymInt) and s.node.expr.free_symbols <= strides for s in symbolic)
+
+
+def _dynamic(gm: fx.GraphModule) -> FusionOff:
+    """What Dynamo left symbolic in a graph that is not static: strides alone, Python
+    numbers alone (every tensor shape fixed), or shapes."""
+    if _strides_only(gm):
+        return FusionOff.DYNAMIC_STRIDES
+    return FusionOff.DYNAMIC_SCALARS if fixed_shapes(gm) else FusionOff.DYNAMIC_SHAPES
 
 
 def _static(gm: fx.GraphModule) -> bool:
@@ -244,7 +257,7 @@ def _fusion_for(gm: fx.GraphModule, role: Role, options: Options, device: str, w
     kind = torch.device(device).type
     off = (FusionOff.AUTOGRAD if role.training else FusionOff.UNCHECKABLE if not writes_known
            else FusionOff.COLLECTIVES if ranked
-           else (FusionOff.DYNAMIC_STRIDES if _strides_only(gm) else FusionOff.DYNAMIC_SHAPES) if not _static(gm)
+           else _dynamic(gm) if not _static(gm)
            else FusionOff.NO_RECIPE if kind not in ("cpu", "cuda") else None)
     if off is not None:
         return FusionPlan(kind, off, _FUSION_OFF.get(off, f"no eager-numerics recipe for {kind}"))

@@ -98,3 +98,21 @@ def test_a_graph_dynamic_only_in_its_strides_is_told_how_to_fuse():
     assert [g["status"] for g in run([contiguous, sliced], dynamic=False)] == ["fused", "fused"]
     _, sized = run([contiguous, torch.randn(2, 20)])
     assert sized == {"status": "off", "detail": "dynamic shapes: only graphs whose input shapes Dynamo fixed are fused"}
+
+
+def test_a_graph_dynamic_only_in_a_python_number_says_so():
+    """A sliding-window cache counts its tokens in a Python int: after its second value
+    Dynamo makes it symbolic while every tensor shape stays fixed. Not fused (as any
+    symbolic graph), but the detail says it is a number, not a shape."""
+    def f(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n + 1
+
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    compiled = torch.compile(f, backend="graphdispatch", options={"fuse": True, "cache_dir": False})
+    for n in (1, 2, 3):
+        x = torch.randn(2, 16)
+        assert torch.equal(compiled(x, n), f(x, n))
+    first, symbolic = (g["fusion"] for g in accounted_graphs())
+    assert first["status"] == "fused" and symbolic["status"] == "off", (first, symbolic)
+    assert symbolic["detail"].startswith("dynamic Python numbers: every tensor shape is fixed"), symbolic
