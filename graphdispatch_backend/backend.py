@@ -109,7 +109,11 @@ def _as_traced(run_traced: Callable[..., Any], record: GraphRecord, reason: Decl
     """The Dynamo graph (`run_traced`) as the call's answer, each call counted eager with `reason`."""
 
     def run(*args: Any) -> Any:
-        out = run_traced(*args)
+        try:
+            out = run_traced(*args)
+        except Exception:  # the caller's own error: counted as it is raised
+            record.called(False, Decline.RAISED.value)
+            raise
         record.called(False, reason.value)
         return out
 

@@ -483,7 +483,8 @@ def test_aot_lowering_of_linear_after_conv_is_bitwise():
     assert graph["cuda_graph"]["eager_by_reason"]["lowering_mismatch"] == 2
 
 
-def test_aot_lowering_of_batchnorm_then_linear_runs():
+@pytest.mark.parametrize("mode", [False, "emulate"])
+def test_aot_lowering_of_batchnorm_then_linear_runs(mode):
     """Minimized from differential seed 112 (blocks norm(BatchNorm1d) ... attention).
     Eager BatchNorm returns a contiguous tensor, the fake tensor keeps the input's layout;
     backend="aot_eager" fails: view size is not compatible. graphdispatch's eager check sees
@@ -499,12 +500,13 @@ def test_aot_lowering_of_batchnorm_then_linear_runs():
         with pytest.raises(RuntimeError, match="view size is not compatible"):
             torch.compile(f, backend="aot_eager")(x)
         torch._dynamo.reset()
-        compiled = torch.compile(f, backend="graphdispatch", options={"cuda_graphs": False})
+        compiled = torch.compile(f, backend="graphdispatch", options={"cuda_graphs": mode})
         for _ in range(3):
             assert same_bits(compiled(x), f(x))
     (graph,) = graphdispatch_backend.latest_report()["graphs"]
     assert graph["lowering_check"]["status"] == "lowering_failed"
-    assert graph["cuda_graph"]["eager_by_reason"] == {"lowering_failed": 3}
+    # each call once, as what answered it: none of them is the caller's error (`raised`)
+    assert graph["calls"] == 3 and graph["cuda_graph"]["eager_by_reason"] == {"lowering_failed": 3}
 
 
 def test_output_view_of_a_wider_tensor_replays():

@@ -39,7 +39,7 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.errors import Contain, Decline, StrictModeError
 from graphdispatch_backend.runtime.call.calls import mark_entry
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
@@ -121,27 +121,36 @@ class EagerCheck:
         self._unwritten = frozenset(unwritten)
 
     def __call__(self, *args: Any) -> Any:
-        if self._timing is not None:
-            mark_entry(self._timing.now())
-        if self._lowering.declined is not None:
-            return self._lowering.declined_call(args)
-        if self._on:
-            due = self._due(args)
-            if due is not None and (self._gradients is not None or not self._needs_grad(args)):
-                return self._check(args, *due)
-        posted = self._posted
-        if posted is not None:
-            posted.stats = None
-        try:
-            out = self._compiled(*args)
-        except RuntimeError as exc:  # free unless raised; torch's errors (CUDA's too) are RuntimeErrors
-            return self._lowering.failed_later(args, exc)
-        if posted is None or not self._on:
-            return out
-        values = posted.take()
-        if values is not None and self._watch.within(values):  # type: ignore[union-attr]
-            return out  # the usual call: nothing new, nothing made (inline: it runs on every call)
-        return self._after(args, out, values)
+        try:  # free unless raised (Python 3.11's exceptions cost nothing on the way through)
+            if self._timing is not None:
+                mark_entry(self._timing.now())
+            if self._lowering.declined is not None:
+                return self._lowering.declined_call(args)
+            if self._on:
+                due = self._due(args)
+                if due is not None and (self._gradients is not None or not self._needs_grad(args)):
+                    return self._check(args, *due)
+            posted = self._posted
+            if posted is not None:
+                posted.stats = None
+            try:
+                out = self._compiled(*args)
+            except RuntimeError as exc:  # torch's errors (CUDA's too) are RuntimeErrors
+                return self._lowering.failed_later(args, exc)
+            if posted is None or not self._on:
+                return out
+            values = posted.take()
+            if values is not None and self._watch.within(values):  # type: ignore[union-attr]
+                return out  # the usual call: nothing new, nothing made (inline: it runs on every call)
+            return self._after(args, out, values)
+        except StrictModeError:  # counted where it was raised (runtime/program/program.py, lowering.py)
+            raise
+        except Exception:
+            # what leaves the check is the caller's own error, raised as eager raises it (an
+            # index past a static cache's end; a compiled run's error eager shares): counted,
+            # so that calls == replays + eager_calls holds for it too; nothing was counted yet
+            self._record.called(False, Decline.RAISED.value)
+            raise
 
     def _after(self, args: Sequence[Any], out: Any, values: list[float] | None) -> Any:
         """A call its schedule did not pick, judged by the statistics its graph took, `values`

@@ -38,13 +38,9 @@ class Lowering:
         return self._answer(args, self.declined)
 
     def _answer(self, args: Sequence[Any], reason: Decline) -> Any:
-        """The Dynamo graph answers the call, counted with `reason`; where it raises (the
-        caller's error), counted `raised`, and raised."""
-        try:
-            out = self._eager(*args)
-        except Exception:
-            self._record.called(False, Decline.RAISED.value)
-            raise
+        """The Dynamo graph answers the call, counted with `reason` (where it raises, the
+        caller's error, the call is counted `raised` as it leaves the check: eager_check.py)."""
+        out = self._eager(*args)
         self._record.called(False, reason.value)
         return out
 

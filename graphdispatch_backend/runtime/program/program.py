@@ -77,9 +77,6 @@ class CompiledGraph:
             except Answered as answered:  # the replay failed; the runner answered eagerly
                 self._record.called(False, answered.reason)
                 return answered.outputs
-            except Exception as exc:
-                self._raised(exc)
-                raise
             if out is not None:
                 return out
         if Isolation.active and isolating_here():  # an isolation run (runtime/checks/isolate.py): not a call
@@ -91,29 +88,28 @@ class CompiledGraph:
         if self._eager_reason is not None:
             try:
                 out = self._run(*args)
-            except Exception as exc:
-                self._raised(exc)
+            except StrictModeError:
+                self._raised()
                 raise
             self._record.called(False, self._eager_reason)
             return out
         begin_call()
         try:
             out = self._run(*args)
-        except Exception as exc:
-            self._raised(exc)
+        except StrictModeError:
+            self._raised()
             raise
         reason = end_call()
         self._record.called(reason is None, reason)
         return out
 
-    def _raised(self, exc: Exception) -> None:
-        """The call raised: counted all the same, as its regions counted theirs, so that
-        `calls == replays + eager_calls` holds for it too: `strict_raised` under `strict`
-        (a check failed inside the call), else `raised` (the caller's error, raised as
-        eager raises it: an index past a static cache's end)."""
+    def _raised(self) -> None:
+        """Under `strict`, a check failed inside the call, which raises StrictModeError: it
+        is counted all the same (`strict_raised`), as its regions counted theirs, so that
+        `calls == replays + eager_calls` holds for a strict run too. (A call that raises the
+        caller's own error is counted where it leaves graphdispatch: runtime/checks/eager_check.py.)"""
         end_call()
-        reason = Decline.STRICT_RAISED if isinstance(exc, StrictModeError) else Decline.RAISED
-        self._record.called(False, reason.value)
+        self._record.called(False, Decline.STRICT_RAISED.value)
 
     def _contract_fallback(self, args: Sequence[Any]) -> Sequence[Any]:
         detail = self._contract.explain(args) or "inputs differ from the traced placeholders"
@@ -137,8 +133,8 @@ class CompiledGraph:
         start = timing.now()
         try:
             out = self._run(*args)
-        except Exception as exc:
-            self._raised(exc)
+        except StrictModeError:
+            self._raised()
             raise
         timing.add("execute", timing.now() - start)
         reason = end_call() if self._eager_reason is None else self._eager_reason
