@@ -414,3 +414,62 @@ def test_the_aten_runs_between_captured_pieces_are_fused_too():
     assert f["fused_ops"] == {"aten.zeros.default": 1, MUL: 2, "aten.add.Tensor": 1, "aten.sub.Tensor": 1,
                               "aten.relu.default": 1}
     assert graph["cuda_graph"]["replays"] >= 2
+
+
+class _ConvBlock(nn.Module):
+    """A UNet's residual shape: Inductor's layout optimization ran its convolutions channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.c1(x) * 2 + t) + x
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * 2 + x) / 3  # add, mul, div: fused under the exact recipe
+
+
+def _fusion_of_conv_then_mlp() -> tuple[dict[str, Any], dict[str, Any]]:
+    torch.manual_seed(0)
+    conv = _ConvBlock().eval()
+    mlp = _Residual().eval()
+    options = {"cuda_graphs": "emulate", "fuse": True, "cache_dir": False}
+    with torch.no_grad():
+        for model, make in ((conv, lambda: (torch.randn(2, 4, 16, 16), torch.randn(2, 8, 1, 1))),
+                            (mlp, lambda: (torch.randn(8, 16),))):
+            compiled = torch.compile(model, backend="graphdispatch", dynamic=False, options=options)
+            for _ in range(3):
+                args = make()
+                assert torch.equal(compiled(*args), model(*args))  # every call bitwise, whatever the fusion did
+    first, second = (g["fusion"] for g in graphdispatch_backend.latest_report()["graphs"])
+    return first, second
+
+
+def test_a_convolution_block_fuses_in_eagers_layout():
+    """The exact recipe turns Inductor's layout optimization off: a conv block's output was
+    channels-last, found at call 1 (a UNet under fuse=True fused nothing)."""
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    conv, mlp = _fusion_of_conv_then_mlp()
+    assert conv["status"] == "fused" and conv["kernels"] > 0 and mlp["status"] == "fused", (conv, mlp)
+
+
+def test_an_output_laid_out_otherwise_learns_no_op_for_other_graphs(monkeypatch):
+    """Where fused code still lays an output out otherwise than eager (forced here: the
+    layout optimization on), that graph gives up fusion, said as a layout, and no op is
+    learned: it once kept add, mul, view and 14 more off for every later graph of the
+    device and recipe, and, through the verdict cache, of later processes."""
+    monkeypatch.setitem(recipe_mod._COMMON, "layout_optimization", True)
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    conv, mlp = _fusion_of_conv_then_mlp()
+    assert conv["status"] == "fusion_mismatch", conv
+    assert conv["detail"].startswith("the fused code lays an output out otherwise than eager"), conv
+    assert mlp["status"] == "fused" and not [k for k in mlp["kept"] if k["why"] != "recipe"], mlp

@@ -66,6 +66,7 @@ def isolating(call: str) -> Iterator[None]:
 
 
 ARTIFACT, FUSION, LOWERING, CAPTURE = "artifact", "fusion", "lowering", "capture"
+_LAYOUT = frozenset({"stride", "view"})  # Mismatch.what of an output's layout (strides, aliasing)
 
 
 @dataclasses.dataclass
@@ -74,6 +75,7 @@ class Culprit:
     detail: str = ""  # what it did
     demoted: list[Any] = dataclasses.field(default_factory=list)  # ARTIFACT: the substitutions demoted
     ops: list[str] | None = None  # FUSION: the ops whose fused result differs (None: none explains it)
+    layout: bool = False  # FUSION: the fused code lays an output out otherwise than eager (no op is at fault)
 
 
 def culprit(compiled: Callable[..., Any], args: Sequence[Any], side: SideBySide,
@@ -105,15 +107,16 @@ def culprit(compiled: Callable[..., Any], args: Sequence[Any], side: SideBySide,
     if newly:
         return Culprit(ARTIFACT, "; ".join(f"artifact {s.artifact} at {s.region}: {s.detail}" for s in newly), newly)
     if found is None:
-        return Culprit(CAPTURE, "run eagerly, it matches eager: the replay differed")
+        return Culprit(CAPTURE, "the lowered graph run again without its captures matches eager: the replay differed")
     if fusion is not None and fusion.active:
         party = _fusion(fusion, again, found)
         contain(lambda: side.back(REFERENCE))
         if party is not None:
             return party
     if isinstance(found, Exception):
-        return Culprit(LOWERING, f"run eagerly, it raised {type(found).__name__}: {found}")
-    return Culprit(LOWERING, f"run eagerly, it differs from eager too: {found}")
+        return Culprit(LOWERING, f"the lowered graph run again without captures and fusion raised "
+                                 f"{type(found).__name__}: {found}")
+    return Culprit(LOWERING, f"the lowered graph run again without captures and fusion differs from eager too: {found}")
 
 
 def _fusion(fusion: Any, again: Callable[[], Any], fused: Any) -> Culprit | None:
@@ -123,8 +126,14 @@ def _fusion(fusion: Any, again: Callable[[], Any], fused: Any) -> Culprit | None
         unfused = again()
     if unfused is not None:
         return None
-    ops, runs = fusion.isolate(lambda keep: _trying(fusion, keep, again))
     what = f"fused, it differs from eager ({fused}); unfused, it matches"
+    if isinstance(fused, Mismatch) and fused.what in _LAYOUT:
+        # where the fused code lays an output out (a convolution's channels-last choice), not an
+        # op's numerics: no op is learned, for this graph nor, through the verdict cache, for
+        # every graph of the device (a UNet's layout once kept add, mul and view off everywhere)
+        return Culprit(FUSION, f"{what}: a layout, not an op's values; nothing is learned for other graphs", ops=None,
+                       layout=True)
+    ops, runs = fusion.isolate(lambda keep: _trying(fusion, keep, again))
     if ops is None:
         return Culprit(FUSION, f"{what}; no set of fused ops explains it ({runs} runs)", ops=None)
     return Culprit(FUSION, f"{what}; kept as ATen calls, it matches: {', '.join(ops)} ({runs} runs)", ops=ops)
@@ -173,7 +182,7 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
                          message, detail)
         return None
     if party == FUSION:  # learned (kept as ATen calls, recompiled) or given up: runtime/program/fused.py
-        fusion.learn(found.ops, n, f"{verdict[1]}; {detail}")
+        fusion.learn(found.ops, n, f"{verdict[1]}; {detail}", layout=found.layout)
         return None
     if party == CAPTURE:
         now = [s.replays for s in record.piece_stats]

@@ -181,13 +181,16 @@ class Fusion:
                 unit.forget_trials()
 
     # -- learning -------------------------------------------------------------------------
-    def learn(self, culprits: Sequence[str] | None, call: int, detail: str) -> None:
-        """A check at `call` found `culprits` (None: none found) differing: keep them and
-        recompile, or give up fusion after MAX_ROUNDS rounds."""
+    def learn(self, culprits: Sequence[str] | None, call: int, detail: str, layout: bool = False) -> None:
+        """A check at `call` found `culprits` (None: none found; `layout`: an output laid out
+        otherwise than eager, no op at fault) differing: keep them and recompile, or give up
+        fusion after MAX_ROUNDS rounds."""
         with self._lock:
             self.rounds += 1
             if culprits is None or self.rounds > MAX_ROUNDS:
-                if culprits is None:
+                if layout:
+                    why = "the fused code lays an output out otherwise than eager"
+                elif culprits is None:
                     why = "no set of fused ops explains the difference"
                 else:
                     ops = ", ".join(sorted({*(k["op"] for k in self.learned), *culprits}))
