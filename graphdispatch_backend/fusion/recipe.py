@@ -116,7 +116,7 @@ _COMMON: dict[str, Any] = {
     "freezing": False,
     "cpp_wrapper": False,
     "keep_output_stride": True,
-    "layout_optimization": False,  # eager's memory formats: a conv's output channels-last was an output's layout off eager's
+    "layout_optimization": False,  # eager's memory formats (it ran a UNet's convs channels-last, outputs too)
     "triton.cudagraphs": False,  # graphdispatch captures (and checks) its own graphs
 }
 _DEVICE: dict[str, dict[str, Any]] = {
