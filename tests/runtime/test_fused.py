@@ -473,3 +473,27 @@ def test_an_output_laid_out_otherwise_learns_no_op_for_other_graphs(monkeypatch)
     assert conv["status"] == "fusion_mismatch", conv
     assert conv["detail"].startswith("the fused code lays an output out otherwise than eager"), conv
     assert mlp["status"] == "fused" and not [k for k in mlp["kept"] if k["why"] != "recipe"], mlp
+
+
+def test_an_expanded_input_of_a_fused_graph_verifies_at_the_capture_call():
+    """A pipeline passes its timestep as `t.expand(batch)` (LTX, SD3): stride 0. The set
+    derived from it at the capture call (the value doubled) keeps that layout, which the
+    fused code's stride checks assume; laid out contiguously it raised there, so the capture
+    waited for the next call to verify and the first replay came a call later than unfused."""
+    def f(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x * t[:, None] + 1
+
+    seen = {}
+    for fuse in (False, True):
+        torch._dynamo.reset()
+        graphdispatch_backend.reset()
+        compiled = torch.compile(f, backend="graphdispatch", dynamic=False,
+                                 options={"cuda_graphs": "emulate", "fuse": fuse, "cache_dir": False})
+        with torch.no_grad():
+            for step in range(4):
+                x, t = torch.randn(2, 8), torch.tensor(1000.0 - 200 * step).expand(2)
+                assert torch.equal(compiled(x, t), f(x, t))
+        (graph,) = graphdispatch_backend.latest_report()["graphs"]
+        seen[fuse] = dict(graph["cuda_graph"]["eager_by_reason"])
+        assert fuse is False or graph["fusion"]["status"] == "fused", graph["fusion"]
+    assert seen[True] == seen[False] == {"warmup": 1, "verifying": 1}, seen

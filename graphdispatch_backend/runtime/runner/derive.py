@@ -22,7 +22,9 @@ Integer and bool inputs that hold one repeated value have no derived set: when e
 moving input is like that, there is none, and the runner waits for distinct live values.
 Candidates are made one at a time, when the one before would not do: a verification holds
 one derived set at a time. Each lies in memory of its own with its input's strides and
-alignment (mod 16 bytes), so eager on it takes the path the replay's static buffer does.
+alignment (mod 16 bytes), so eager on it takes the path the replay's static buffer does; an
+expanded input (stride 0: a timestep `t.expand(batch)`) keeps its expanded layout where the
+derived values repeat as its own do.
 """
 
 from __future__ import annotations
@@ -45,9 +47,32 @@ def _like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     set must see the same one."""
     if writable_layout(t):
         stride = t.stride()
-    else:  # an expanded view: its elements share memory, so no new values fit its strides
+    else:
+        expanded = _expanded_like(t, values)
+        if expanded is not None:
+            return expanded
+        # an overlapping view whose new values would not repeat as its elements share memory
         stride = torch.empty(t.shape, device="meta").stride()
     return aligned_empty(t.shape, stride, t, t.data_ptr() % ALIGN).copy_(values)
+
+
+def _expanded_like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+    """`values` in t's expanded layout (stride 0 on the dims it broadcasts), where they
+    repeat along those dims as t's elements do (a doubled timestep `t.expand(batch)`):
+    compiled code may assume the layout (a fused graph's stride checks raised on a
+    contiguous derived timestep, and the capture verified a call later). None otherwise."""
+    zero = [d for d, (n, st) in enumerate(zip(t.shape, t.stride())) if st == 0 and n > 1]
+    if not zero:
+        return None
+    first = values
+    for d in zero:
+        first = first.narrow(d, 0, 1)
+    base_stride = [1 if d in zero else st for d, st in enumerate(t.stride())]
+    base = torch.empty_strided(first.shape, base_stride, device="meta")
+    if not writable_layout(base) or not torch.equal(first.expand(t.shape), values):
+        return None
+    out = aligned_empty(first.shape, base_stride, t, t.data_ptr() % ALIGN).copy_(first).expand(t.shape)
+    return out if out.stride() == t.stride() else None
 
 
 def permuted(t: torch.Tensor, salt: int) -> torch.Tensor:
