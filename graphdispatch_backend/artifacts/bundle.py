@@ -59,17 +59,22 @@ def _regular(path: Path, rel: str) -> os.stat_result:
     return st
 
 
-def read_manifest(folder: Path) -> Manifest:
+def _manifest_json(folder: Path) -> Any:
+    """The manifest's JSON, read within the size cap (BundleRejected: it is not one)."""
     path = folder / MANIFEST_NAME
     st = _regular(path, MANIFEST_NAME)
     if st.st_size > MAX_MANIFEST_BYTES:
         raise _reject(BundleRejection.MANIFEST, f"{MANIFEST_NAME} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(path.read_bytes().decode("utf-8"))
     except RecursionError:  # "[[[[...]]]]" within the size cap: reject, never crash the compile
         raise _reject(BundleRejection.MANIFEST, f"{MANIFEST_NAME} nests too deeply") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _reject(BundleRejection.MANIFEST, f"{MANIFEST_NAME} is not valid JSON: {exc}") from None
+
+
+def read_manifest(folder: Path) -> Manifest:
+    data = _manifest_json(folder)
     try:
         return parse_manifest(data)
     except ManifestError as exc:
@@ -81,11 +86,8 @@ def claimed_id(folder: Path) -> str | None:
     anything else (a hash mismatch, an unknown key), so the verdict and `enable` can name the
     bundle the author means. Reading it executes nothing."""
     try:
-        st = _regular(folder / MANIFEST_NAME, MANIFEST_NAME)
-        if st.st_size > MAX_MANIFEST_BYTES:
-            return None
-        data = json.loads((folder / MANIFEST_NAME).read_bytes().decode("utf-8"))
-    except (BundleRejected, OSError, RecursionError, UnicodeDecodeError, json.JSONDecodeError):
+        data = _manifest_json(folder)
+    except (BundleRejected, OSError):
         return None
     artifact_id = data.get("id") if isinstance(data, dict) else None
     return artifact_id if isinstance(artifact_id, str) and artifact_id else None
