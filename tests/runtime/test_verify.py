@@ -124,6 +124,21 @@ def test_the_same_tensors_every_call_replay_from_warmup_plus_three():
     assert stats.declines == {} and stats.eager_by_reason == {"warmup": 2, "verifying": 2}
 
 
+def test_outputs_that_no_input_changes_take_a_second_verifying_call():
+    """A zero-initialized projection (a fresh ControlNet's) returns zeros whatever it is
+    given: the derived set's outputs are the live ones and show nothing more, so the next
+    call with other values is the second set (docs/report.md, `verifying`); its contrast,
+    the same graph with weights, replays a call sooner."""
+    def zeroed(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x @ w,)
+
+    for w, verifying in ((torch.zeros(4, 4), 2), (torch.randn(4, 4), 1)):
+        runner, stats = make_runner(zeroed, warmup=1, verify_inputs=2)
+        replayed = run_loop(runner, zeroed, lambda w=w: (torch.randn(3, 4), w), 8)
+        assert replayed.index(True) == 1 + verifying and all(replayed[1 + verifying:])
+        assert stats.declines == {} and stats.eager_by_reason == {"warmup": 1, "verifying": verifying}
+
+
 def test_repeated_integer_ids_are_permuted_not_invented():
     """An embedding lookup: a derived set outside the id range would raise; a permutation stays valid."""
     table = torch.randn(10, 4)
