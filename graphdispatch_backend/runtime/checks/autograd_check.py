@@ -28,8 +28,10 @@ them: the graph then runs as the Dynamo graph, with eager autograd, for the sess
 - `eager_nondeterministic`: eager's backward, run twice, disagrees with itself;
 - `lowering_failed`: the lowered backward raises where eager's does not;
 - `check_failed`: a cotangent or a comparison raised.
-An out-of-memory in the lowered backward is no verdict; eager's backward raising means
-the user's would too, and leaves nothing to compare. Everything runs inside `contain`.
+An out-of-memory in the lowered backward is no verdict. Eager's backward runs right after
+eager's forward (`reference`), before the check puts back what eager wrote and runs the
+compiled forward: then its raising means the user's would too, and leaves nothing to
+compare. Everything runs inside `contain`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,23 @@ class GradientVerdict(NamedTuple):
     reason: Decline
     detail: str
     gradients: tuple[str, ...] = ()  # the inputs whose gradients differ
+
+
+class EagerGradients(NamedTuple):
+    """Eager's side of a gradient check (GradientCheck.reference)."""
+
+    wrt: list[tuple[str, torch.Tensor]]  # the inputs that require grad, by name
+    want_diff: list[int]  # eager's outputs that record history
+    cots: list[torch.Tensor]  # their cotangents
+    want: tuple[torch.Tensor, ...]  # eager's gradients
+    failed: GradientVerdict | None  # the check could not be made
+    raised: bool = False  # eager's own backward raised: nothing to compare
+
+
+def _grads(outputs: Sequence[Any], want_diff: Sequence[int], wrt: Sequence[tuple[str, torch.Tensor]],
+           cots: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad([outputs[i] for i in want_diff], [t for _, t in wrt], cots, retain_graph=True,
+                               allow_unused=True, materialize_grads=True)
 
 
 def _differentiable(t: Any) -> bool:
@@ -82,31 +101,40 @@ class GradientCheck:
         """The call records autograd history: its gradients are what the user gets too."""
         return torch.is_grad_enabled() and any(_differentiable(t) for t in (*self._lifted, *args))
 
-    def judge(self, args: Sequence[Any], expected: Sequence[Any], got: Sequence[Any]) -> GradientVerdict | None:
-        """Eager's flat outputs against the compiled graph's (see module docstring)."""
+    def reference(self, args: Sequence[Any], expected: Sequence[Any]) -> EagerGradients | None:
+        """Eager's gradients, taken right after eager's forward (`expected`, its flat
+        outputs), before anything else runs: the check then puts back the inputs eager
+        wrote (a batch norm's running statistics, which eager's backward saved) and runs
+        the compiled forward, which writes them again; eager's backward taken after that
+        raised on the version counters, where the user's own backward would not. None: no
+        output or no input records history (nothing to compare)."""
         flat = (*self._lifted, *args)
         wrt = [(self._name(i), t) for i, t in enumerate(flat) if _differentiable(t)]
         want_diff = [i for i, t in enumerate(expected) if _differentiable(t)]
-        have_diff = [i for i, t in enumerate(got) if _differentiable(t)]
-        if want_diff != have_diff:
-            return GradientVerdict(Decline.LOWERING_MISMATCH, (
-                f"differs from eager in which outputs record autograd history: outputs {have_diff}, "
-                f"eager's {want_diff}"))
         if not want_diff or not wrt:
-            return None
+            return EagerGradients(wrt, want_diff, [], (), None)
         cots, exc = self._contain(lambda: cotangents([expected[i] for i in want_diff]))
         if exc is not None:
-            return GradientVerdict(Decline.CHECK_FAILED, f"making cotangents raised {type(exc).__name__}: {exc}")
-        inputs = [t for _, t in wrt]
+            return EagerGradients(wrt, want_diff, [], (), GradientVerdict(
+                Decline.CHECK_FAILED, f"making cotangents raised {type(exc).__name__}: {exc}"))
+        want, exc = self._contain(lambda: _grads(expected, want_diff, wrt, cots))
+        # eager's own backward raises, on what eager's forward left: so would the user's; nothing to compare
+        return EagerGradients(wrt, want_diff, cots, want, None, raised=exc is not None)
 
-        def grads(outputs: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-            return torch.autograd.grad([outputs[i] for i in want_diff], inputs, cots, retain_graph=True,
-                                       allow_unused=True, materialize_grads=True)
-
-        want, exc = self._contain(lambda: grads(expected))
-        if exc is not None:  # eager's own backward raises: so would the user's; nothing to compare
+    def judge(self, eager: EagerGradients, expected: Sequence[Any], got: Sequence[Any]) -> GradientVerdict | None:
+        """The compiled graph's flat outputs against eager's, and their gradients against
+        `eager`'s (see module docstring)."""
+        have_diff = [i for i, t in enumerate(got) if _differentiable(t)]
+        if eager.want_diff != have_diff:
+            return GradientVerdict(Decline.LOWERING_MISMATCH, (
+                f"differs from eager in which outputs record autograd history: outputs {have_diff}, "
+                f"eager's {eager.want_diff}"))
+        if eager.failed is not None:
+            return eager.failed
+        if not eager.want_diff or not eager.wrt or eager.raised:
             return None
-        have, exc = self._contain(lambda: _lowered(lambda: grads(got)))
+        wrt = eager.wrt
+        have, exc = self._contain(lambda: _lowered(lambda: _grads(got, eager.want_diff, wrt, eager.cots)))
         if exc is not None:
             if is_out_of_memory(exc):  # memory was short this once: no verdict on the lowering
                 return None
@@ -115,13 +143,13 @@ class GradientCheck:
         if backward is not None:
             with backward.lock:
                 backward.checks += 1
-        differs, exc = self._contain(lambda: _differ(wrt, want, have))
+        differs, exc = self._contain(lambda: _differ(wrt, eager.want, have))
         if exc is not None:
             return GradientVerdict(Decline.CHECK_FAILED, f"comparing gradients raised {type(exc).__name__}: {exc}")
         if not differs:
             return None
         names = tuple(name for name, _ in differs)
-        again, exc = self._contain(lambda: _differ(wrt, want, grads(expected)))
+        again, exc = self._contain(lambda: _differ(wrt, eager.want, _grads(expected, eager.want_diff, wrt, eager.cots)))
         if exc is None and again:
             return GradientVerdict(Decline.EAGER_NONDETERMINISTIC, (
                 f"eager's backward disagrees with itself ({again[0][1].describe(again[0][0])}); the lowered backward's "

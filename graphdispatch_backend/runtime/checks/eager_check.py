@@ -194,6 +194,9 @@ class EagerCheck:
         # Printed now, before the world goes back: an output may be a view of a written input.
         lean = self._gradients is None and self._agreement is None and tolerance is None
         ref = Reference(raw, args, lean, self._contain, start, self._unwritten)
+        # eager's gradients now, before its world is put back and the compiled forward writes it again
+        grads = self._gradients.reference(args, ref.outputs) \
+            if self._gradients is not None and self._gradients.needed(args) else None
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         _, exc = self._contain(lambda: side.set_aside(REFERENCE))  # eager's world kept aside, the world before back
         if exc is not None:
@@ -225,8 +228,8 @@ class EagerCheck:
                 local = (Decline.CHECK_FAILED, f"comparing raised {compared.detail}")
             elif compared.kind is Kind.MISMATCH:
                 local, forward = (Decline.LOWERING_MISMATCH, f"differs from eager: {compared.mismatch}"), True
-            elif self._gradients is not None and self._gradients.needed(args):
-                judged = self._gradients.judge(args, ref.outputs, got)  # blames eager's nondeterminism itself
+            elif grads is not None:
+                judged = self._gradients.judge(grads, ref.outputs, got)  # blames eager's nondeterminism itself
                 local = None if judged is None else (judged.reason, judged.detail)
                 gradients = () if judged is None else judged.gradients
             else:

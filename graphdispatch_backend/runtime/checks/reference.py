@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.checks.draws import Start, privately
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing
@@ -86,11 +88,18 @@ class Reference:
 
     def answer(self, eager: Callable[..., Any], side: SideBySide, own: Callable[[Callable[[], Any]], None]) -> Any:
         """Eager's outputs, with the world as eager left it: kept, or run again (`own` runs
-        graphdispatch's own steps, contained)."""
-        if self._raw is not None:
+        graphdispatch's own steps, contained). Run again where its outputs record autograd
+        history and the graph writes its inputs: putting eager's world back writes them in
+        place, and a backward that saved them (a batch norm's running statistics) would
+        raise on their version counters in the user's `backward()`."""
+        if self._raw is not None and not (side.writes_inputs and _records_history(self._raw)):
             own(lambda: side.back(REFERENCE))
             return self._raw
         if self._second is not None:  # eager's second run agreed with its first: its outputs answer
             return tuple(self._second)
         own(side.back)
         return eager(*self._args)
+
+
+def _records_history(raw: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in flat(raw))

@@ -142,6 +142,11 @@ class SideBySide:
         """`party` ran second: its world kept aside, and `back`'s put back."""
         self._worlds[party] = self._worlds[back].swap()
 
+    @property
+    def writes_inputs(self) -> bool:
+        """The graph writes some of its inputs: putting a world back writes them in place."""
+        return not self._worlds[BEFORE].empty
+
     def back(self, party: str = BEFORE) -> None:
         """The world put back as it was before, or as `party` left it."""
         self._worlds[party].restore()
