@@ -19,6 +19,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from graphdispatch_backend.capture.autocast import AutocastState
+from graphdispatch_backend.capture.interpolate import keep_eager_interpolation
 from graphdispatch_backend.capture.names import access_name, resolve_graph_names
 
 Compiler = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]]
@@ -111,11 +112,12 @@ def lower(
     backward compilers (partitioned joint graph) for training graphs. Inputs an inference
     graph writes into stay written in the graph (`copy_`, keep_inference_input_mutations,
     as Inductor lowers): a captured graph then updates a KV cache in place, instead of
-    returning the whole cache for a copy back.
+    returning the whole cache for a copy back. An inference graph's interpolations keep
+    eager's kernels (capture/interpolate.py).
     """
     with autocast.replay():
         return aot_module_simplified(
-            gm,
+            keep_eager_interpolation(gm),  # eager's upsampling kernels, not their decompositions
             example_inputs,
             fw_compiler=forward_compiler,
             bw_compiler=backward_compiler,
