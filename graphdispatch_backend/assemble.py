@@ -99,6 +99,7 @@ class Lowering(Protocol):
     agreement: Agreement | None
     runners: list[GraphRunner]
     fusion: Fusion | None
+    unfaithful: str | None  # what makes the lowering differ from eager on some inputs (capture/matmul_folds.py)
 
 
 def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eager: Callable[..., Any],
@@ -145,4 +146,4 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                           plan.recheck(options), options.artifact_recheck,
                           bool(record.substitutions) and plan.engine is not Engine.OFF),
                       runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
-                      unwritten=unwritten, novelty=novelty, posted=posted)
+                      unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful)

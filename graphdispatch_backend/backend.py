@@ -25,6 +25,7 @@ import torch.fx as fx
 from graphdispatch_backend.assemble import eager_checked, runner_for, watched_in_graph
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
+from graphdispatch_backend.capture.matmul_folds import unfolded_matmul
 from graphdispatch_backend.codegen import deferred_forward, generated_forward
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
@@ -124,8 +125,11 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
              example_inputs: Sequence[Any]) -> Callable[..., Any]:
     autocast = AutocastState.observe()
     origins = input_origins(gm, example_inputs)
+    lifted = [t for _, t in gm.named_parameters(remove_duplicate=False)] + [
+        t for _, t in gm.named_buffers(remove_duplicate=False)]
     builder = _Builder(session, record, origins, gm.meta.get("gd_model_modules"),
-                       [watched_on(x) for x in example_inputs])
+                       [watched_on(x) for x in example_inputs],
+                       [bool(getattr(x, "requires_grad", False)) for x in (*lifted, *example_inputs)])
     compiled = lower(gm, example_inputs, autocast, inference_compiler=builder.inference,
                      forward_compiler=builder.forward, backward_compiler=builder.backward)
     session.events.decision("compile", {"graph": record.name, "kind": record.kind.value, "nodes": record.nodes,
@@ -133,8 +137,6 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                                         "cuda_graph": record.cuda_graph_mode,
                                         "cuda_graph_reason": record.cuda_graph_reason,
                                         "autocast": autocast.to_dict()})
-    lifted = [t for _, t in gm.named_parameters(remove_duplicate=False)] + [
-        t for _, t in gm.named_buffers(remove_duplicate=False)]
     plan, serving = builder.plan, builder.serving
     if plan is not None and serving is not None and plan.serves_nothing(serving, bool(record.substitutions)):
         # no piece to capture, no artifact, nothing fused: the lowering would serve nothing
@@ -162,13 +164,16 @@ class _Builder:
     callables assembled from the plan."""
 
     def __init__(self, session: Session, record: GraphRecord, origins: tuple[InputOrigin, ...],
-                 model_modules: Sequence[str] | None = None, watched: Sequence[str | None] = ()) -> None:
+                 model_modules: Sequence[str] | None = None, watched: Sequence[str | None] = (),
+                 requires_grad: Sequence[bool] = ()) -> None:
         self.session = session
         self.record = record
         self.origins = origins
         # per Dynamo input, where the novelty checks would watch it (not the inputs: the
         # builder lives as long as the graph, and would keep the first call's inputs alive)
         self.watched = watched
+        self.requires_grad = tuple(requires_grad)  # per aot input (lifted first): what eager's matmuls fold by
+        self.unfaithful: str | None = None  # the inference graph's lowering differs from eager on some inputs
         self.artifacts = GraphArtifacts(session, record, model_modules)
         # inputs (aot positions) the inference graph writes into; None: it cannot be checked
         # against eager (an input's metadata is mutated, or aot did not say)
@@ -184,6 +189,7 @@ class _Builder:
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         self.mutated = mutated_inputs()
+        self.unfaithful = unfolded_matmul(gm, self.requires_grad, [o.name for o in self.origins])
         return self._build(gm, self.record, Role.INFERENCE)
 
     def forward(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:

@@ -108,6 +108,8 @@ class Decline(str, enum.Enum):
     BACKEND_ERROR = "backend_error"
     LOWERING_MISMATCH = "lowering_mismatch"  # the lowered graph is not bitwise equal to eager
     LOWERING_FAILED = "lowering_failed"  # the lowered graph raises where eager does not
+    # aot traced an op otherwise than eager runs it, on some inputs only (capture/matmul_folds.py)
+    LOWERING_UNFAITHFUL = "lowering_unfaithful"
     CONTRACT_MISMATCH = "contract_mismatch"
     MAX_CAPTURES = "max_captures"
     NON_TENSOR_OUTPUT = "non_tensor_output"

@@ -90,6 +90,7 @@ class EagerCheck:
         unwritten: Sequence[int] = (),
         novelty: Novelty | None = None,
         posted: Posted | None = None,
+        unfaithful: str | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -108,6 +109,8 @@ class EagerCheck:
         self._due = GraphDue(recheck, record.name, dynamic, keyed, None if self._posted is not None else novelty)
         self._on = MAX_KEYS > 0
         self._lowering = Lowering(eager, compiled, record, events, contain, strict)  # who answers, who is declined
+        if unfaithful is not None:  # known to differ from eager on some inputs: never served (capture/matmul_folds.py)
+            self._lowering.give_up(Decline.LOWERING_UNFAITHFUL, unfaithful)
         self._timing = timing if timing.enabled else None
         self._gradients = gradients  # an autograd graph's: its backward is checked too
         # an inference graph's pieces' runners (by the record's piece_stats): a mismatch is
