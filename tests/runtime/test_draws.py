@@ -74,3 +74,36 @@ def test_a_thread_drawing_while_a_call_is_checked_is_not_rewound(monkeypatch):
     assert len(drawn) >= 5 and repeated == 0
     (graph,) = accounted_graphs()
     assert graph["lowering_check"]["status"] == "bitwise" and graph["cuda_graph"]["replays"] == 3
+
+
+class _RaisesBetweenDraws(nn.Module):
+    """Dropout, a group norm that aot's lowering runs on a layout its CPU kernel refuses
+    (batch 1, a view of a transposed tensor: docs/diffusers.md), dropout again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop, self.norm = nn.Linear(64, 64), nn.Dropout(0.5), nn.GroupNorm(8, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x.flatten(2).transpose(1, 2)))
+        h = h.transpose(-1, -2).view(1, 64, 16, 16) + x
+        return self.drop(self.norm(h / 1))
+
+
+def test_a_lowering_that_raises_between_its_draws_leaves_the_generator_where_eager_does():
+    """The compiled run answers a checked call and draws from the user's generator; raising
+    after its first dropout and before its second, it left the generator half-way, and
+    every later call's dropout masks differed from eager's while eager answered them."""
+    torch.manual_seed(0)
+    model = _RaisesBetweenDraws().train()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+
+    def run(fn: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return [(fn(torch.randn(1, 64, 16, 16)), torch.get_rng_state()) for _ in range(3)]
+
+    for (got, state), (want, eager_state) in zip(run(compiled), run(model)):
+        assert torch.equal(got, want) and torch.equal(state, eager_state)
+    (graph,) = accounted_graphs()
+    assert graph["lowering_check"]["status"] == "lowering_failed"

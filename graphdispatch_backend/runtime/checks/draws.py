@@ -7,7 +7,9 @@ do that for this thread, but would also rewind what another thread drew meanwhil
 numbers drawn again, by whoever draws next). Instead the reference run (and every other
 extra run of the call) draws from private generators that start where the global ones
 stood as the call began (`Start`); the global generators are left alone for the run that
-answers, and for every other thread.
+answers, and for every other thread. Where eager's outputs answer instead (a verdict), the
+compiled run drew from the user's generators and may have stopped short (it raised) or
+drawn otherwise: they are then set where eager's run left its copies (`Start.settle`).
 
 Ops with a `generator` argument get the private generator of their device passed in. An
 op without one (`native_dropout`, attention's dropout) draws from the global generator:
@@ -35,18 +37,32 @@ def _default(device: torch.device) -> torch.Generator:
 
 class Start:
     """The default generators' states as a call starts: each `private()` run draws from
-    copies of them (module docstring)."""
+    copies of them (module docstring); `settle()` leaves the default generators where the
+    first such run (eager's reference) left its copies."""
 
-    __slots__ = ("_states",)
+    __slots__ = ("_end", "_states")
 
     def __init__(self) -> None:
         self._states: dict[torch.device, torch.Tensor] = {torch.device("cpu"): torch.default_generator.get_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             for i, g in enumerate(torch.cuda.default_generators):
                 self._states[torch.device("cuda", i)] = g.get_state()
+        self._end: dict[torch.device, torch.Tensor] | None = None
 
     def private(self) -> _PrivateDraws:
         return _PrivateDraws(self._states)
+
+    def ran(self, draws: _PrivateDraws) -> None:
+        """A private run ended: the first one's generators are where eager leaves the user's."""
+        if self._end is None:
+            self._end = {device: g.get_state() for device, g in draws.generators.items()}
+
+    def settle(self) -> None:
+        """Eager's outputs answer the call: the user's generators as eager leaves them. The
+        run that answers otherwise, the compiled one, drew from them itself, and may have
+        stopped short (it raised) or drawn otherwise (it differed)."""
+        for device, state in (self._end or {}).items():
+            _default(device).set_state(state)
 
 
 class _PrivateDraws(TorchDispatchMode):
@@ -54,6 +70,10 @@ class _PrivateDraws(TorchDispatchMode):
         super().__init__()
         self._states = states
         self._private: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def generators(self) -> dict[torch.device, torch.Generator]:
+        return self._private
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cuda" and device.index is None:
@@ -93,8 +113,11 @@ def privately(start: Start | None, fn: Callable[..., Any]) -> Callable[..., Any]
         return fn
 
     def run(*args: Any) -> Any:
-        with start.private():
-            return fn(*args)
+        draws = start.private()
+        with draws:
+            out = fn(*args)
+        start.ran(draws)
+        return out
 
     return run
 

@@ -92,6 +92,8 @@ class Reference:
         history and the graph writes its inputs: putting eager's world back writes them in
         place, and a backward that saved them (a batch norm's running statistics) would
         raise on their version counters in the user's `backward()`."""
+        if self._start is not None:  # the user's generators as eager leaves them (runtime/checks/draws.py)
+            own(self._start.settle)
         if self._raw is not None and not (side.writes_inputs and _records_history(self._raw)):
             own(lambda: side.back(REFERENCE))
             return self._raw
