@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import graphdispatch_backend
 from graphdispatch_backend.backend import make_contain
@@ -56,6 +57,40 @@ def test_a_value_dependent_lowering_is_caught_at_the_next_recheck():
     assert all(torch.equal(s, eager(big)[0]) for s in served[3:])
     assert record.lowering["status"] == "lowering_mismatch"
     assert record.eager_checks == 3  # calls 1, 2, 4
+
+
+def test_a_lowering_that_raises_after_drawing_on_an_unchecked_call_leaves_eager_its_draws():
+    """Call 3 is not checked: the compiled run draws a dropout mask from the user's
+    generator, then raises; the Dynamo graph that answers must draw what eager draws, from
+    where the generator stood as the call began."""
+    eager = lambda x: (F.dropout(x, 0.5, training=True) * 2,)
+    calls = []
+
+    def lowered(x: torch.Tensor) -> tuple[torch.Tensor]:
+        calls.append(1)
+        out = eager(x)
+        if len(calls) == 3:
+            raise RuntimeError("the lowered graph gave up half-way")
+        return out
+
+    record = GraphRecord(index=0)
+
+    def counted(*args: Any) -> Any:
+        out = lowered(*args)
+        record.called(False, "disabled")
+        return out
+
+    check = EagerCheck(eager, counted, record, Events(), make_contain(False), strict=False, keyed=[0],
+                       locate=lambda args: [], dynamic=False, timing=Timing(), draws=True)
+    x = torch.ones(64)
+    torch.manual_seed(0)
+    served = [check(x)[0] for _ in range(4)]
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    want = [eager(x)[0] for _ in range(4)]
+    assert all(torch.equal(s, w) for s, w in zip(served, want))
+    assert torch.equal(after, torch.get_rng_state())
+    assert record.lowering["status"] == "lowering_failed"
 
 
 def test_rechecks_follow_the_doubling_schedule():

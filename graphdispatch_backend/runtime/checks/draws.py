@@ -57,6 +57,12 @@ class Start:
         if self._end is None:
             self._end = {device: g.get_state() for device, g in draws.generators.items()}
 
+    def restore(self) -> None:
+        """The user's generators as the call began: a compiled run that raised drew from
+        them, and the Dynamo graph that answers instead must draw what eager would."""
+        for device, state in self._states.items():
+            _default(device).set_state(state)
+
     def settle(self) -> None:
         """Eager's outputs answer the call: the user's generators as eager leaves them. The
         run that answers otherwise, the compiled one, drew from them itself, and may have

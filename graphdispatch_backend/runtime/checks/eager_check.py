@@ -136,9 +136,12 @@ class EagerCheck:
             posted = self._posted
             if posted is not None:
                 posted.stats = None
+            start = Start() if self._draws else None  # where the generators stood, for the run that answers instead
             try:
                 out = self._compiled(*args)
             except RuntimeError as exc:  # torch's errors (CUDA's too) are RuntimeErrors
+                if start is not None:
+                    start.restore()
                 return self._lowering.failed_later(args, exc)
             if posted is None or not self._on:
                 return out
