@@ -169,12 +169,16 @@ def _fusion(report: dict[str, Any]) -> list[str]:
         recipe = [k["op"] for k in kept if k.get("why") == "recipe"]
         tol = f.get("tolerance")
         judged = f"rtol={tol['rtol']:g} atol={tol['atol']:g}" if tol else "bitwise"
-        rows.append([g["name"], f.get("status", "-"), judged,
+        status = f"{f.get('status', '-')}, unused ({f['unused']})" if f.get("unused") else f.get("status", "-")
+        rows.append([g["name"], status, judged,
                      f.get("kernels", "-"), sum((f.get("fused_ops") or {}).values()), f.get("aten_calls", "-"),
                      len(recipe), ", ".join(k["op"] for k in learned) or "-", f.get("rounds", "-"),
                      f.get("compile_seconds", "-")])
         if f.get("detail"):
             details.append(f"  {g['name']}: {f['status']}: {f['detail']}")
+        if f.get("unused"):
+            details.append(f"  {g['name']}: its fused code serves no call: the graph runs as the Dynamo graph "
+                           f"({f['unused']}, see its lowering check)")
         if tol:
             details.append(f"  {g['name']}: {_tolerance(f)}")
         for k in learned:

@@ -24,6 +24,10 @@ from typing import Any
 
 from graphdispatch_backend.errors import GraphKind, LoweringStatus
 
+# lowering statuses under which the lowered graph still answers calls (any other: the Dynamo graph does)
+_SERVED_STATUSES = frozenset({LoweringStatus.BITWISE.value, LoweringStatus.WITHIN_TOLERANCE.value,
+                               LoweringStatus.UNCHECKED.value})
+
 
 @dataclasses.dataclass
 class CudaGraphStats:
@@ -236,6 +240,9 @@ class GraphRecord:
         states = {s["state"] for s in pieces}
         state = "eager" if not pieces else states.pop() if len(states) == 1 else "mixed"
         reason = self.cuda_graph_reason
+        declined = self._lowering_declined()
+        if declined is not None:  # the Dynamo graph answers every call now: nothing captured serves
+            state, reason = "eager", reason or declined
         if reason is None and state == "eager" and declines:  # every piece declined: the reason most of them gave
             reason = declines.most_common(1)[0][0]
         return {
@@ -252,6 +259,21 @@ class GraphRecord:
             "decline_details": details,
             "static_bytes": sum(s["static_bytes"] for s in pieces),
         }
+
+    def _fusion(self) -> dict[str, Any] | None:
+        """The fusion's record; where the lowering was declined since, `unused` says the fused
+        code serves no call (the Dynamo graph answers)."""
+        if self.fusion is None:
+            return None
+        fusion, declined = dict(self.fusion), self._lowering_declined()
+        if declined is not None and fusion.get("status") == "fused":
+            fusion["unused"] = declined
+        return fusion
+
+    def _lowering_declined(self) -> str | None:
+        """The verdict that made the graph run as the Dynamo graph, if one did."""
+        status = self.lowering.get("status") if self.lowering is not None else None
+        return status if status is not None and status not in _SERVED_STATUSES else None
 
     def to_dict(self) -> dict[str, Any]:
         pieces = self._piece_dicts()
@@ -281,7 +303,7 @@ class GraphRecord:
             "region_graphs": dict(region_graphs),
             "export": self.export,
             "backward": self.backward.backward_dict() if self.backward is not None else None,
-            "fusion": dict(self.fusion) if self.fusion is not None else None,
+            "fusion": self._fusion(),
         }
 
     def backward_dict(self) -> dict[str, Any]:

@@ -274,6 +274,26 @@ def test_graph_level_declines_are_counted_and_named(net, cuda_graphs, reason, ac
     assert cg["state"] == "eager" and cg["replays"] == 0
 
 
+def test_a_declined_lowering_says_eager_in_its_cuda_graph_and_fusion_records(accounted):
+    """A graph whose lowering was declined (here the lowered graph's output strides differ
+    from eager's on size-1 dimensions) runs as the Dynamo graph: its cuda_graph state said
+    `warming`, reason null, and its fusion `fused`, while no call ran either."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d((1, 1))).eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate", "fuse": True,
+                                                                      "cache_dir": False})
+    with torch.no_grad():
+        for _ in range(4):
+            compiled(torch.randn(2, 3, 2, 2).contiguous(memory_format=torch.channels_last))
+    report = graphdispatch_backend.latest_report()
+    accounted(report)
+    g = _graph(report)
+    assert g["lowering_check"]["status"] == "lowering_mismatch"
+    assert g["cuda_graph"]["state"] == "eager" and g["cuda_graph"]["reason"] == "lowering_mismatch"
+    assert g["fusion"]["status"] == "fused" and g["fusion"]["unused"] == "lowering_mismatch"
+
+
 def test_parity_demotion_is_counted_named_and_the_graph_still_replays(net, make_bundle, accounted):
     root = make_bundle("mlp-off", "off")
     report = _run(net, {**EMULATE, "artifacts": str(root)}, calls=4)
