@@ -230,3 +230,27 @@ def test_a_call_past_a_static_cache_raises_eagers_error_is_counted_and_the_graph
     assert graph["calls"] == len(positions) == cg["replays"] + cg["eager_calls"], cg
     assert cg["eager_by_reason"]["raised"] == len(raised) and graph["lowering_check"]["status"] == "bitwise", graph
     assert cg["replays"] >= len(positions) - len(raised) - 2 - 2  # warmup, verifying, one check each side
+
+
+def test_a_call_eager_refuses_to_write_is_the_callers_error_and_no_verdict():
+    """An inference tensor passed outside inference mode to a graph that writes its input:
+    eager raises, and so does putting the input back around the check; the call is counted
+    `raised`, the graph keeps its lowering."""
+
+    class InplaceNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.sub_(0.5)
+            return self.lin(x)
+
+    compiled = torch.compile(InplaceNorm().eval(), backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    with torch.inference_mode():
+        frozen = torch.rand(4, 16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="[Ii]nplace update to inference tensor"):
+        compiled(frozen)
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    assert graph["cuda_graph"]["eager_by_reason"] == {"raised": 1}
+    assert graph["lowering_check"]["status"] == "unchecked"

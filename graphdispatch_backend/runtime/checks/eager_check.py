@@ -190,7 +190,9 @@ class EagerCheck:
         start = Start() if self._draws else None  # before anything draws
         raw, exc = self._contain(lambda: privately(start, self._eager)(*args))
         if exc is not None:  # eager itself raises: the compiled run answers, as it would have
-            lowering.own(side.back)
+            # the world back, where it takes it: an input eager could not write (an inference
+            # tensor outside inference mode) refuses the restore too, the caller's error, no verdict
+            self._contain(side.back)
             return self._compiled(*args)
         tolerance = self._tolerance()
         # Eager's outputs are printed and freed before the compiled run: the check holds one
