@@ -159,6 +159,17 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     return run
 
 
+def _untraced(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """A backward Dynamo never traces. The autograd engine runs it from the user's
+    `backward()`, and where that is called inside a function Dynamo compiles (a compiled
+    train step) Dynamo would trace graphdispatch's own runtime as user code: its capture
+    raised inside Dynamo, and each of its frames came back as one more graph. A forward
+    needs none: Dynamo calls a backend's compiled function outside its tracing."""
+    run = torch._dynamo.disable(backward, reason="graphdispatch's runtime, not user code")
+    run._boxed_call = True  # type: ignore[attr-defined]  # aot hands over its argument list, as to `backward`
+    return run
+
+
 class _Builder:
     """The aot compilers for one Dynamo graph: each graph planned, its passes run, its
     callables assembled from the plan."""
@@ -208,12 +219,12 @@ class _Builder:
         record = record_fields.backward_of(self.record)  # made with the forward; here if aot made none
         native = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         try:
-            return self._build(gm, record, Role.BACKWARD)
+            return _untraced(self._build(gm, record, Role.BACKWARD))
         except Exception as exc:
             if self.session.options.strict:
                 raise StrictModeError(f"compiling the backward of {self.record.name} failed: "
                                       f"{type(exc).__name__}: {exc}") from exc
-            return backward_fallback(self.session.events, record, native, exc)
+            return _untraced(backward_fallback(self.session.events, record, native, exc))
 
     def _build(self, gm: fx.GraphModule, record: GraphRecord, role: Role) -> CompiledGraph:
         # the original, before the passes: for contract fallbacks (generated if one comes)

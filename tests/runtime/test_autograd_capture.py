@@ -322,3 +322,32 @@ def test_without_capture_the_decline_says_what_runs():
         assert record["cuda_graph"]["eager_by_reason"] == {"disabled": record["calls"]}
         detail = record["cuda_graph"]["decline_details"]["disabled"]
         assert detail == "cuda_graphs=False; the lowered forward and backward run, not captured"
+
+
+def test_a_backward_called_inside_a_compiled_step_is_not_traced_by_dynamo():
+    """`loss.backward()` inside the compiled function: the autograd engine runs the lowered
+    backward from a frame Dynamo is compiling. Dynamo traced graphdispatch's runtime as user
+    code: the backward's capture raised inside Dynamo (`capture_failed`) and each of its
+    frames came back as one more graph. Now one graph, its backward replayed, the
+    gradients eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+
+    def step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        assert torch.equal(compiled(model, x, y), step(reference, x, y))
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    assert [g["name"] for g in graphs] == ["graph_0"]
+    backward = graphs[0]["backward"]["cuda_graph"]
+    assert backward["replays"] > 0 and backward["declines"] == {}
