@@ -101,13 +101,13 @@ class GradientCheck:
         """The call records autograd history: its gradients are what the user gets too."""
         return torch.is_grad_enabled() and any(_differentiable(t) for t in (*self._lifted, *args))
 
-    def reference(self, args: Sequence[Any], expected: Sequence[Any]) -> EagerGradients | None:
+    def reference(self, args: Sequence[Any], expected: Sequence[Any]) -> EagerGradients:
         """Eager's gradients, taken right after eager's forward (`expected`, its flat
         outputs), before anything else runs: the check then puts back the inputs eager
         wrote (a batch norm's running statistics, which eager's backward saved) and runs
         the compiled forward, which writes them again; eager's backward taken after that
-        raised on the version counters, where the user's own backward would not. None: no
-        output or no input records history (nothing to compare)."""
+        raised on the version counters, where the user's own backward would not. Where no
+        output or no input records history, nothing is run (nothing to compare)."""
         flat = (*self._lifted, *args)
         wrt = [(self._name(i), t) for i, t in enumerate(flat) if _differentiable(t)]
         want_diff = [i for i, t in enumerate(expected) if _differentiable(t)]
