@@ -82,12 +82,13 @@ def _arguments(node: fx.Node) -> tuple | None:
         return None
     if not all(type(s) is int for s in value.shape):  # a symbolic size: left to the decomposition
         return None
+    if (a["size"] is None) == (a["scale_factor"] is None):
+        return None  # both or neither: F.interpolate's own error, as traced
     dims = value.dim() - 2
     size = _per_dim(a["size"], dims, int)
     scale = _per_dim(a["scale_factor"], dims, float)
-    if (size is None) == (scale is None) or (a["size"] is not None and size is None) or \
-            (a["scale_factor"] is not None and scale is None):
-        return None  # both, neither, or something else: F.interpolate's own error, as traced
+    if size is None and scale is None:
+        return None  # the one given is not numbers: left as traced
     return (x, size, scale, a["mode"], a["align_corners"], a["recompute_scale_factor"], a["antialias"])
 
 

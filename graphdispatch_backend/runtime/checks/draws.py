@@ -7,9 +7,13 @@ do that for this thread, but would also rewind what another thread drew meanwhil
 numbers drawn again, by whoever draws next). Instead the reference run (and every other
 extra run of the call) draws from private generators that start where the global ones
 stood as the call began (`Start`); the global generators are left alone for the run that
-answers, and for every other thread. Where eager's outputs answer instead (a verdict), the
-compiled run drew from the user's generators and may have stopped short (it raised) or
-drawn otherwise: they are then set where eager's run left its copies (`Start.settle`).
+answers, and for every other thread. Where eager's outputs answer instead (a verdict, once
+per graph), the compiled run drew from the user's generators and may have stopped short
+(it raised) or drawn otherwise: they are then set where eager's run left its copies
+(`Start.settle`); the same where the compiled run raises on an unchecked call, back to
+where the call began before the Dynamo graph answers (`Start.restore`). Those two reset
+the global state: a draw another thread made meanwhile is drawn again (a call's
+correctness over another thread's stream, on a call that ends a lowering).
 
 Ops with a `generator` argument get the private generator of their device passed in. An
 op without one (`native_dropout`, attention's dropout) draws from the global generator:
@@ -64,10 +68,11 @@ class Start:
             _default(device).set_state(state)
 
     def settle(self) -> None:
-        """Eager's outputs answer the call: the user's generators as eager leaves them. The
-        run that answers otherwise, the compiled one, drew from them itself, and may have
-        stopped short (it raised) or drawn otherwise (it differed)."""
-        for device, state in (self._end or {}).items():
+        """Eager's outputs answer the call: the user's generators as eager leaves them (on a
+        device its run drew nothing from, as the call began). The run that answers otherwise,
+        the compiled one, drew from them itself, and may have stopped short (it raised) or
+        drawn otherwise (it differed)."""
+        for device, state in {**self._states, **(self._end or {})}.items():
             _default(device).set_state(state)
 
 
