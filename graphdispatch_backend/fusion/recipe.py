@@ -30,10 +30,17 @@ evidence for what it lets in):
   tensor's dtype first (its scalar is cast with the tensor operands; `mul` and `div` keep
   it in float), Inductor adds it unrounded (`x - 0.5199` in bf16 differed: op_db's
   `cosine_embedding_loss`).
-- `maximum`, `minimum`, `clamp`, `relu`, `amax`, `amin` are fused: the value is the same;
-  the one bit that may differ is the sign of a zero result when +0 and -0 tie, which eager
-  itself picks by position (its vector body returns the second operand, its scalar tail
-  the first). The check catches it.
+- `maximum`, `minimum`, `amax`, `amin` of floats are not fused: the value is the same, but
+  the sign of a zero result where +0 and -0 tie is eager's by position (its vector body
+  returns the second operand, its scalar tail the first; a reduction, by its order), so a
+  fused kernel returns the other zero on some elements, and `1 / maximum(x, y)` is +inf
+  for -inf. A check catches it only on a call it checks, and a tie has no magnitude the
+  novelty checks follow: a trial served 9 of 15 such calls with the other zero
+  (2026-12-07). Fused: of integers and bools, and `amax`/`amin` of an `abs` (every zero is
+  +0: the novelty statistics, fusion/statistics.py). `clamp`, `clamp_min`, `clamp_max` of
+  floats are fused where their bounds are numbers other than zero (a tie with one is then
+  the same bits); `relu` is (eager returns the input on a tie in both paths, as the fused
+  kernel does: tests/fusion/test_exact_set.py).
 - `arange` is fused where every value is an integer its dtype holds exactly (eager counts
   in double, Inductor in int64); a constructor or `masked_fill` of bf16/fp16 where its
   number is exact in that dtype (eager stores it rounded; Inductor may fold it, unrounded,
@@ -72,7 +79,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-RECIPE_VERSION = 2  # 2: the exact set of issue 45 (pow, integer sums, amax/amin, arange; no CPU sqrt)
+# 2: the exact set of issue 45 (pow, integer sums, amax/amin, arange; no CPU sqrt); 3: no float max/min
+RECIPE_VERSION = 3
 
 # ATen op packets whose fused result is exact by construction (IEEE rounding of one
 # operation, or no arithmetic at all), subject to the per-node rules of `exact_node`. The
@@ -85,7 +93,7 @@ EXACT_OPS = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "where", "masked_fill", "logical_and", "logical_or",
     "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
     "isnan", "isinf",
-    # reductions exact in any order (amax/amin: see the module docstring; sum: integers only)
+    # reductions exact in any order (amax/amin: of an abs or integers; sum: integers only)
     "amax", "amin", "sum",
     # casts and copies
     "_to_copy", "clone", "copy", "convert_element_type", "lift_fresh_copy", "alias",
@@ -218,12 +226,21 @@ def exact_node(node: fx.Node, device: str) -> bool:
         return all(d in _POW[exponent] or not (d.is_floating_point or d.is_complex) for d in dtypes)
     if name == "sum":  # integers and bools add exactly in any order
         return all(not (d.is_floating_point or d.is_complex) for d in dtypes)
+    if name in _SIGNED_ZERO_TIES and any(d.is_floating_point or d.is_complex for d in dtypes):
+        if name.startswith("clamp"):  # a tie with a bound other than zero is the same bits
+            bounds = [a for a in (*args[1:], *kwargs.values()) if a is not None]
+            return all(isinstance(b, (int, float)) and not isinstance(b, bool) and b != 0 for b in bounds)
+        source = args[0] if args else None  # amax/amin of an abs: every zero is +0
+        return name in ("amax", "amin") and isinstance(source, fx.Node) and source.target is torch.ops.aten.abs.default
     if name == "arange":
         return _exact_range(node)
     if name in _STORES:  # a number stored in a bf16/fp16 tensor: eager rounds it there first
         return all(_held(a, dtypes) for a in (*node.args, *node.kwargs.values()) if isinstance(a, float))
     return True
 
+
+# ops whose result is one of their operands: where +0 and -0 tie, eager's sign is its loop's (module docstring)
+_SIGNED_ZERO_TIES = frozenset({"maximum", "minimum", "clamp", "clamp_min", "clamp_max", "amax", "amin"})
 
 # ops that store a Python number into their output (as its dtype); Inductor may fold the number
 # into the kernel that reads it, unrounded: measured (full(0.3, bf16) * x differs)

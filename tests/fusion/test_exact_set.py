@@ -37,6 +37,16 @@ CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
     ("sum of int64", lambda x: aten.sum.dim_IntList((x * 8).to(torch.int64), [0]), "aten.sum.dim_IntList"),
     ("sum of floats", lambda x: aten.sum.dim_IntList(x, [0]), "aten.sum.dim_IntList"),
     ("amax", lambda x: aten.amax.default(x, [0]), "aten.amax.default"),
+    ("amax of an abs", lambda x: aten.amax.default(aten.abs.default(x * 0.0), [0]) + x, "aten.amax.default"),
+    ("amax of int64", lambda x: aten.amax.default((x * 8).to(torch.int64), [0]), "aten.amax.default"),
+    # +0 and -0 tie on every element: eager's sign is its loop's, by position
+    ("maximum of tied zeros", lambda x: aten.maximum.default(x * 0.0, x * -0.0), "aten.maximum.default"),
+    ("minimum of tied zeros", lambda x: aten.minimum.default(x * 0.0, x * -0.0), "aten.minimum.default"),
+    ("relu of zeros", lambda x: aten.relu.default(x * 0.0), "aten.relu.default"),
+    ("amax of tied zeros", lambda x: aten.amax.default(x * 0.0, [0]), "aten.amax.default"),
+    ("clamp at zero", lambda x: aten.clamp.default(x * 0.0, -0.0, 0.0), "aten.clamp.default"),
+    ("clamp_min at zero", lambda x: aten.clamp_min.default(x * -0.0, 0.0), "aten.clamp_min.default"),
+    ("clamp_min at 0.25", lambda x: aten.clamp_min.default(x, 0.25) * 2, "aten.clamp_min.default"),
     ("amin of a product", lambda x: aten.amin.default(x[:, None] * x[None, :7], [0]), "aten.amin.default"),
     ("arange", lambda x: x + aten.arange.start(0, x.shape[0], dtype=x.dtype), "aten.arange.start"),
     ("arange by 3", lambda x: x + aten.arange.start_step(0, 3 * x.shape[0], 3, dtype=x.dtype),
@@ -72,7 +82,10 @@ CASES: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], str]] = [
 DIFFERS = [("pow 4", torch.float32), ("pow -2", torch.float32), ("pow 3", torch.bfloat16),
            ("sum of floats", torch.float32), ("arange by 3", torch.bfloat16), ("fill", torch.bfloat16),
            ("full 0.3", torch.bfloat16), ("add 0.3", torch.bfloat16), ("sub 0.5199", torch.bfloat16),
-           ("rsub 0.3", torch.bfloat16), ("sub 0.5199", torch.float16)]
+           ("rsub 0.3", torch.bfloat16), ("sub 0.5199", torch.float16),
+           # +0 and -0 tied: eager's sign is its loop's (vector body, scalar tail, reduction order)
+           *[(name, dtype) for name in ("maximum of tied zeros", "minimum of tied zeros", "amax of tied zeros",
+                                        "clamp at zero", "clamp_min at zero") for dtype in DTYPES]]
 # but a bf16 arange by 3 differs only where Inductor's vector code is AVX512's: on an AVX2
 # machine (an AMD EPYC, 2026-12-07) its fused values came out as eager's on these sizes;
 # the rule keeps it out everywhere (where it differs is the ISA's, not the recipe's)
