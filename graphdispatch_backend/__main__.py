@@ -8,6 +8,7 @@ package's torch-heavy ones, so they finish in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -75,5 +76,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return report_command(args.directory)
 
 
+def _piped() -> int:
+    """`main`, where a reader that stops early (`report DIR | head`) ends it quietly, as a
+    Unix tool does, not with a BrokenPipeError traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at nothing first (the `signal` docs' recipe)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a tool the pipe closed on
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_piped())

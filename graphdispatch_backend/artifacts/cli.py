@@ -5,6 +5,7 @@ wrong dtype or a missing `mutates` shows before a compile. No torch is imported.
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from graphdispatch_backend.artifacts.bundle import claimed_id, hash_bundle, veri
 from graphdispatch_backend.artifacts.manifest import Manifest
 from graphdispatch_backend.artifacts.registry import discover
 from graphdispatch_backend.artifacts.signature import manifest_miss
-from graphdispatch_backend.errors import BundleRejected, ManifestError
+from graphdispatch_backend.errors import BundleRejected, ManifestError, did_you_mean
 from graphdispatch_backend.patterns import matches, suggest
 from graphdispatch_backend.table import table
 
@@ -54,7 +55,10 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
                 m = bundle.manifest
                 files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
                 fit = _fit(m, regions) if regions is not None else None
-                if fit is not None and not fit[0]:
+                missing = _entry_missing(folder / m.entry_file, m.entry_symbol)
+                if missing is not None:
+                    rows.append([m.id, "rejected", missing, str(folder)])
+                elif fit is not None and not fit[0]:
                     rows.append([m.id, "rejected", fit[1], str(folder)])
                 else:
                     said = f"{m.module} ({files}, parity {m.parity.mode})" + (f"; {fit[1]}" if fit else "")
@@ -65,6 +69,35 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
             row[1], row[2] = "rejected", f"duplicate_id: {row[0]} is provided by more than one folder"
     print(table(["id", "verdict", "reason", "bundle"], rows))
     return 0 if rows and all(r[1] == "ok" for r in rows) else 1
+
+
+def _entry_missing(path: Path, symbol: str) -> str | None:
+    """Why the entry file cannot give its symbol, read without running it (no torch here):
+    it does not parse, or nothing at its top level binds the name (a compile would only warn
+    that the artifact did not load). None where it may: a star import can bind anything."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as exc:
+        return f"entry_syntax: {path.name} line {exc.lineno}: {exc.msg}"
+    bound: set[str] = set()
+    blocks = [tree.body]
+    while blocks:
+        for node in blocks.pop():
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                if any(a.name == "*" for a in node.names):
+                    return None
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody") if getattr(node, f, None)]
+                blocks += [h.body for h in getattr(node, "handlers", [])]
+            else:
+                bound.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    if symbol in bound:
+        return None
+    near = did_you_mean(symbol, sorted(b for b in bound if not b.startswith("_")))
+    return f"missing_symbol: {path.name} defines no {symbol!r} at its top level (entry_point.symbol){near}"
 
 
 def _fit(manifest: Manifest, regions: list[dict[str, Any]]) -> tuple[bool, str]:

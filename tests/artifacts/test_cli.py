@@ -107,6 +107,26 @@ def test_verify_reports_each_rejection_and_exits_1(tmp_path, capsys, corrupt, sh
     assert rows[1][3] == str(root / "bad")
 
 
+@pytest.mark.parametrize(("source", "reason"), [
+    ("def forwrd(x):\n    return x\n",
+     "missing_symbol: kernel.py defines no 'forward' at its top level (entry_point.symbol) (did you mean 'forwrd'?)"),
+    ("def forward(x)\n    return x\n", "entry_syntax: kernel.py line 1: expected ':'"),
+])
+def test_verify_reads_the_entry_symbol_without_running_it(tmp_path, capsys, source, reason):
+    """A bundle whose entry file lacks its symbol verified `ok` and then only warned at the
+    compile that it did not load (a trial, 2026-12-07)."""
+    write_bundle(tmp_path / "root" / "a", "a", "blocks.*.mlp", [], OUT, source)
+    code, rows = verify(capsys, tmp_path / "root")
+    assert (code, rows[0][1], rows[0][2]) == (1, "rejected", reason), rows
+
+
+@pytest.mark.parametrize("source", ["import torch\nif torch:\n    forward = torch.nn.Identity()\n",
+                                    "from os.path import *\n"])
+def test_verify_trusts_a_symbol_bound_where_it_cannot_see(tmp_path, capsys, source):
+    write_bundle(tmp_path / "root" / "a", "a", "blocks.*.mlp", [], OUT, source)
+    assert verify(capsys, tmp_path / "root")[1][0][1] == "ok"
+
+
 def test_verify_duplicate_ids(tmp_path, capsys):
     bundle(tmp_path / "r1" / "x", "dup")
     bundle(tmp_path / "r2" / "y", "dup")
@@ -180,6 +200,21 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     rows = [re.split(r"\s{2,}", line) for line in done.stdout.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["a", "ok"], ["b", "rejected"]]
     assert rows[1][2].startswith("undeclared_file")
+
+
+def test_a_reader_that_stops_early_ends_the_cli_quietly(tmp_path):
+    """`... | head`: the table is longer than a pipe holds and the reader has gone; the
+    command ends with status 141 (SIGPIPE's), no BrokenPipeError traceback (a trial's
+    `report DIR | head`, 2026-12-07)."""
+    for i in range(700):
+        bundle(tmp_path / "root" / f"kernel_with_a_long_folder_name_{i:04d}", f"a{i}")
+    command = [sys.executable, "-m", "graphdispatch_backend", "artifacts", "verify", str(tmp_path / "root")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=900) == 141 and "Traceback" not in err, err
 
 
 def test_verify_against_a_report_shows_a_wrong_dtype_before_a_compile(tmp_path, capsys):
