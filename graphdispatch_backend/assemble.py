@@ -120,6 +120,9 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
     def locate(args: Sequence[Any]) -> list[Region]:
         return writes.regions([*lifted, *args])
 
+    def located(args: Sequence[Any]) -> list[torch.Tensor]:
+        return writes.located([*lifted, *args])
+
     keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
     dynamic = any(o.kind == "symbol" for o in origins)
     # calls whose inputs leave what the checked calls saw are checked too: the inputs it
@@ -146,4 +149,6 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                           plan.recheck(options), options.artifact_recheck,
                           bool(record.substitutions) and plan.engine is not Engine.OFF),
                       runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
-                      unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful)
+                      unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful,
+                      # a kernel that writes its inputs may write beyond the rows: those inputs read whole
+                      whole=located if any(s.mutates for s in record.substitutions) else None)

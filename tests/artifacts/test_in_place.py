@@ -63,6 +63,8 @@ WRITES = {  # (the write, what it does after computing its output)
     "right": (RIGHT, "pass"),
     "wrong_row": ('a["cache"].index_copy_(0, (a["input1"] + 1) % a["cache"].shape[0], k)', "pass"),
     "extra_row": (RIGHT, 'a["cache"][(a["input1"] + 3) % 256] = 1.0  # a row the region never writes'),
+    # from position 25 (the 6th call) on, a past row as well: an off-by-one met only later
+    "late_extra_row": (RIGHT, 'a["cache"][0] += (a["input1"] >= 25).float()'),
     "scribble": (RIGHT, 'a["proj.weight"].add_(1.0)'),
 }
 
@@ -135,11 +137,12 @@ def test_the_gate_snapshots_the_row_not_the_cache(tmp_path, monkeypatch):
     assert sizes and max(sizes) <= 8 * 4, sizes  # one row of 8 floats
 
 
-def test_only_the_first_gate_reads_the_cache_whole_its_rechecks_cost_the_rows(tmp_path, monkeypatch):
-    """The first call judges the kernel's writes beyond its rows (the cache copied and
-    fingerprinted whole); the re-checks (at the 2nd, 4th, 8th and 10th call, and at the calls
-    whose position is new: 3, 5 and 9, a binade above the checked ones) judge the row, so a
-    re-check costs what the call writes, not the size of the cache it writes into."""
+def test_only_the_first_gate_copies_the_cache_its_rechecks_fingerprint_it(tmp_path, monkeypatch):
+    """The first call judges the kernel's writes beyond its rows with the cache copied
+    (undone if it wrote there) and fingerprinted whole; the re-checks (at the 2nd, 4th, 8th
+    and 10th call, and at the calls whose position is new: 3, 5 and 9, a binade above the
+    checked ones) copy only the row and fingerprint the cache after each run: two reads of
+    it, no memory that grows with it."""
     from graphdispatch_backend.runtime.gates import beside
 
     _bundle(tmp_path)
@@ -166,7 +169,34 @@ def test_only_the_first_gate_reads_the_cache_whole_its_rechecks_cost_the_rows(tm
     sub = _serve(tmp_path, {"cuda_graphs": False})
     assert (sub["parity"], sub["demoted"], sub["gates"]) == ("passed", False, 1 + 4 + sub["novelty_checks"]), sub
     assert sub["novelty_checks"] >= 2, sub
-    assert [run.count(cache) for run in runs] == [3] + [0] * (sub["gates"] - 1), runs  # a copy, native's print, ...
+    assert [run.count(cache) for run in runs] == [3] + [2] * (sub["gates"] - 1), runs  # a copy, native's print, ...
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_kernel_that_writes_a_past_row_only_later_is_caught_at_a_recheck(tmp_path, cuda_graphs):
+    """A kernel right at its first calls that also writes a row the region never writes once
+    the position passes 25 (call 6): every output is right, and the rows it should write
+    are; a re-check that compared only those passed it on every call while the cache it left
+    changed every later output. The re-check after it started catches it, says it is not
+    undone, and native serves from then on: the gate's on an eager call; replaying, the
+    graph's check against eager (the cache fingerprinted whole), whose isolation runs the
+    gate beside native."""
+    _bundle(tmp_path, "late_extra_row")
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model = _make()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path),
+                                                                      "cuda_graphs": cuda_graphs})
+    with torch.no_grad():
+        for i in range(24):
+            compiled(*_args(i))
+    (graph,) = accounted_graphs()
+    (sub,) = graph["substitutions"]
+    assert (sub["demoted"], sub["reason"]) == (True, "parity"), sub
+    assert "beyond the rows the region writes" in sub["detail"], sub
+    if cuda_graphs is False:
+        assert "not undone: a re-check keeps no whole copy" in sub["detail"], sub
+        assert sub["caught_at_call"] is not None and sub["caught_at_call"] >= 6, sub
 
 
 def test_an_undeclared_write_is_a_signature_rejection_that_says_what_to_declare(tmp_path):

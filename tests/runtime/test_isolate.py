@@ -136,7 +136,7 @@ def test_without_checks_of_replays_wrong_values_go_on(tmp_path, monkeypatch):
 
 
 def test_without_isolation_the_lowering_is_blamed_and_the_artifact_serves_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(eager_check_mod.EagerCheck, "_isolate", lambda self, *a: a[4])  # the verdict stands
+    monkeypatch.setattr(eager_check_mod.EagerCheck, "_isolate", lambda self, *a: a[5])  # the verdict stands
     wrong, graph = _run({"artifacts": str(_bundle(tmp_path)), "recheck": "every"})
     (sub,) = graph["substitutions"]
     assert graph["lowering_check"]["status"] == "lowering_mismatch" and not sub["demoted"]

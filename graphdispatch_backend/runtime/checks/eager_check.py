@@ -52,7 +52,7 @@ from graphdispatch_backend.runtime.checks.posted import Posted
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import GraphDue
-from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, Compared, Kind, SideBySide, within
+from graphdispatch_backend.runtime.checks.side_by_side import BEYOND, REFERENCE, Compared, Kind, SideBySide, within
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
@@ -91,6 +91,7 @@ class EagerCheck:
         novelty: Novelty | None = None,
         posted: Posted | None = None,
         unfaithful: str | None = None,
+        whole: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -98,6 +99,9 @@ class EagerCheck:
         self._events = events
         self._contain = contain
         self._locate = locate  # where in its inputs this call will write (runtime/checks/world.py)
+        # the written inputs fingerprinted whole, where an artifact that writes inputs serves
+        # inside the graph: a write beyond the rows (runtime/checks/side_by_side.py)
+        self._whole = whole
         self._suspects = suspects if suspects is not None else Suspects()  # who to name when eager disagrees
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         # which calls are checked (runtime/checks/schedule.py): by position per shape key, and
@@ -184,7 +188,9 @@ class EagerCheck:
                served: Any = _UNSERVED) -> Any:
         """`served`: the outputs the compiled graph made for this call already (`_after`)."""
         lowering = self._lowering
-        side = SideBySide.open(lambda: self._locate(args), self._contain)
+        whole = self._whole
+        side = SideBySide.open(lambda: self._locate(args), self._contain,
+                               None if whole is None else lambda: whole(args))
         if isinstance(side, Compared):  # refused: nothing ran yet
             return lowering.unsnapshotted(args, side.raised)
         start = Start() if self._draws else None  # before anything draws
@@ -206,6 +212,7 @@ class EagerCheck:
         grads = self._gradients.reference(args, ref.outputs) \
             if self._gradients is not None and self._gradients.needed(args) else None
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
+        demoted = [s.demoted for s in self._record.substitutions] if self._isolates else []
         _, exc = self._contain(lambda: side.set_aside(REFERENCE))  # eager's world kept aside, the world before back
         if exc is not None:
             self._record.called(False, Decline.CHECK_FAILED.value)  # the compiled graph never ran
@@ -224,6 +231,7 @@ class EagerCheck:
         raised = failed is not None  # then the call was not counted (CompiledGraph counts as it returns)
         gradients: Sequence[str] = ()  # the inputs whose gradients differ from eager's
         forward = False  # the verdict comes from comparing the forward's results and world
+        beyond = False  # ... and a written input differs beyond the rows (runtime/checks/side_by_side.py)
         if failed is not None:
             reason = Decline.OUT_OF_MEMORY if is_out_of_memory(failed.raised) else Decline.LOWERING_FAILED
             local: Verdict = (reason, f"raised {failed.detail}")
@@ -236,13 +244,16 @@ class EagerCheck:
                 local = (Decline.CHECK_FAILED, f"comparing raised {compared.detail}")
             elif compared.kind is Kind.MISMATCH:
                 local, forward = (Decline.LOWERING_MISMATCH, f"differs from eager: {compared.mismatch}"), True
+                # beyond the rows: the world before is no longer what eager ran on, and eager
+                # run again there would disagree with itself; the isolation finds the party
+                beyond = compared.mismatch is not None and compared.mismatch.what == BEYOND
             elif grads is not None:
                 judged = self._gradients.judge(grads, ref.outputs, got)  # blames eager's nondeterminism itself
                 local = None if judged is None else (judged.reason, judged.detail)
                 gradients = () if judged is None else judged.gradients
             else:
                 local = None
-        verdict = self._settle(local, args, side, ref, forward)
+        verdict = self._settle(local, args, side, ref, forward and not beyond)
         if seen is not None:  # judged: what this call's inputs hold counts as seen
             seen.checked()
         if novel is not None:
@@ -250,7 +261,7 @@ class EagerCheck:
                 self._record.novelty_checks += 1
         isolated = False  # an artifact or a capture took the blame: eager's values answer, nothing else changes
         if verdict is not None and verdict[0] is Decline.LOWERING_MISMATCH and forward and self._isolates:
-            verdict = self._isolate(args, side, ref, replays, verdict, novel)
+            verdict = self._isolate(args, side, ref, replays, demoted, verdict, novel)
             isolated = verdict is None
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
@@ -271,14 +282,14 @@ class EagerCheck:
         return self._fusion.tolerance if self._fusion is not None and self._fusion.active else None
 
     def _isolate(self, args: Sequence[Any], side: SideBySide, ref: Reference, replays: list[int],
-                 verdict: tuple[Decline, str], novel: str | None) -> Verdict:
+                 demoted: list[bool], verdict: tuple[Decline, str], novel: str | None) -> Verdict:
         """The served call differed from eager, which agrees with itself: the party at fault,
         found by running (runtime/checks/isolate.py `culprit`) and its consequence (`blame`);
         None: the graph keeps its lowering. The world is left as eager left it."""
         checked = Checked(self._record, self._due.n, self._due.previous, novel)
         tolerance = self._tolerance()
         found = culprit(ref.extra(self._compiled), args, side, lambda got: ref.compare(got, tolerance),
-                        self._record.substitutions, checked.call, self._contain, self._fusion, tolerance)
+                        self._record.substitutions, checked.call, self._contain, self._fusion, tolerance, demoted)
         return blame(found, checked, verdict, self._events, self._fusion, self._runners, replays)
 
     def _judged(self, tolerance: Any, within: bool, ref: Reference, got: list[Any], side: SideBySide) -> None:

@@ -80,12 +80,16 @@ class Culprit:
 
 def culprit(compiled: Callable[..., Any], args: Sequence[Any], side: SideBySide,
             differs: Callable[[list[Any]], Mismatch | None], substitutions: Sequence[Any], call: str,
-            contain: Contain, fusion: Any = None, tolerance: Any = None) -> Culprit:
+            contain: Contain, fusion: Any = None, tolerance: Any = None,
+            demoted: Sequence[bool] | None = None) -> Culprit:
     """The party at fault (see module docstring); `side` holds the checked call's world before
     and eager's (runtime/checks/side_by_side.py); `fusion` is the graph's runtime/program/fused.py
     Fusion, if it serves fused code, and `tolerance` its declared tolerance (runtime/checks/tolerance.py),
-    which judges every run here as it judged the call. The world is left as eager left it."""
-    demoted = [s.demoted for s in substitutions]
+    which judges every run here as it judged the call. `demoted`: the substitutions' flags
+    before the served run: a gate that demoted its artifact within the served call (its own
+    re-check, on an eager call) found the culprit already (one that wrote beyond its rows
+    leaves a world no run here starts from as eager did). The world is left as eager left it."""
+    demoted = list(demoted) if demoted is not None else [s.demoted for s in substitutions]
     judge = within(tolerance)
 
     def again() -> Mismatch | None | Exception:
@@ -178,8 +182,8 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
         with sub.lock:
             record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck")
     if party == ARTIFACT:
-        events.warn_once(f"culprit:{record.name}:{detail}", "graphdispatch: %s (%s); eager's values answered it",
-                         message, detail)
+        events.warn_once(f"culprit:{record.name}:{detail}", "graphdispatch: %s (%s; the call: %s); eager's values "
+                         "answered it", message, detail, verdict[1])
         return None
     if party == FUSION:  # learned (kept as ATen calls, recompiled) or given up: runtime/program/fused.py
         fusion.learn(found.ops, n, f"{verdict[1]}; {detail}", layout=found.layout)

@@ -23,6 +23,15 @@ a mismatch `again` runs the reference once more from the world before: a referen
 disagrees with itself is `NONDETERMINISTIC` (its message written here once), with the op
 whose bits differed named (runtime/checks/suspects.py).
 
+The world holds the rows a call writes, not the caches around them; what a party writes
+beyond those rows is neither kept nor put back. Where an artifact that writes its inputs
+serves inside the candidate (a hand-written attention writing its KV cache rows), the
+judge also names those inputs `whole`: each is fingerprinted whole (runtime/checks/digest.py:
+a read, no copy) once the reference ran and again once the candidate did, and where the
+rows agree bit for bit and a fingerprint does not, the candidate wrote beyond them
+(`beyond`): a mismatch (a kernel that wrote a past row only from some position on, caught at
+the first check after, where comparing the rows alone passed it on every call).
+
 A result is a `Compared`: equal; a mismatch with its detail; the reference nondeterministic;
 raised (a party, or graphdispatch's own step); the snapshot refused.
 """
@@ -34,7 +43,10 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from graphdispatch_backend.errors import Contain
+from graphdispatch_backend.runtime.checks.digest import digest
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.checks.suspects import NONE_KNOWN, Suspects
 from graphdispatch_backend.runtime.checks.world import Region, World
@@ -49,6 +61,7 @@ class Kind(enum.Enum):
 
 
 REFERENCE, CANDIDATE, BEFORE, OWN = "reference", "candidate", "before", "graphdispatch"
+BEYOND = "beyond_rows"  # Mismatch.what: a written input differs beyond the rows the graph writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,22 +118,25 @@ def held(regions: Sequence[Region]) -> Callable[[], None]:
 class SideBySide:
     """One comparison's world: the world before, and each party's once it ran."""
 
-    __slots__ = ("_contain", "_worlds")
+    __slots__ = ("_contain", "_prints", "_whole", "_worlds")
 
-    def __init__(self, before: World, contain: Contain) -> None:
+    def __init__(self, before: World, contain: Contain, whole: Sequence[Any] = ()) -> None:
         self._contain = contain  # graphdispatch's own steps (a rerun, the suspects' runs)
         self._worlds: dict[str, World] = {BEFORE: before}
+        self._whole = tuple(whole)  # inputs fingerprinted whole after each party (module docstring)
+        self._prints: dict[str, list[Any]] = {}
 
     @classmethod
-    def take(cls, regions: Sequence[Region], contain: Contain) -> SideBySide:
+    def take(cls, regions: Sequence[Region], contain: Contain, whole: Sequence[Any] = ()) -> SideBySide:
         """The world before either party runs (raises SnapshotRefused past max_snapshot_bytes)."""
-        return cls(World.take(regions), contain)
+        return cls(World.take(regions), contain, whole)
 
     @classmethod
-    def open(cls, regions: Callable[[], Sequence[Region]], contain: Contain) -> SideBySide | Compared:
+    def open(cls, regions: Callable[[], Sequence[Region]], contain: Contain,
+             whole: Callable[[], Sequence[Any]] | None = None) -> SideBySide | Compared:
         """The world before either party runs, or REFUSED with what raised (SnapshotRefused past
         max_snapshot_bytes, an allocation failure): nothing ran yet."""
-        side, exc = contain(lambda: cls.take(regions(), contain))
+        side, exc = contain(lambda: cls.take(regions(), contain, whole() if whole is not None else ()))
         return side if exc is None else Compared(Kind.REFUSED, f"{type(exc).__name__}: {exc}", error=exc)
 
     def run(self, fn: Callable[[], Any]) -> tuple[Any, Compared | None]:
@@ -132,6 +148,8 @@ class SideBySide:
 
     def set_aside(self, party: str) -> None:
         """`party` ran first: its world kept aside, the world before put back for the other."""
+        if self._whole:
+            self._prints[party] = [digest(t) for t in self._whole]
         self._worlds[party] = self._worlds[BEFORE].swap()
 
     def keep(self, party: str) -> None:
@@ -160,9 +178,21 @@ class SideBySide:
         """The candidate's writes against the reference's."""
         return judge(*self.pairs())
 
+    def beyond(self) -> Mismatch | None:
+        """The candidate, as it left the world now, wrote a `whole` input beyond the rows the
+        reference wrote (their rows equal bit for bit, the fingerprints not; module docstring)."""
+        before = self._prints.get(REFERENCE)
+        if before is None or bitwise(*self.pairs()) is not None:
+            return None
+        for t, printed in zip(self._whole, before):
+            if not torch.equal(digest(t), printed):
+                return Mismatch(-1, BEYOND, f"a written input ({tuple(t.shape)}, {t.dtype}) differs beyond the rows "
+                                "the graph writes: the served call wrote where eager does not (not undone)")
+        return None
+
     def compare(self, outputs: Callable[[], Mismatch | None], judge: Judge = bitwise) -> Compared:
         """The candidate's outputs (`outputs` compares them with the reference's), then its writes."""
-        mismatch, exc = self._contain(lambda: outputs() or self.writes(judge))
+        mismatch, exc = self._contain(lambda: outputs() or self.writes(judge) or self.beyond())
         if exc is not None:
             return Compared(Kind.RAISED, f"{type(exc).__name__}: {exc}", error=exc, party=OWN)
         return EQUAL if mismatch is None else Compared(Kind.MISMATCH, str(mismatch), mismatch)

@@ -113,6 +113,13 @@ class Writes:
             found.append((site.position, region, site.why))
         return self._bounded(found)
 
+    def located(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        """The inputs whose writes the plan locates (their rows, not the whole input), each once."""
+        if self._plan is None:
+            return []
+        positions = dict.fromkeys(site.position for site in self._plan.sites)
+        return [args[p] for p in positions if isinstance(args[p], torch.Tensor)]
+
     def _bounded(self, found: list[tuple[int, Region, str]]) -> list[Region]:
         unknown = [(p, r, why) for p, r, why in found if why]
         total = sum(_nbytes(r.view) for _, r, _ in unknown)

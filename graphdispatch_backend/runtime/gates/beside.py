@@ -17,10 +17,16 @@ cache's rows) they must write alike; any other write is the artifact's fault. So
    (`writes`), a write outside them (`outside`); `keep_native()` then leaves the inputs as
    the native run left them, else they stay as the artifact left them.
 
-Steps 1 and 2 read each declared input whole (a KV cache: its size, not its rows) only when
-`whole` is asked: the gate asks at the first call of a shape key and when isolating a
-culprit; its re-checks judge the declared inputs on their rows, so they cost what the call
-writes.
+A declared input is copied whole (a KV cache: its size, not its rows) only when `whole` is
+asked: the gate asks at the first call of a shape key and when isolating a culprit. Every
+check of a bitwise artifact fingerprints the declared inputs whole after each run (two reads
+of the cache, no copy: runtime/checks/digest.py), re-checks included: a kernel that writes
+a row it should not only at some positions (an off-by-one past a block boundary, a stray
+write once the position passes some value) does so first on a call long after the first,
+and a re-check that compared only the rows the region writes passed it on every call while
+the cache it left behind changed every later call's output. What a re-check finds there is
+not undone (no copy was kept, and the calls served unchecked before it may have written
+there too), and it says so.
 
 Every allocation here is graphdispatch's own: the gate runs this inside `contain`. The
 kernel runs inside `contain_artifact`, which hands back what it raised even under `strict`:
@@ -78,6 +84,7 @@ class Outcome:
     side: SideBySide | None = None  # the world before, and native's (runtime/checks/side_by_side.py)
 
     copied: list[Guard] = dataclasses.field(default_factory=list)  # declared inputs copied whole
+    copying: bool = True  # whole copies were asked for (not at a re-check)
 
     def keep_native(self) -> None:
         """Leave the declared inputs as the native run wrote them (wherever the artifact
@@ -101,11 +108,10 @@ class Beside:
             parity: Any, whole: bool = True) -> Outcome:
         """`native` is the user's own computation: what it raises propagates, as in eager;
         the artifact and every step of graphdispatch's own are contained. `whole`: the
-        declared inputs are also judged whole (a copy to undo, a fingerprint to catch a
-        write beyond the rows); without it they are judged on their rows only, so a re-check
-        costs the rows a call writes, not the cache they are written into."""
+        declared inputs are also copied whole (to undo a write beyond the rows); a bitwise
+        artifact's are fingerprinted whole either way, to catch one (module docstring)."""
         declared = sorted(self._writes.positions)
-        printed = parity.mode == "bitwise" and whole  # whose declared inputs are fingerprinted
+        printed = parity.mode == "bitwise"  # whose declared inputs are fingerprinted
         prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared), whole),
                                                SideBySide.take(self._writes.regions(inputs), self._contain)))
         if exc is not None:
@@ -125,7 +131,7 @@ class Beside:
             return outcome
         touched, undone, writes, outside = judged
         return Outcome(native_out, result, raised, touched, undone, writes, outside,
-                       not outside or len(copied) == len(declared), None, side, copied)
+                       not outside or len(copied) == len(declared), None, side, copied, whole)
 
     def _judge(self, inputs: Sequence[Any], declared: list[int], guards: list[Guard], side: SideBySide,
                prints: list[torch.Tensor], parity: Any) -> tuple[list[int], bool, Any, bool]:

@@ -72,8 +72,8 @@ class GateJudge:
         the inputs hold (seen, once judged), `novel`: why they made the call due."""
         with self._record.lock:
             self._record.gates += 1
-        # a re-check judges the declared inputs on the rows the call writes; whole (a cache's
-        # size) only at the first call of a shape key (runtime/gates/beside.py)
+        # a re-check copies the declared inputs' rows the call writes, not the cache; it
+        # fingerprints them whole as the first call does (runtime/gates/beside.py)
         o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity,
                              whole=not recheck)
         if o.unjudged is not None:  # graphdispatch's own step failed (memory): no verdict this call
@@ -159,8 +159,10 @@ class GateJudge:
         return None
 
     def _beyond(self, o: Outcome) -> str:
-        undone = "undone" if o.outside_undone else ("not undone: too large to copy within max_snapshot_bytes; it may "
-                                            "hold what the artifact wrote")
+        undone = ("undone" if o.outside_undone else
+                  "not undone: too large to copy within max_snapshot_bytes; it may hold what the artifact wrote"
+                  if o.copying else "not undone: a re-check keeps no whole copy; it may hold what the artifact wrote "
+                  "on this call and on the calls it served unchecked before")
         return f"it wrote {self._written()} beyond the rows the region writes ({undone})"
 
     def _written(self) -> str:
