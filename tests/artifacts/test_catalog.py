@@ -115,7 +115,8 @@ def test_a_missing_report_is_exit_2(tmp_path, capsys):
 
 def test_help_report_and_artifact_commands_import_no_torch(report_dir, tmp_path):
     """`import torch` takes seconds: the CLI paths that only read files never pay it."""
-    write_bundle(tmp_path / "kernels" / "mlp", "mlp", "x", [], [{"shape": [1], "dtype": "float32"}], "x = 1\n")
+    write_bundle(tmp_path / "kernels" / "mlp", "mlp", "x", [], [{"shape": [1], "dtype": "float32"}],
+                 "def forward(x):\n    return x\n")
     commands = [
         ["--help"],
         ["report", str(report_dir)],
