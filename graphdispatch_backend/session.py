@@ -64,6 +64,8 @@ class Session:
             },
         )
         self.exporter = RegionExporter(options.report_dir) if options.export_regions else None
+        # Dynamo's recompile-limit hits before this session: the report counts those since
+        self._recompile_hits = recompile_limit_hits()
         # what fused graphs learned (fuse=True): None is the user's cache directory, False none
         cache = default_dir() if options.cache_dir is None else options.cache_dir or None
         self.verdicts = Verdicts(cache, lambda key, message: self.events.warn_once(key, "%s", message))
@@ -101,7 +103,8 @@ class Session:
             scopes = dict(self._scopes.items())
         return {"static_buffers": {name: {"count": len(s.buffers), "bytes": s.buffers.nbytes}
                                    for name, s in scopes.items()},
-                "pools": {name: {"pool_bytes": s.engine.pool_bytes()} for name, s in scopes.items()}}
+                "pools": {name: {"pool_bytes": s.engine.pool_bytes()} for name, s in scopes.items()},
+                "dynamo_recompile_limit_hits": recompile_limit_hits() - self._recompile_hits}
 
     def _note_rank(self) -> None:
         """Record the process's rank while its process group is up (module docstring)."""
@@ -233,3 +236,14 @@ def _flush_at_exit() -> None:
 
 
 atexit.register(_flush_at_exit)
+
+
+def recompile_limit_hits() -> int:
+    """Times Dynamo hit its `recompile_limit` in this process, under any backend (read from
+    Dynamo's own counters, never changed here): each time, that function's later calls run
+    without Dynamo, outside every backend, and reach no report (a static-cache server's
+    prefill per prompt length, a sliding-window cache per position: a trial's report held
+    60 of 192 forward calls and said nothing of the rest)."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for msg, n in counters["unimplemented"].items() if "recompile limit exceeded" in msg.lower())

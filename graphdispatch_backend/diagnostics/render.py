@@ -97,6 +97,11 @@ def _summary(report: dict[str, Any]) -> list[str]:
         out.append(f"  ACCOUNTING MISMATCH (calls != replays + eager) in: {', '.join(broken)}")
     else:
         out.append("  every call that reached graphdispatch accounted for: calls == replays + eager on each graph")
+    hits = report.get("totals", {}).get("dynamo_recompile_limit_hits", 0)
+    if hits:
+        out.append(f"  but Dynamo hit its recompile_limit {plural(hits, 'time')} in this process (any backend): "
+                   "those functions' later calls ran without it, outside every backend, and are in no report "
+                   "(raise torch._dynamo.config.recompile_limit, or give the model static shapes: docs/report.md)")
     return out
 
 

@@ -420,3 +420,30 @@ def test_per_artifact_attribution(net, make_bundle, mlp_inputs, tmp_path, read_j
     assert excluded["rejections"].get("not_enabled", 0) >= 1
 
     assert report["totals"]["substitutions"] == 2 and report["totals"]["demotions"] == 1
+
+
+def test_calls_dynamo_runs_past_its_recompile_limit_are_said_missing(tmp_path):
+    """Past `recompile_limit` Dynamo runs a function without itself, outside every backend:
+    those calls reach no report, which said "every call accounted for" (a trial's static-cache
+    server held 60 of 192 forward calls). The report counts the hits since its session began
+    and the rendered summary says what they mean."""
+    from graphdispatch_backend.diagnostics.render import render
+
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+
+    def f(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(f, backend="graphdispatch", dynamic=False, options={"report_dir": str(tmp_path)})
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        for n in range(2, 7):  # a graph per size: the third size hits the limit
+            assert torch.equal(compiled(torch.ones(n)), f(torch.ones(n)))
+    report = graphdispatch_backend.latest_report()
+    assert len(report["graphs"]) == 2 and report["totals"]["dynamo_recompile_limit_hits"] == 1, report["totals"]
+    assert "Dynamo hit its recompile_limit 1 time in this process" in render(report)
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="graphdispatch", options={"report_dir": str(tmp_path)})
+    compiled(torch.ones(3))
+    assert graphdispatch_backend.latest_report()["totals"]["dynamo_recompile_limit_hits"] == 0  # a new session's own

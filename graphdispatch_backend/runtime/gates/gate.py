@@ -19,9 +19,9 @@ torch's lowering), on the eager calls whose region inputs leave what its checked
 (runtime/checks/novelty.py: a largest magnitude a binade above, NaN or inf), and on every
 call under `timing="shadow"`, which runs native anyway. A
 re-check judges the outputs, the undeclared inputs and the declared ones where the region
-writes them (a KV cache's new rows): what the kernel writes beyond those rows is judged at
-the first call of each shape key, where the cache is read whole, not again on every
-re-check at the cache's size. A replay inside a CUDA graph calls no Python, so the gate
+writes them (a KV cache's new rows), and what the kernel writes beyond those rows by a
+fingerprint of the cache after each run, at every check (a whole copy to undo it only at
+the first call of each shape key: runtime/gates/beside.py). A replay inside a CUDA graph calls no Python, so the gate
 re-checks eager calls only; a graph whose artifacts replay is checked whole against eager
 on their schedule too (runtime/checks/eager_check.py, with `schedule.graph_schedule`), and a call a
 bitwise artifact served inside such a check counts as checked here.
