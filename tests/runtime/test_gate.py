@@ -294,7 +294,7 @@ TWO_OUTPUTS = [{"shape": [None, 8], "dtype": "float32"}] * 2
     ("[torch.relu(h), torch.sigmoid(h)]", False, None),  # a list is as good as a tuple
     ("torch.sigmoid(h), torch.relu(h)", True, "output 0: values"),
     ("torch.relu(h), torch.sigmoid(h) * 1.0001", True, "output 1: values"),
-    ("torch.relu(h)", True, "output -1: count: 1 outputs, expected 2"),  # bad_output
+    ("torch.relu(h)", True, "outputs: count: 1 outputs, expected 2"),  # bad_output
     # -0.0 where relu gives +0.0: equal values (torch.equal agrees), different bits
     ("torch.where(h <= 0, -0.0, torch.relu(h)), torch.sigmoid(h)", True,
      "output 0: values: bits differ (max abs diff 0,"),

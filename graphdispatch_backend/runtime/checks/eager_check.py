@@ -48,11 +48,12 @@ from graphdispatch_backend.runtime.checks.isolate import Checked, blame, culprit
 from graphdispatch_backend.runtime.checks.lowering import Lowering
 from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
+from graphdispatch_backend.runtime.checks.parity import BEYOND
 from graphdispatch_backend.runtime.checks.posted import Posted
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import GraphDue
-from graphdispatch_backend.runtime.checks.side_by_side import BEYOND, REFERENCE, Compared, Kind, SideBySide, within
+from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, Compared, Kind, SideBySide, within
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory

@@ -16,10 +16,13 @@ import torch
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+BEYOND = "beyond_rows"  # Mismatch.what: a written input differs beyond the rows the graph writes
+
+
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
     output: int
-    what: str  # count | type | shape | dtype | device | stride | view | values | nan_inf
+    what: str  # count | type | shape | dtype | device | stride | view | values | nan_inf | BEYOND
     detail: str
     max_abs_diff: float | None = None
     first_index: tuple[int, ...] | None = None
@@ -34,7 +37,9 @@ class Mismatch:
         }
 
     def __str__(self) -> str:
-        return self.describe(f"output {self.output}")
+        if self.output >= 0:
+            return self.describe(f"output {self.output}")
+        return self.describe("written inputs" if self.what == BEYOND else "outputs")
 
     def describe(self, name: str) -> str:
         """The mismatch said of `name` (an output, an input's gradient)."""

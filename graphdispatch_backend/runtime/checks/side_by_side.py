@@ -47,7 +47,7 @@ import torch
 
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.checks.digest import digest
-from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.parity import BEYOND, Mismatch, compare
 from graphdispatch_backend.runtime.checks.suspects import NONE_KNOWN, Suspects
 from graphdispatch_backend.runtime.checks.world import Region, World
 
@@ -61,7 +61,6 @@ class Kind(enum.Enum):
 
 
 REFERENCE, CANDIDATE, BEFORE, OWN = "reference", "candidate", "before", "graphdispatch"
-BEYOND = "beyond_rows"  # Mismatch.what: a written input differs beyond the rows the graph writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +185,8 @@ class SideBySide:
             return None
         for t, printed in zip(self._whole, before):
             if not torch.equal(digest(t), printed):
-                return Mismatch(-1, BEYOND, f"a written input ({tuple(t.shape)}, {t.dtype}) differs beyond the rows "
-                                "the graph writes: the served call wrote where eager does not (not undone)")
+                return Mismatch(-1, BEYOND, f"{list(t.shape)} {t.dtype} differs beyond the rows the graph writes: "
+                                "the served call wrote where eager does not (not undone)")
         return None
 
     def compare(self, outputs: Callable[[], Mismatch | None], judge: Judge = bitwise) -> Compared:
