@@ -150,5 +150,7 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                           bool(record.substitutions) and plan.engine is not Engine.OFF),
                       runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
                       unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful,
-                      # a kernel that writes its inputs may write beyond the rows: those inputs read whole
-                      whole=located if any(s.mutates for s in record.substitutions) else None)
+                      # a kernel that writes its inputs may write beyond the rows: where it replays (no
+                      # gate runs), those inputs are read whole; an eager call's gate reads them itself
+                      whole=located if plan.engine is not Engine.OFF and any(s.mutates for s in record.substitutions)
+                      else None)

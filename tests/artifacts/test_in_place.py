@@ -143,6 +143,7 @@ def test_only_the_first_gate_copies_the_cache_its_rechecks_fingerprint_it(tmp_pa
     and 10th call, and at the calls whose position is new: 3, 5 and 9, a binade above the
     checked ones) copy only the row and fingerprint the cache after each run: two reads of
     it, no memory that grows with it."""
+    from graphdispatch_backend.runtime.checks import side_by_side
     from graphdispatch_backend.runtime.gates import beside
 
     _bundle(tmp_path)
@@ -150,9 +151,15 @@ def test_only_the_first_gate_copies_the_cache_its_rechecks_fingerprint_it(tmp_pa
     runs: list[list[int]] = []  # per side-by-side run: bytes of each whole copy or fingerprint
     run, guards, digest = beside.Beside.run, beside.Beside._guards, beside.digest
 
+    inside = [False]  # in a gate's side-by-side run (the graph's own check fingerprints the cache too)
+
     def counted_run(self, *args, **kwargs):
         runs.append([])
-        return run(self, *args, **kwargs)
+        inside[0] = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] = False
 
     def counted_guards(self, inputs, declared, whole):
         kept = guards(self, inputs, declared, whole)
@@ -160,12 +167,14 @@ def test_only_the_first_gate_copies_the_cache_its_rechecks_fingerprint_it(tmp_pa
         return kept
 
     def counted_digest(t):
-        runs[-1].append(t.numel() * t.element_size())
+        if inside[0]:
+            runs[-1].append(t.numel() * t.element_size())
         return digest(t)
 
     monkeypatch.setattr(beside.Beside, "run", counted_run)
     monkeypatch.setattr(beside.Beside, "_guards", counted_guards)
-    monkeypatch.setattr(beside, "digest", counted_digest)
+    monkeypatch.setattr(beside, "digest", counted_digest)  # an undeclared input too large to copy
+    monkeypatch.setattr(side_by_side, "digest", counted_digest)  # the declared inputs, after each run
     sub = _serve(tmp_path, {"cuda_graphs": False})
     assert (sub["parity"], sub["demoted"], sub["gates"]) == ("passed", False, 1 + 4 + sub["novelty_checks"]), sub
     assert sub["novelty_checks"] >= 2, sub

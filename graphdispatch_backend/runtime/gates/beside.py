@@ -111,19 +111,19 @@ class Beside:
         declared inputs are also copied whole (to undo a write beyond the rows); a bitwise
         artifact's are fingerprinted whole either way, to catch one (module docstring)."""
         declared = sorted(self._writes.positions)
-        printed = parity.mode == "bitwise"  # whose declared inputs are fingerprinted
+        # a bitwise artifact's declared inputs are fingerprinted whole after each run (SideBySide.beyond)
+        printed = [inputs[p] for p in declared] if parity.mode == "bitwise" else []
         prepared, exc = self._contain(lambda: (self._guards(inputs, set(declared), whole),
-                                               SideBySide.take(self._writes.regions(inputs), self._contain)))
+                                               SideBySide.take(self._writes.regions(inputs), self._contain, printed)))
         if exc is not None:
             return Outcome(None, unjudged=_failed("guarding the inputs", exc))
         (guards, copied), side = prepared
         native_out = native(*inputs)
-        prints, exc = self._contain(lambda: ([digest(inputs[p]) for p in declared] if printed else [],
-                                             side.set_aside(REFERENCE))[0])
+        _, exc = self._contain(lambda: side.set_aside(REFERENCE))
         if exc is not None:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
         result, raised = self._contain_artifact(lambda: artifact(*inputs))
-        judged, exc = self._contain(lambda: self._judge(inputs, declared, guards, side, prints, parity))
+        judged, exc = self._contain(lambda: self._judge(declared, guards, side, parity))
         if exc is not None:
             outcome = Outcome(native_out, side=side, copied=copied,
                               unjudged=_failed("comparing the artifact's writes", exc))
@@ -133,13 +133,12 @@ class Beside:
         return Outcome(native_out, result, raised, touched, undone, writes, outside,
                        not outside or len(copied) == len(declared), None, side, copied, whole)
 
-    def _judge(self, inputs: Sequence[Any], declared: list[int], guards: list[Guard], side: SideBySide,
-               prints: list[torch.Tensor], parity: Any) -> tuple[list[int], bool, Any, bool]:
+    def _judge(self, declared: list[int], guards: list[Guard], side: SideBySide,
+               parity: Any) -> tuple[list[int], bool, Any, bool]:
         touched = [g for g in guards if g.touched()]
         undone = all([g.undo() for g in touched])
         writes = side.writes(by_parity(parity.mode, parity.rtol, parity.atol)) if declared else None
-        outside = bool(prints) and writes is None and not all(
-            torch.equal(digest(inputs[p]), d) for p, d in zip(declared, prints))
+        outside = writes is None and side.beyond() is not None
         return [g.position for g in touched], undone, writes, outside
 
     def snapshot(self, inputs: Sequence[Any]) -> Callable[[], None]:
