@@ -1,9 +1,10 @@
 """The evidence for the exact recipe's per-node rules (fusion/recipe.py `exact_node`): each op
-the recipe lets in, compiled alone by Inductor under the recipe, equals eager's bits on every
-shape with a tail (sizes around one and two vector widths of AVX2 and AVX512: eager's
-elementwise loops run the last elements of two vectors through a scalar path), float32 and
-bfloat16, several draws; and for each rule, a case it keeps out whose fused result does
-differ (remove the rule, and the first test fails on it)."""
+the recipe lets in, compiled by Inductor under the recipe (one graph per case: the op once
+per size, each size its own loop nest), equals eager's bits on every shape with a tail
+(sizes around one and two vector widths of AVX2 and AVX512: eager's elementwise loops run
+the last elements of two vectors through a scalar path), float32 and bfloat16, several
+draws; and for each rule, a case it keeps out whose fused result does differ (remove the
+rule, and the first test fails on it)."""
 
 from __future__ import annotations
 
