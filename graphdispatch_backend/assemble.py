@@ -124,6 +124,7 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
         return writes.located([*lifted, *args])
 
     keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
+    state = [j for kind in ("parameter", "buffer") for j, o in enumerate(origins[n_lifted:]) if o.kind == kind]
     dynamic = any(o.kind == "symbol" for o in origins)
     # calls whose inputs leave what the checked calls saw are checked too: the inputs it
     # only reads (not parameters, not written: aot's positions must map onto these one to
@@ -149,7 +150,7 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                           plan.recheck(options), options.artifact_recheck,
                           bool(record.substitutions) and plan.engine is not Engine.OFF),
                       runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
-                      unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful,
+                      unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful, state=state,
                       # a kernel that writes its inputs may write beyond the rows: where it replays (no
                       # gate runs), those inputs are read whole; an eager call's gate reads them itself
                       whole=located if plan.engine is not Engine.OFF and any(s.mutates for s in record.substitutions)

@@ -6,8 +6,12 @@ artifacts is checked on."""
 
 from __future__ import annotations
 
-import pytest
+import copy
 
+import pytest
+import torch
+
+from graphdispatch_backend import testing
 from graphdispatch_backend.runtime.checks import schedule
 from graphdispatch_backend.runtime.checks.schedule import CAP, DENSE_CAP, Due, graph_schedule
 
@@ -112,3 +116,69 @@ def test_an_unknown_schedule_is_an_error():
     with pytest.raises(ValueError, match="'sometimes'"):
         Due("doubling|sometimes", "g")
 
+
+
+# -- per state: blocks compiled one by one share a graph, each with its own weights ----------
+
+WRONG_FOR_ONE_BLOCK = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    y = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    # one ulp high for the block whose fc2.bias starts with MARK: a kernel wrong for some weights
+    return torch.where(b2[0] == float.fromhex(MARK), torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+"""
+
+
+def _blocks_compiled_one_by_one(tmp_path, cuda_graphs, depth=6, wrong=2, calls=8):
+    """A Stack of `depth` Blocks, each compiled alone (`block.compile()`, as diffusers'
+    compile_repeated_blocks does: one graph for all), an artifact for their `mlp` wrong for
+    block `wrong`'s weights only; outputs that differ from the uncompiled copy's, and the report."""
+    torch.manual_seed(0)
+    model = testing.Stack(depth).eval()
+    reference = copy.deepcopy(model)
+    mark = model.blocks[wrong].mlp.fc2.bias[0].item().hex()
+    root = tmp_path / "artifacts"
+    testing.write_bundle(root / "mlp-one-block-off", "mlp-one-block-off", "mlp", testing.mlp_inputs(),
+                         testing.MLP_OUTPUTS, WRONG_FOR_ONE_BLOCK.replace("MARK", repr(mark)))
+    for block in model.blocks:
+        block.compile(backend="graphdispatch", options={"cuda_graphs": cuda_graphs, "artifacts": str(root)})
+    wrong_calls = 0
+    with torch.no_grad():
+        for i in range(calls):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            wrong_calls += not torch.equal(model(x), reference(x))
+    (graph,) = testing.accounted_graphs()
+    return wrong_calls, graph
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_kernel_wrong_for_one_blocks_weights_is_caught_at_that_blocks_first_call(tmp_path, cuda_graphs):
+    """Counted together, six blocks' calls put every scheduled check below call 96 on blocks
+    0, 1 and 3 ("dense": 1, 2, 4, 8, 10, 12, ...), and a kernel wrong for block 2's weights
+    served every call (a trial's Wan, 2026-12-07: 12 of 12 wrong, the report bitwise). Each
+    block's own schedule checks its first call."""
+    wrong_calls, graph = _blocks_compiled_one_by_one(tmp_path, cuda_graphs)
+    assert wrong_calls == 0
+    (sub,) = graph["substitutions"]
+    assert sub["demoted"] and sub["parity"] == "failed", sub
+
+
+def test_without_a_schedule_per_state_the_kernel_serves_every_call(tmp_path, monkeypatch):
+    """Mutation: every block's calls share one schedule (no state gets its own)."""
+    monkeypatch.setattr(schedule, "INSTANCES", 0)
+    wrong_calls, graph = _blocks_compiled_one_by_one(tmp_path, False)
+    assert wrong_calls == 8
+    assert not graph["substitutions"][0]["demoted"]
+
+
+def test_a_state_is_its_first_parameters_address_and_new_ones_past_the_bound_share_one(monkeypatch):
+    monkeypatch.setattr(schedule, "INSTANCES", 2)
+    instances = schedule.Instances([1])
+    a, b, c = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+    x = torch.ones(2)
+    assert instances.key(("k",), [x, a]) == ("k", a.data_ptr())
+    assert instances.key(("k",), [x, a.view(2)]) == ("k", a.data_ptr())  # the same storage: the same state
+    assert instances.key(("k",), [x, b]) == ("k", b.data_ptr())
+    assert instances.key(("k",), [x, c]) == ("k", None)  # a third state, past the bound: shared
+    assert instances.key(("j",), [x, a]) == ("j", a.data_ptr())
+    assert schedule.Instances([]).key(("k",), [x]) == ("k",)

@@ -93,6 +93,7 @@ class EagerCheck:
         posted: Posted | None = None,
         unfaithful: str | None = None,
         whole: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
+        state: Sequence[int] = (),
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -111,7 +112,10 @@ class EagerCheck:
         # by them after it ran, and checked then (its inputs unwritten, no draws) when new
         self._posted = posted if novelty is not None and novelty.on else None
         self._watch = novelty if self._posted is not None else None
-        self._due = GraphDue(recheck, record.name, dynamic, keyed, None if self._posted is not None else novelty)
+        # `state`: the parameters among the call inputs (blocks compiled one by one share this
+        # graph, each with its own: a schedule per block, runtime/checks/schedule.py)
+        self._due = GraphDue(recheck, record.name, dynamic, keyed, None if self._posted is not None else novelty,
+                             state)
         self._on = MAX_KEYS > 0
         self._lowering = Lowering(eager, compiled, record, events, contain, strict)  # who answers, who is declined
         if unfaithful is not None:  # known to differ from eager on some inputs: never served (capture/matmul_folds.py)

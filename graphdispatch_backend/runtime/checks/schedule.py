@@ -30,6 +30,14 @@ the calls, per shape key: `recheck` for the graph (the lowering, the capture), a
 - an integer N: the first call and every Nth after it;
 - "every": every call (artifact authors' CI; what `timing="shadow"` implies).
 
+Per state, too. Blocks compiled one by one (`block.compile()`, diffusers'
+`compile_repeated_blocks`) share one graph and one shape key, each block with its own
+parameters. Counted together, a schedule's positions fall on the blocks in a fixed
+rotation: with 6 blocks, "dense" checked block 2 on no call before the 96th, and a kernel
+wrong for that block's weights only was served on every call. So each schedule is kept per
+state a call runs with (`Instances`: its first parameter, by address), each block's first
+call checked, up to INSTANCES states per schedule.
+
 A graph whose artifacts are served from CUDA-graph replays (which run no Python, so no
 gate sees them) is checked on both schedules at once (`graph_schedule`): the union of the
 two, written "A|B" for `Due`.
@@ -41,6 +49,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from graphdispatch_backend.options import is_recheck_mode
 from graphdispatch_backend.runtime.call.keys import layout_key
 
@@ -50,6 +60,9 @@ DENSE_FROM = 8  # "dense" follows doubling's positions up to this call, then che
 DENSE_QUARTER_UNTIL = 64  # ... up to this call, then twice per doubling
 DENSE_CAP = 256  # the longest interval of "dense", in calls (bench/recheck.py: its cost <= 2%)
 MAX_KEYS = 4096  # shape keys whose schedules are kept: past it they start over (a bound on memory)
+# states (blocks' parameters) given a schedule each, per schedule: past it, new ones share one
+# (parameters at a new address every call, as an offloading loader's, would otherwise check every call)
+INSTANCES = 256
 
 
 def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_artifacts: bool) -> str | int:
@@ -163,15 +176,57 @@ class KeyedDue:
         return self._dues.get(key)
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a storage of their own, always (the usual call)
+
+
+class Instances:
+    """Which state a call runs with (module docstring): the input at the first of `positions`
+    (a parameter), by its storage's address (by identity where it has none: a tensor
+    subclass's wrapper). `key(key, inputs)` extends a shape key with it; the last state is
+    remembered, so the usual call (the same block as the call before, or one state for good)
+    costs a read of one address."""
+
+    __slots__ = ("_known", "_last", "_position")
+
+    def __init__(self, positions: Sequence[int]) -> None:
+        self._position = positions[0] if positions else None
+        self._known: set[int] = set()
+        self._last: tuple[tuple[object, ...], int, tuple[object, ...]] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self._position is not None
+
+    def key(self, key: tuple[object, ...], inputs: Sequence[Any]) -> tuple[object, ...]:
+        if self._position is None:
+            return key
+        t = inputs[self._position]
+        state = t.data_ptr() if type(t) in _PLAIN or isinstance(t, torch.Tensor) and torch._C._has_storage(t) \
+            else id(t)
+        last = self._last
+        if last is not None and last[1] == state and last[0] == key:
+            return last[2]
+        if state not in self._known:
+            if len(self._known) >= INSTANCES:
+                return (*key, None)
+            self._known.add(state)
+        keyed = (*key, state)
+        self._last = (key, state, keyed)
+        return keyed
+
+
 class GraphDue:
     """Which calls of one graph its eager check judges (runtime/checks/eager_check.py): its
     `recheck` schedule, per shape key for a dynamic graph (keyed by the layouts of the call
     inputs at `keyed`; Dynamo guards a static graph's one key), and the calls whose inputs
     leave what the checked calls saw (`novelty`: runtime/checks/novelty.py)."""
 
-    def __init__(self, recheck: str | int, name: str, dynamic: bool, keyed: Sequence[int], novelty: Any) -> None:
+    def __init__(self, recheck: str | int, name: str, dynamic: bool, keyed: Sequence[int], novelty: Any,
+                 state: Sequence[int] = ()) -> None:
         self._keyed = tuple(keyed) if dynamic else None  # positions of call inputs (parameters are not keyed)
+        self._instances = Instances(state)  # the parameters' positions among them: a schedule per state
         self._schedules = KeyedDue(recheck, name)
+        self._last: tuple[tuple[object, ...], Due] | None = None  # the last call's key and schedule
         self._schedule = Due(recheck, name)
         self._novelty = novelty if novelty is not None and novelty.on else None
         self.n = self.previous = 0  # the checked call's number in its shape key, and the last check's
@@ -180,7 +235,7 @@ class GraphDue:
         """None, or why this call is checked: (what it saw, to widen what the checked calls
         saw; a description of its new inputs when they, not the `recheck` schedule of its
         shape key, made it due)."""
-        due = self._schedule if self._keyed is None else self._due(args)
+        due = self._due(args)
         scheduled = due()
         seen = self._novelty.observe(args) if self._novelty is not None else None
         novel = None if scheduled or seen is None else seen.why
@@ -192,10 +247,17 @@ class GraphDue:
         return seen, novel
 
     def _due(self, args: Sequence[Any]) -> Due:
-        """The schedule of the call's shape key."""
-        if self._keyed is None:
+        """The schedule of the call's shape key and state."""
+        if self._keyed is None and not self._instances.on:
             return self._schedule
-        return self._schedules(layout_key(map(args.__getitem__, self._keyed)))
+        key = () if self._keyed is None else layout_key(map(args.__getitem__, self._keyed))
+        key = self._instances.key(key, args)
+        last = self._last
+        if last is not None and last[0] == key:  # the usual call: the same block and shape as the last
+            return last[1]
+        due = self._schedules(key)
+        self._last = (key, due)
+        return due
 
     def novel(self, args: Sequence[Any]) -> None:
         """This call, which its schedule did not pick, is checked after it ran: the statistics

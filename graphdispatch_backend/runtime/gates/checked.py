@@ -17,29 +17,33 @@ from typing import Any
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
-from graphdispatch_backend.runtime.checks.schedule import KeyedDue
+from graphdispatch_backend.runtime.checks.schedule import Instances, KeyedDue
 
 Check = tuple[bool, "Observation | None", "str | None"]  # due; what the call saw; why it is new (or None)
 
 
 class CheckBook:
-    def __init__(self, recheck: str | int, record: SubstitutionRecord, novelty: Novelty | None = None) -> None:
+    def __init__(self, recheck: str | int, record: SubstitutionRecord, novelty: Novelty | None = None,
+                 state: Sequence[int] = ()) -> None:
         self._record = record
-        # the artifact_recheck option, per shape key, over its eager calls (the gate's included)
+        # the artifact_recheck option, per shape key and per state (`state`: the region's
+        # parameters among its inputs; blocks compiled one by one share this gate, each with its
+        # own weights: runtime/checks/schedule.py), over its eager calls (the gate's included)
         self._schedules = KeyedDue(recheck, f"{record.artifact}:{record.region}")
+        self._instances = Instances(state)
         self._closed = 0  # the unchecked run a check inside a whole-graph check closed (put back if it fails)
         # eager calls whose region inputs leave what the checked calls saw are checked too
         self._novelty = novelty if novelty is not None and novelty.on else None
 
-    def due(self, key: tuple[Any, ...]) -> bool:
+    def due(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> bool:
         """Whether this eager call of shape key `key` is checked (the `artifact_recheck` schedule)."""
-        return self._schedules(key)()
+        return self._schedules(self._instances.key(key, inputs))()
 
     def take(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Check:
         """Whether this eager call of shape key `key` is checked: by the schedule, or for its
         new inputs (runtime/checks/novelty.py: then `why` says what is new); and what it
         saw, which counts as seen once the call was checked (`Observation.checked`)."""
-        due = self._schedules(key)
+        due = self._schedules(self._instances.key(key, inputs))
         scheduled = due()
         seen = self._novelty.observe(inputs) if self._novelty is not None else None
         why = None if scheduled or seen is None else seen.why
@@ -50,7 +54,7 @@ class CheckBook:
     def first(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> Observation | None:
         """A shape key's first call, checked whatever the schedule: its schedule starts here;
         what it saw, to count as seen."""
-        self._schedules(key)()
+        self._schedules(self._instances.key(key, inputs))()
         return self._novelty.observe(inputs) if self._novelty is not None else None
 
     def novel_check(self) -> None:
@@ -78,11 +82,11 @@ class CheckBook:
         with self._record.lock:
             record_fields.checked_run(self._record, self._closed)
 
-    def caught(self, key: tuple[Any, ...], novel: str | None = None) -> str:
+    def caught(self, key: tuple[Any, ...], inputs: Sequence[Any], novel: str | None = None) -> str:
         """A re-check failed: the call of its shape key that caught it, by which check (the
         schedule, or `novel` inputs), and the calls the artifact served unchecked since the
         check before, said and recorded."""
-        due = self._schedules.get(key)
+        due = self._schedules.get(self._instances.key(key, inputs))
         record = self._record
         with record.lock:
             unchecked = record.served_since_check

@@ -109,7 +109,8 @@ class ArtifactGate:
         watched = [i for i, name in enumerate(input_names) if re.fullmatch(r"input\d+", name or "")
                    and i not in (writes.positions if writes is not None else ())]
         # which eager calls are checked (its schedule, and calls with new inputs); what it served unchecked
-        self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty))
+        state = [i for i, name in enumerate(input_names) if name and not re.fullmatch(r"input\d+", name)]
+        self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty), state)
         self._lock = threading.Lock()
         self.demoted = False
         record_fields.parity_mode(record, parity.mode)
@@ -211,7 +212,7 @@ class ArtifactGate:
         key = layout_key(inputs)
         with self._lock:
             if key not in self._passed and not self.demoted:
-                self._checks.due(key)  # the key's first call: its schedule starts here
+                self._checks.due(key, inputs)  # the key's first call: its schedule starts here
                 return self._judge.judge(key, inputs, native_answer=True)
         return self._run_native(inputs)
 

@@ -92,7 +92,7 @@ class GateJudge:
             if o.outside and "beyond the rows" not in detail:
                 detail += f"; {self._beyond(o)}"
             if recheck:
-                detail += self._checks.caught(key, novel)
+                detail += self._checks.caught(key, inputs, novel)
             self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
