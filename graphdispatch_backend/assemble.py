@@ -120,8 +120,29 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
     def locate(args: Sequence[Any]) -> list[Region]:
         return writes.regions([*lifted, *args])
 
+    # fingerprinted whole at a check where artifacts serve from replays (no gate runs there): the
+    # inputs a kernel declares it writes (beyond its rows?), and those it reads and does not
+    # declare (a write into a weight: the trial's kernel that added to a bias on one replay)
+    reads = lowering.artifact_reads if one_to_one else ()
+
     def located(args: Sequence[Any]) -> list[torch.Tensor]:
-        return writes.located([*lifted, *args])
+        every = [*lifted, *args]
+        found = writes.located(every)
+        return found + [every[p] for p in reads if isinstance(every[p], torch.Tensor)
+                        and all(every[p] is not t for t in found)]
+
+    def kept(args: Sequence[Any]) -> list[torch.Tensor]:
+        """The inputs artifacts read and do not declare writing, copied while the copies fit
+        max_snapshot_bytes: a write into one is undone (runtime/checks/side_by_side.py)."""
+        every, out, total = [*lifted, *args], [], 0
+        for p in reads:
+            t = every[p]
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+                if total > session.options.max_snapshot_bytes:
+                    break
+                out.append(t)
+        return out
 
     keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
     state = [j for kind in ("parameter", "buffer") for j, o in enumerate(origins[n_lifted:]) if o.kind == kind]
@@ -153,5 +174,6 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                       unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful, state=state,
                       # a kernel that writes its inputs may write beyond the rows: where it replays (no
                       # gate runs), those inputs are read whole; an eager call's gate reads them itself
-                      whole=located if plan.engine is not Engine.OFF and any(s.mutates for s in record.substitutions)
-                      else None)
+                      whole=located if plan.engine is not Engine.OFF and (reads or any(
+                          s.mutates for s in record.substitutions)) else None,
+                      kept=kept if plan.engine is not Engine.OFF and reads else None)

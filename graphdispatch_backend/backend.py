@@ -192,6 +192,7 @@ class _Builder:
         self.plan: GraphPlan | None = None  # the inference graph's or forward's, and how it is served
         self.serving: Serving | None = None
         self.write_plan: WritePlan | None = None  # where the forward writes them (passes/locate_writes.py)
+        self.artifact_reads: tuple[int, ...] = ()  # inputs (aot positions) artifacts read and do not declare writing
         self.runners: list[GraphRunner] = []  # the forward's, in the order of its record's piece_stats
         self.agreement: Agreement | None = None
         # Dynamo is compiling this graph: its guards stand in front of every call (program.py)
@@ -260,6 +261,7 @@ class _Builder:
             for w in ctx.writes], ctx.buffer_writes, [p.to_dict() for p in ctx.pieces], ctx.split_reasons)
         if role is not Role.BACKWARD:
             self.write_plan = ctx.write_plan
+            self.artifact_reads = tuple(sorted({p for s in ctx.substitutions for p in s.reads}))
             record_fields.regions_found(record, [self.artifacts.region_entry(
                 r, ctx.outcomes.get(r.name), role is Role.INFERENCE) for r in ctx.regions],
                 self.artifacts.module_rejections)

@@ -77,6 +77,9 @@ class SubstitutionInfo:
     region: str
     artifact: str
     capturable: bool
+    # the graph's inputs (placeholder positions) its region reads and its manifest does not
+    # say it writes: a write into one is undeclared, looked for at a replayed call's check
+    reads: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass

@@ -80,4 +80,6 @@ def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
         )
         taken.update(region.nodes)
         replaced.update(zip(region.outputs, items))
-        ctx.substitutions.append(SubstitutionInfo(region.name, artifact.id, capturable))
+        inputs = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+        reads = tuple(inputs[node] for i, node in enumerate(region.inputs) if node in inputs and i not in written)
+        ctx.substitutions.append(SubstitutionInfo(region.name, artifact.id, capturable, reads))

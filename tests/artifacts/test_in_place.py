@@ -303,3 +303,58 @@ def test_a_scaffolded_static_cache_attention_writes_the_cache_rows_in_place(tmp_
     subs = graphs[-1]["substitutions"]
     assert len(subs) == 2 and all(s["parity"] == "passed" and not s["demoted"] for s in subs), subs
     assert all(s["replays"] > 0 and s["mutates"] == ["input3", "input4", "input5"] for s in subs), subs
+
+
+# -- an undeclared write on a replayed call ---------------------------------------------------
+
+WRITES_ITS_BIAS_WHEN_LARGE = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    y = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    b2.add_(torch.where(x.abs().amax() > 6.0, 1e-3, 0.0))  # undeclared, and only for large inputs
+    return y
+"""
+
+
+def _replayed_bias_writer(tmp_path: Path, limit: int | None) -> tuple[int, dict[str, Any]]:
+    """A Stack whose blocks' MLP kernel adds to its fc2 bias when an input is large, served
+    from replays (emulate) and checked on every call; the large input comes at call 9, a
+    replay. The outputs that differ from the uncompiled copy's, and the artifact's entry."""
+    import copy
+
+    from graphdispatch_backend import testing
+
+    torch.manual_seed(0)
+    model = testing.Stack(2).eval()
+    reference = copy.deepcopy(model)
+    write_bundle(tmp_path / "bias-writer", "bias-writer", "blocks.*.mlp", testing.mlp_inputs(), testing.MLP_OUTPUTS,
+                 WRITES_ITS_BIAS_WHEN_LARGE)
+    options: dict[str, Any] = {"cuda_graphs": "emulate", "artifacts": str(tmp_path), "artifact_recheck": "every"}
+    if limit is not None:
+        options["max_snapshot_bytes"] = limit
+    compiled = torch.compile(model, backend="graphdispatch", options=options)
+    wrong = 0
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).clamp(-3, 3) * (4 if i == 8 else 1)
+            wrong += not torch.equal(compiled(x), reference(x))
+    (graph,) = accounted_graphs()
+    assert graph["cuda_graph"]["replays"] > 0
+    return wrong, next(s for s in graph["substitutions"] if s["demoted"])
+
+
+def test_an_undeclared_write_into_a_weight_on_a_replay_is_caught_and_undone(tmp_path):
+    """A replay runs no gate; its check against eager fingerprints the inputs artifacts read
+    and do not declare writing, and keeps copies of them (they fit max_snapshot_bytes): the
+    bias written on call 9 is put back, eager's values answer that call, and every later
+    output is the uncompiled model's (a trial's Wan served 8 wrong calls after it, the
+    report bitwise, even with artifact_recheck="every")."""
+    wrong, sub = _replayed_bias_writer(tmp_path, None)
+    assert wrong == 0
+    assert sub["reason"] == "mutated_input" and "caught at call 9" in sub["detail"], sub
+
+
+def test_an_undeclared_write_too_large_to_copy_is_caught_and_said_not_undone(tmp_path):
+    wrong, sub = _replayed_bias_writer(tmp_path, 16)
+    assert wrong > 0  # the bias stays written: said, not hidden
+    assert sub["reason"] == "mutated_input" and "could not be undone" in sub["detail"], sub

@@ -94,6 +94,7 @@ class EagerCheck:
         unfaithful: str | None = None,
         whole: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
         state: Sequence[int] = (),
+        kept: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
         self._compiled = compiled
@@ -104,6 +105,7 @@ class EagerCheck:
         # the written inputs fingerprinted whole, where an artifact that writes inputs serves
         # inside the graph: a write beyond the rows (runtime/checks/side_by_side.py)
         self._whole = whole
+        self._kept = kept  # ... and those of them that no party may write, copied to undo such a write
         self._suspects = suspects if suspects is not None else Suspects()  # who to name when eager disagrees
         self._agreement = agreement  # the graph holds collectives: verdicts are agreed over its ranks
         # which calls are checked (runtime/checks/schedule.py): by position per shape key, and
@@ -193,9 +195,10 @@ class EagerCheck:
                served: Any = _UNSERVED) -> Any:
         """`served`: the outputs the compiled graph made for this call already (`_after`)."""
         lowering = self._lowering
-        whole = self._whole
+        whole, kept = self._whole, self._kept
         side = SideBySide.open(lambda: self._locate(args), self._contain,
-                               None if whole is None else lambda: whole(args))
+                               None if whole is None else lambda: whole(args),
+                               None if kept is None else lambda: kept(args))
         if isinstance(side, Compared):  # refused: nothing ran yet
             return lowering.unsnapshotted(args, side.raised)
         start = Start() if self._draws else None  # before anything draws

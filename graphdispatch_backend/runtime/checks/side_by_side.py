@@ -30,7 +30,11 @@ judge also names those inputs `whole`: each is fingerprinted whole (runtime/chec
 a read, no copy) once the reference ran and again once the candidate did, and where the
 rows agree bit for bit and a fingerprint does not, the candidate wrote beyond them
 (`beyond`): a mismatch (a kernel that wrote a past row only from some position on, caught at
-the first check after, where comparing the rows alone passed it on every call).
+the first check after, where comparing the rows alone passed it on every call). The inputs
+such kernels read and do not declare writing (a weight) are named `whole` too, and copied
+before either party runs where the copies fit (`kept`): neither party writes them, so one
+that changed was written by the candidate, and its copy puts it back (a kernel that added
+to a bias on one replayed call, 2026-12-07).
 
 A result is a `Compared`: equal; a mismatch with its detail; the reference nondeterministic;
 raised (a party, or graphdispatch's own step); the snapshot refused.
@@ -117,13 +121,16 @@ def held(regions: Sequence[Region]) -> Callable[[], None]:
 class SideBySide:
     """One comparison's world: the world before, and each party's once it ran."""
 
-    __slots__ = ("_contain", "_prints", "_whole", "_worlds")
+    __slots__ = ("_contain", "_kept", "_prints", "_whole", "_worlds")
 
-    def __init__(self, before: World, contain: Contain, whole: Sequence[Any] = ()) -> None:
+    def __init__(self, before: World, contain: Contain, whole: Sequence[Any] = (),
+                 kept: Sequence[Any] = ()) -> None:
         self._contain = contain  # graphdispatch's own steps (a rerun, the suspects' runs)
         self._worlds: dict[str, World] = {BEFORE: before}
         self._whole = tuple(whole)  # inputs fingerprinted whole after each party (module docstring)
         self._prints: dict[str, list[Any]] = {}
+        # inputs no party may write, each with its copy from before (module docstring)
+        self._kept = [(t, t.clone()) for t in kept]
 
     @classmethod
     def take(cls, regions: Sequence[Region], contain: Contain, whole: Sequence[Any] = ()) -> SideBySide:
@@ -132,10 +139,12 @@ class SideBySide:
 
     @classmethod
     def open(cls, regions: Callable[[], Sequence[Region]], contain: Contain,
-             whole: Callable[[], Sequence[Any]] | None = None) -> SideBySide | Compared:
+             whole: Callable[[], Sequence[Any]] | None = None,
+             kept: Callable[[], Sequence[Any]] | None = None) -> SideBySide | Compared:
         """The world before either party runs, or REFUSED with what raised (SnapshotRefused past
         max_snapshot_bytes, an allocation failure): nothing ran yet."""
-        side, exc = contain(lambda: cls.take(regions(), contain, whole() if whole is not None else ()))
+        side, exc = contain(lambda: cls(World.take(regions()), contain, whole() if whole is not None else (),
+                                        kept() if kept is not None else ()))
         return side if exc is None else Compared(Kind.REFUSED, f"{type(exc).__name__}: {exc}", error=exc)
 
     def run(self, fn: Callable[[], Any]) -> tuple[Any, Compared | None]:
@@ -183,11 +192,16 @@ class SideBySide:
         before = self._prints.get(REFERENCE)
         if before is None or bitwise(*self.pairs()) is not None:
             return None
+        found = None
         for t, printed in zip(self._whole, before):
             if not torch.equal(digest(t), printed):
-                return Mismatch(-1, BEYOND, f"{list(t.shape)} {t.dtype} differs beyond the rows the graph writes: "
-                                "the served call wrote where eager does not (not undone)")
-        return None
+                copy = next((c for k, c in self._kept if k is t), None)
+                if copy is not None:
+                    t.copy_(copy)  # no party writes it: as it was before, as eager left it
+                found = found or Mismatch(-1, BEYOND, f"{list(t.shape)} {t.dtype} differs beyond the rows the graph "
+                                          "writes: the served call wrote where eager does not "
+                                          f"({'undone' if copy is not None else 'not undone'})")
+        return found
 
     def compare(self, outputs: Callable[[], Mismatch | None], judge: Judge = bitwise) -> Compared:
         """The candidate's outputs (`outputs` compares them with the reference's), then its writes."""
