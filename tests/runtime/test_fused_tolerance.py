@@ -172,6 +172,43 @@ def test_the_rendered_report_says_the_tolerance_and_the_largest_error():
     assert "tolerance rtol=0.001 atol=1e-05" in text and "largest error" in text and "budget" in text
 
 
+OFF_WHEN_LARGE = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    y = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    return y + torch.where(x.abs().amax() > 6.0, 1e-3, 0.0)  # 1e-3 off on large inputs: within 1e-2
+"""
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_bitwise_artifact_inside_a_tolerant_graph_is_judged_bit_for_bit(tmp_path, cuda_graphs):
+    """A graph fused under rtol = atol = 1e-2 around a kernel whose manifest says bitwise and
+    which is 1e-3 off on large inputs: within the graph's tolerance, so its check passed the
+    served call, and the kernel served calls 10 and 12 off (a trial's Wan, 2026-12-07, the
+    artifact's parity `passed`). A check that passes within the tolerance now judges each
+    bitwise artifact beside its native region: caught at the first checked large call, which
+    eager's values answer."""
+    from graphdispatch_backend import testing
+
+    torch.manual_seed(0)
+    model = testing.Stack(2).eval()
+    testing.write_bundle(tmp_path / "off", "off-when-large", "blocks.*.mlp", testing.mlp_inputs(),
+                         testing.MLP_OUTPUTS, OFF_WHEN_LARGE)
+    compiled = torch.compile(model, backend="graphdispatch", options={
+        "fuse": {"rtol": 1e-2, "atol": 1e-2}, "cuda_graphs": cuda_graphs, "artifacts": str(tmp_path),
+        "cache_dir": False})
+    off = []
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).clamp(-3, 3) * (4 if i == 9 else 1)
+            if (compiled(x) - model(x)).abs().max() > 1e-4:  # beyond what the fused code's own rounding gives
+                off.append(i + 1)
+    assert off == []
+    (graph,) = accounted_graphs()
+    demoted = [s for s in graph["substitutions"] if s["demoted"]]
+    assert demoted and all(s["reason"] == "parity" and "caught at call 10" in s["detail"] for s in demoted), demoted
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fuse", [True, TOL], ids=["bitwise", "tolerance"])
 def test_on_a_gpu_both_modes_are_captured_replayed_and_judged(fuse):
