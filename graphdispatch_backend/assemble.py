@@ -145,7 +145,9 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
         return out
 
     keyed = [j for j, o in enumerate(origins[n_lifted:]) if not o.is_state]
-    state = [j for kind in ("parameter", "buffer") for j, o in enumerate(origins[n_lifted:]) if o.kind == kind]
+    # the parameters among them (a block's weights; not its buffers: a cache made per request
+    # is a new buffer, and would make every request a new state to check)
+    state = [j for j, o in enumerate(origins[n_lifted:]) if o.kind == "parameter"]
     dynamic = any(o.kind == "symbol" for o in origins)
     # calls whose inputs leave what the checked calls saw are checked too: the inputs it
     # only reads (not parameters, not written: aot's positions must map onto these one to

@@ -231,7 +231,7 @@ NO_EAGER_CHECK = (eager_check_mod, "MAX_KEYS", 0)
 
 MUTATIONS = [
     Mutation("pinned address", (NO_ADDRESS_CHECK,), pinned_input_replaced),
-    Mutation("parameter address", (NO_ADDRESS_CHECK,), parameter_moved_through_compile),
+    Mutation("parameter address", (NO_ADDRESS_CHECK, NO_EAGER_CHECK), parameter_moved_through_compile),
     Mutation("pinned layout and strides", ((LayoutIdentity, "layouts_match", _always(True)),),
              parameter_restrided_in_place),
     Mutation("parameter layout declines at replay", ((GraphRunner, "_check", _ignoring(Decline.PARAMETER_MOVED)),),
@@ -272,6 +272,14 @@ def test_verification_catches_a_missing_copy_in(monkeypatch):
     w, x = torch.randn(4, 4), fresh(3, 4)
     assert count_wrong(runner, affine, [lambda: (x(), w)] * 7) == 0
     assert runner._stats.declines == {"verify_mismatch": 1}
+
+
+def test_eager_check_catches_a_moved_parameter_at_its_first_call(monkeypatch):
+    """With the runner's address check gone, a parameter moved between replays is a new
+    state of the graph, whose first call the eager check compares with real eager
+    (runtime/checks/schedule.py, per weights): the stale replay is answered eagerly."""
+    monkeypatch.setattr(*NO_ADDRESS_CHECK)
+    assert parameter_moved_through_compile() == 0
 
 
 def test_eager_check_catches_a_stale_constant(monkeypatch):

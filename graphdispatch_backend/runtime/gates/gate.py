@@ -109,7 +109,8 @@ class ArtifactGate:
         watched = [i for i, name in enumerate(input_names) if re.fullmatch(r"input\d+", name or "")
                    and i not in (writes.positions if writes is not None else ())]
         # which eager calls are checked (its schedule, and calls with new inputs); what it served unchecked
-        state = [i for i, name in enumerate(input_names) if name and not re.fullmatch(r"input\d+", name)]
+        state = [i for i, name in enumerate(input_names) if name and not re.fullmatch(r"input\d+", name)
+                 and i not in (writes.positions if writes is not None else ())]  # its weights, not a cache
         self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty), state)
         self._lock = threading.Lock()
         self.demoted = False
