@@ -100,6 +100,16 @@ invisible. Five measurements, each side by side in one run (CPU, one torch threa
    the comparison before, which took float64 copies and masks of the whole output, held
    194 and 758 MiB (11.8 MiB per MiB of output).
 
+6. `weights`: what a check of a replayed call holds where an artifact serves inside the graph
+   (runtime/checks/side_by_side.py: the inputs artifacts read and do not declare writing,
+   its weights, are fingerprinted and copied while the copies fit `max_snapshot_bytes`,
+   256 MiB, so that a kernel's undeclared write into one is put back). In a fresh process
+   per size (`--child weights`), a block whose MLP region (an exact artifact, emulate,
+   `artifact_recheck="every"`: every replayed call checked) holds 64 and 512 MiB of
+   float32 weights; figure: the peak RSS of one checked replay above the level before.
+   Target: at most min(weights, 256 MiB) + 16 MiB (the copies and no more; at 512 MiB
+   they stop at the limit and the rest is only fingerprinted).
+
 `--device cuda` runs sections 1 and 3 on one CUDA device instead (without a device it
 prints one line and exits 0): the cache in float32 at 4, 64, 256 and 1024 MiB, with
 graphdispatch `cuda_graphs=True` instead of emulate, every timed window ending in a
@@ -119,14 +129,15 @@ sections before it leave in a process (their heap, Dynamo's caches) slowed both 
 each request by about a fifth and moved the medians by several percent (one cache reused:
 0.99x on its own, 1.07x and 1.12x after the decode and llama sections).
 
-`--only decode,llama,server,dit,lifetime,check` runs a subset (development; run.py runs all).
+`--only decode,llama,server,dit,lifetime,check,weights` runs a subset (development; run.py runs all).
 
 `--smoke` (CI): every section at tiny sizes (`SMOKE`): caches of 1 and 2 MiB with 12
 checked calls; a Llama of one layer, hidden 64, at `max_cache_len` 16 and 32, 4 new tokens;
 the server's models of one layer at 32, 3 requests (the MoE only its first case); DiT
 blocks of dim 64 at 1 and 2 MiB, N=1 and 2, 4 steps (the 3rd replays); 2 lifetime rounds;
-checks of 1 and 2 MiB outputs; 2-3 repeats. Inductor is skipped (recorded as skipped, not failed: a cold C++ build takes
-10-30 s). The script's plumbing, no figure.
+checks of 1 and 2 MiB outputs; weights of 1 and 2 MiB; 2-3 repeats. Inductor is skipped
+(recorded as skipped, not failed: a cold C++ build takes 10-30 s). The script's plumbing,
+no figure.
 """
 
 from __future__ import annotations
@@ -163,7 +174,7 @@ import graphdispatch_backend
 from graphdispatch_backend.artifacts.scaffold import scaffold
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("decode", "llama", "server", "dit", "lifetime", "check")
+SECTIONS = ("decode", "llama", "server", "dit", "lifetime", "check", "weights")
 CUDA_SECTIONS = ("decode", "dit")
 CHILD_TAG = "SCALE_CHILD "
 CHILD_TIMEOUT_S = 900
@@ -205,6 +216,8 @@ LIFETIME_MODELS = ("mlp", "ltx")
 
 # -- 5. a tolerance check of a large output ------------------------------------------------------------
 CHECK_MIB = (16, 64)  # float32 output sizes
+WEIGHTS_MIB = (64, 512)  # float32 weights of the artifact's region (section 6)
+WEIGHTS_SLACK_MIB = 16  # a checked replay's peak beyond its copies: eager's activations, the fingerprints
 CHECK_SLOPE_MAX = 0.5  # MiB of peak per MiB of output (whole-output float64 copies and masks held 11.8)
 
 # -- --smoke: every section at tiny sizes (the script's plumbing; see the module docstring) ---------------
@@ -215,7 +228,7 @@ SMOKE: dict[str, Any] = {
     "CACHE_LENS": (16, 32), "NEW_TOKENS": 4, "PROMPT_LEN": 4,
     "DIT": {device: {**cfg, "dim": 64, "mlp_ratio": 1, "sizes": (1, 2), "n_at": 1} for device, cfg in DIT.items()},
     "DIT_STEPS": 4, "DIT_BLOCKS": (1, 2), "SLOPE_FROM": 1, "SLOPE_TO": 2,
-    "ROUNDS": 2, "FIT_LAST": 2, "CHECK_MIB": (1, 2),
+    "ROUNDS": 2, "FIT_LAST": 2, "CHECK_MIB": (1, 2), "WEIGHTS_MIB": (1, 2),
 }
 SMOKE_SKIPPED = {"inductor": "skipped (--smoke: a cold C++ build takes 10-30 s)"}
 _SMOKE = [False]  # smoke sizes in force: the children are started with --smoke too
@@ -1060,6 +1073,75 @@ def section_check() -> tuple[dict[str, Any], list[Any], list[Target], bool]:
     return {"runs": runs, "slope_mib_per_mib": slope}, [table], targets, right
 
 
+# -- section 6: a checked replay of a graph serving an artifact over large weights (children) ------------
+WEIGHTS_KERNEL = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    return torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+"""
+
+
+def weights_child(mib: int) -> dict[str, Any]:
+    """Peak RSS of one checked replay of a block whose MLP region, served by an exact artifact,
+    holds `mib` MiB of float32 weights (4 * dim**2 values)."""
+    from graphdispatch_backend import testing
+
+    dim = max(8, int((mib * MIB / 16) ** 0.5))
+    torch.manual_seed(0)
+    model = testing.Block(dim).eval()
+    sig = [{"name": "fc1.weight", "shape": [2 * dim, dim], "dtype": "float32"},
+           {"name": "fc1.bias", "shape": [2 * dim], "dtype": "float32"},
+           {"name": "input0", "shape": [None, dim], "dtype": "float32"},
+           {"name": "fc2.weight", "shape": [dim, 2 * dim], "dtype": "float32"},
+           {"name": "fc2.bias", "shape": [dim], "dtype": "float32"}]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with tempfile.TemporaryDirectory() as root:
+        testing.write_bundle(Path(root) / "mlp", "mlp-exact", "mlp", sig, [{"shape": [None, dim], "dtype": "float32"}],
+                             WEIGHTS_KERNEL)
+        compiled = torch.compile(model, backend="graphdispatch", options={
+            "cuda_graphs": "emulate", "artifacts": root, "artifact_recheck": "every"})
+        x = torch.randn(4, dim, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for _ in range(4):  # warmup, capture, verification: from here every call replays, checked
+                compiled(x)
+            gc.collect()
+            reset = reset_peak_rss()
+            rss0 = rss_bytes()
+            start = time.perf_counter()
+            out = compiled(x)
+            hw = (peak_rss_bytes() if reset else None) or maxrss_bytes()
+            seconds = time.perf_counter() - start
+            bitwise = torch.equal(out, model(x))
+    (graph,) = testing.accounted_graphs()
+    return {"mib": mib, "weights_bytes": weights, "peak_bytes": hw - rss0, "seconds": seconds, "bitwise": bitwise,
+            "replays": graph["cuda_graph"]["replays"], "checked": graph["lowering_check"]["checked"],
+            "limit_bytes": graphdispatch_backend.Options().max_snapshot_bytes,
+            "peak_source": "VmHWM reset before the call" if reset else "ru_maxrss"}
+
+
+def section_weights() -> tuple[dict[str, Any], list[Any], list[Target], bool]:
+    runs = run_children([["weights", str(mib)] for mib in WEIGHTS_MIB], "cpu")
+    ok = [r for r in runs if "error" not in r]
+    bitwise = len(ok) == len(runs) and all(r["bitwise"] and r["replays"] > 0 for r in ok)
+
+    def bound(r: dict[str, Any]) -> float:
+        return min(r["weights_bytes"], r["limit_bytes"]) + WEIGHTS_SLACK_MIB * MIB
+
+    rows = [[mib, f"{r['weights_bytes'] / MIB:.0f}", f"{r['peak_bytes'] / MIB:.1f}", f"{bound(r) / MIB:.0f}",
+             f"{r['seconds']:.2f}", "yes" if r["bitwise"] else "NO"] if "error" not in r else [mib, r["error"], "-",
+                                                                                              "-", "-", "-"]
+            for mib, r in zip(WEIGHTS_MIB, runs)]
+    met = len(ok) == len(runs) and all(r["peak_bytes"] <= bound(r) for r in ok)
+    targets = [Target("scale weights: peak RSS of a checked replay above the level before, per size",
+                      f"<= min(weights, max_snapshot_bytes) + {WEIGHTS_SLACK_MIB} MiB",
+                      ", ".join(f"{r['peak_bytes'] / MIB:.0f} MiB at {r['weights_bytes'] / MIB:.0f}" for r in ok)
+                      or "failed", met)]
+    table = ("a checked replay of a graph serving an artifact over its weights: peak RSS above the level before "
+             "(each size in a fresh process)", ["size MiB", "weights MiB", "peak MiB", "bound MiB", "seconds",
+                                                "bitwise"], rows)
+    return {"runs": runs}, [table], targets, bitwise
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 def recorded_errors(payload: dict[str, Any]) -> list[str]:
     """The failures the sections record as results (a variant, a generate, a child process)."""
@@ -1072,6 +1154,8 @@ def recorded_errors(payload: dict[str, Any]) -> list[str]:
                for backend, run in payload.get("lifetime", {}).get("runs", {}).items() if "error" in run]
     errors += [f"check {mib} MiB: {run['error']}"
                for mib, run in zip(CHECK_MIB, payload.get("check", {}).get("runs", [])) if "error" in run]
+    errors += [f"weights {mib} MiB: {run['error']}"
+               for mib, run in zip(WEIGHTS_MIB, payload.get("weights", {}).get("runs", [])) if "error" in run]
     return errors
 
 
@@ -1101,6 +1185,8 @@ def main() -> None:
             got = lifetime_child(rest[0], int(rest[1]), *rest[2:])
         elif kind == "check":
             got = check_child(int(rest[0]))
+        elif kind == "weights":
+            got = weights_child(int(rest[0]))
         elif kind == "server":
             payload, tables, targets, bitwise = section_server(args.smoke)
             got = {"payload": payload, "tables": tables, "targets": [t.to_dict() for t in targets], "bitwise": bitwise}
@@ -1132,6 +1218,8 @@ def main() -> None:
             got = section_dit(args, device)
         elif section == "check":
             got = section_check()
+        elif section == "weights":
+            got = section_weights()
         else:
             got = section_lifetime(args)
         part, tabs, tgts, bitwise_ok = got
