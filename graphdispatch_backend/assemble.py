@@ -131,11 +131,13 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
         return found + [every[p] for p in reads if isinstance(every[p], torch.Tensor)
                         and all(every[p] is not t for t in found)]
 
+    unwritten_reads = [p for p in reads if p not in mutated]  # those the graph writes are in its world already
+
     def kept(args: Sequence[Any]) -> list[torch.Tensor]:
-        """The inputs artifacts read and do not declare writing, copied while the copies fit
+        """The inputs artifacts read and nothing writes, copied while the copies fit
         max_snapshot_bytes: a write into one is undone (runtime/checks/side_by_side.py)."""
         every, out, total = [*lifted, *args], [], 0
-        for p in reads:
+        for p in unwritten_reads:
             t = every[p]
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
@@ -178,4 +180,4 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                       # gate runs), those inputs are read whole; an eager call's gate reads them itself
                       whole=located if plan.engine is not Engine.OFF and (reads or any(
                           s.mutates for s in record.substitutions)) else None,
-                      kept=kept if plan.engine is not Engine.OFF and reads else None)
+                      kept=kept if plan.engine is not Engine.OFF and unwritten_reads else None)

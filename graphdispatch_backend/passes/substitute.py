@@ -41,6 +41,7 @@ def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     taken: set[fx.Node] = set()
     replaced: dict[fx.Node, fx.Node] = {}  # erased region outputs -> their getitems
+    inputs = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}  # no pass here adds one
     ranked = sorted(ctx.regions, key=lambda r: (-len(r.nodes), order[r.nodes[0]]))
     for region in ranked:
         outcome = ctx.matcher(region)
@@ -80,6 +81,5 @@ def substitute(gm: fx.GraphModule, ctx: PassContext) -> None:
         )
         taken.update(region.nodes)
         replaced.update(zip(region.outputs, items))
-        inputs = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
         reads = tuple(inputs[node] for i, node in enumerate(region.inputs) if node in inputs and i not in written)
         ctx.substitutions.append(SubstitutionInfo(region.name, artifact.id, capturable, reads))

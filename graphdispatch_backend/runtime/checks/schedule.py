@@ -182,16 +182,14 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a storage of their own
 class Instances:
     """Which state a call runs with (module docstring): the input at the first of `positions`
     (a parameter), by its storage's address (by identity where it has none: a tensor
-    subclass's wrapper). `key(key, inputs)` extends a shape key with it; the last state is
-    remembered, so the usual call (the same block as the call before, or one state for good)
-    costs a read of one address."""
+    subclass's wrapper). `key(key, inputs)` extends a shape key with it: a read of one
+    address and a set lookup per call."""
 
-    __slots__ = ("_known", "_last", "_position")
+    __slots__ = ("_known", "_position")
 
     def __init__(self, positions: Sequence[int]) -> None:
         self._position = positions[0] if positions else None
         self._known: set[int] = set()
-        self._last: tuple[tuple[object, ...], int, tuple[object, ...]] | None = None
 
     @property
     def on(self) -> bool:
@@ -203,16 +201,11 @@ class Instances:
         t = inputs[self._position]
         state = t.data_ptr() if type(t) in _PLAIN or isinstance(t, torch.Tensor) and torch._C._has_storage(t) \
             else id(t)
-        last = self._last
-        if last is not None and last[1] == state and last[0] == key:
-            return last[2]
         if state not in self._known:
             if len(self._known) >= INSTANCES:
                 return (*key, None)
             self._known.add(state)
-        keyed = (*key, state)
-        self._last = (key, state, keyed)
-        return keyed
+        return (*key, state)
 
 
 class GraphDue:

@@ -133,9 +133,10 @@ class SideBySide:
         self._kept = [(t, t.clone()) for t in kept]
 
     @classmethod
-    def take(cls, regions: Sequence[Region], contain: Contain, whole: Sequence[Any] = ()) -> SideBySide:
+    def take(cls, regions: Sequence[Region], contain: Contain, whole: Sequence[Any] = (),
+             kept: Sequence[Any] = ()) -> SideBySide:
         """The world before either party runs (raises SnapshotRefused past max_snapshot_bytes)."""
-        return cls(World.take(regions), contain, whole)
+        return cls(World.take(regions), contain, whole, kept)
 
     @classmethod
     def open(cls, regions: Callable[[], Sequence[Region]], contain: Contain,
@@ -143,8 +144,8 @@ class SideBySide:
              kept: Callable[[], Sequence[Any]] | None = None) -> SideBySide | Compared:
         """The world before either party runs, or REFUSED with what raised (SnapshotRefused past
         max_snapshot_bytes, an allocation failure): nothing ran yet."""
-        side, exc = contain(lambda: cls(World.take(regions()), contain, whole() if whole is not None else (),
-                                        kept() if kept is not None else ()))
+        side, exc = contain(lambda: cls.take(regions(), contain, whole() if whole is not None else (),
+                                             kept() if kept is not None else ()))
         return side if exc is None else Compared(Kind.REFUSED, f"{type(exc).__name__}: {exc}", error=exc)
 
     def run(self, fn: Callable[[], Any]) -> tuple[Any, Compared | None]:

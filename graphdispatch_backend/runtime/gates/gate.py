@@ -106,11 +106,12 @@ class ArtifactGate:
         self._timing = timing
         self._strict = strict
         # the region's inputs that are no parameters and that it does not write: watched for new values
-        watched = [i for i, name in enumerate(input_names) if re.fullmatch(r"input\d+", name or "")
-                   and i not in (writes.positions if writes is not None else ())]
+        written = writes.positions if writes is not None else ()
+        watched = [i for i, name in enumerate(input_names)
+                   if re.fullmatch(r"input\d+", name or "") and i not in written]
         # which eager calls are checked (its schedule, and calls with new inputs); what it served unchecked
         state = [i for i, name in enumerate(input_names) if name and not re.fullmatch(r"input\d+", name)
-                 and i not in (writes.positions if writes is not None else ())]  # its weights, not a cache
+                 and i not in written]  # its weights, not a cache
         self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty), state)
         self._lock = threading.Lock()
         self.demoted = False
