@@ -35,8 +35,8 @@ Per state, too. Blocks compiled one by one (`block.compile()`, diffusers'
 parameters. Counted together, a schedule's positions fall on the blocks in a fixed
 rotation: with 6 blocks, "dense" checked block 2 on no call before the 96th, and a kernel
 wrong for that block's weights only was served on every call. So each schedule is kept per
-state a call runs with (`Instances`: its first parameter, by address), each block's first
-call checked, up to INSTANCES states per schedule.
+state a call runs with (`Instances`: its first parameter's storage, numbered in the order
+they come), each block's first call checked, up to INSTANCES states per schedule.
 
 A graph whose artifacts are served from CUDA-graph replays (which run no Python, so no
 gate sees them) is checked on both schedules at once (`graph_schedule`): the union of the
@@ -182,14 +182,20 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a storage of their own
 class Instances:
     """Which state a call runs with (module docstring): the input at the first of `positions`
     (a parameter), by its storage's address (by identity where it has none: a tensor
-    subclass's wrapper). `key(key, inputs)` extends a shape key with it: a read of one
-    address and a set lookup per call."""
+    subclass's wrapper). `key(key, inputs)` extends a shape key with the state's number in
+    the order the states came: a read of one address and a dict lookup per call.
+
+    The number, not the address, goes into the key: a schedule's jitter is seeded by its
+    key, and an address differs between runs and between ranks, where the checked calls
+    must not (ranks check the same calls; a run checks what the same run checked before).
+    The first state keeps the shape key as it is, so a graph with one set of weights is
+    checked on the calls it was checked on without per-state schedules."""
 
     __slots__ = ("_known", "_position")
 
     def __init__(self, positions: Sequence[int]) -> None:
         self._position = positions[0] if positions else None
-        self._known: set[int] = set()
+        self._known: dict[int, int] = {}
 
     @property
     def on(self) -> bool:
@@ -201,11 +207,12 @@ class Instances:
         t = inputs[self._position]
         state = t.data_ptr() if type(t) in _PLAIN or isinstance(t, torch.Tensor) and torch._C._has_storage(t) \
             else id(t)
-        if state not in self._known:
+        number = self._known.get(state)
+        if number is None:
             if len(self._known) >= INSTANCES:
                 return (*key, None)
-            self._known.add(state)
-        return (*key, state)
+            number = self._known[state] = len(self._known)
+        return key if number == 0 else (*key, number)
 
 
 class GraphDue:
