@@ -150,6 +150,10 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
     # the parameters among them (a block's weights; not its buffers: a cache made per request
     # is a new buffer, and would make every request a new state to check)
     state = [j for j, o in enumerate(origins[n_lifted:]) if o.kind == "parameter"]
+    # ... and those of them artifacts read where they serve from replays (no gate sees such a
+    # call): a write into them (a new checkpoint loaded in place) makes the next call checked
+    replayed = bool(record.substitutions) and plan.engine is not Engine.OFF
+    watched = [p - n_lifted for p in reads if p - n_lifted in state] if replayed else []
     dynamic = any(o.kind == "symbol" for o in origins)
     # calls whose inputs leave what the checked calls saw are checked too: the inputs it
     # only reads (not parameters, not written: aot's positions must map onto these one to
@@ -172,10 +176,10 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                       # by op, where this rank may run it alone (runtime/checks/suspects.py)
                       Suspects(gm, rerun=agreement is None and gradients is None), agreement, gradients,
                       recheck="every" if options.timing == "shadow" else graph_schedule(
-                          plan.recheck(options), options.artifact_recheck,
-                          bool(record.substitutions) and plan.engine is not Engine.OFF),
+                          plan.recheck(options), options.artifact_recheck, replayed),
                       runners=lowering.runners, draws=plan.draws, fusion=lowering.fusion,
                       unwritten=unwritten, novelty=novelty, posted=posted, unfaithful=lowering.unfaithful, state=state,
+                      watched=watched,
                       # a kernel that writes its inputs may write beyond the rows: where it replays (no
                       # gate runs), those inputs are read whole; an eager call's gate reads them itself
                       whole=located if plan.engine is not Engine.OFF and (reads or any(

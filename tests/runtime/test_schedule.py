@@ -201,3 +201,94 @@ def test_the_checked_calls_do_not_depend_on_where_the_weights_are():
     assert {i for _, i in first} == {0, 1} and len(first) > 2 * 12  # each block past the jittered positions
 
 
+
+
+def test_a_new_tensor_where_a_dead_states_weights_were_is_a_new_state():
+    """A model dropped and a new one built puts its weights where the old ones were (a
+    trial's hot swap by new instance: 3 to 5 of 24 swaps served a kernel wrong for the new
+    weights at their first call, the report clean). The state holds its tensor weakly."""
+    instances = schedule.Instances([0])
+    base = torch.zeros(8)
+    old = base[:4]
+    assert instances.key(("k",), [old]) == ("k",)
+    assert instances.key(("k",), [base[:4]]) == ("k",)  # another tensor at a live state's storage: the same
+    address = old.data_ptr()
+    del old
+    new = base[:4]  # at the dead state's address
+    assert new.data_ptr() == address
+    assert instances.key(("k",), [new]) == ("k", 1)
+    assert instances.key(("k",), [new]) == ("k", 1)
+
+
+def test_writes_into_watched_weights_are_seen_at_the_next_call_without_grad():
+    weight, x = torch.zeros(4), torch.ones(4)
+    instances = schedule.Instances([1], watched=[1])
+    seen = []
+    with torch.no_grad():
+        for write in (None, None, lambda: weight.copy_(torch.ones(4)), None, lambda: weight.mul_(2),
+                      lambda: weight.data.add_(1)):  # through .data: torch counts no write
+            if write is not None:
+                write()
+            instances.key((), [x, weight])
+            seen.append(instances.written)
+    assert seen == [False, False, True, False, True, False]
+    weight.data.mul_(1)
+    with torch.no_grad():
+        weight.add_(1)
+    instances.key((), [x, weight])  # with grad on (a training step writes them every time): not watched
+    assert not instances.written
+
+
+WRONG_FOR_A_LOADED_BIAS = """
+import torch
+def forward(w1, b1, x, w2, b2):
+    y = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    # one ulp high once fc2.bias starts with 0.5: a kernel wrong for some weights
+    return torch.where(b2[0] == 0.5, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+"""
+
+
+def _a_checkpoint_loaded_in_place(tmp_path, cuda_graphs, before=40, after=6):
+    """A Stack compiled whole, an artifact for its `mlp` wrong once fc2.bias[0] is 0.5;
+    `before` calls, then a checkpoint holding that value loaded in place (load_state_dict
+    copies into the parameters), then `after` calls: the calls after it that differ from the
+    uncompiled copy's (loaded alike), and the report."""
+    torch.manual_seed(0)
+    model = testing.Stack(2).eval()
+    reference = copy.deepcopy(model)
+    root = tmp_path / "artifacts"
+    testing.write_bundle(root / "mlp-off-for-a-bias", "mlp-off-for-a-bias", "*.mlp", testing.mlp_inputs(),
+                         testing.MLP_OUTPUTS, WRONG_FOR_A_LOADED_BIAS)
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"cuda_graphs": cuda_graphs, "artifacts": str(root)})
+    checkpoint = copy.deepcopy(model.state_dict())
+    checkpoint["blocks.1.mlp.fc2.bias"][0] = 0.5
+    wrong_calls = 0
+    with torch.no_grad():
+        for i in range(before + after):
+            if i == before:  # call 41: on neither schedule ("doubling|dense": 32, 40, 48, 64)
+                model.load_state_dict(checkpoint)
+                reference.load_state_dict(checkpoint)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            same = torch.equal(compiled(x), reference(x))
+            wrong_calls += i >= before and not same
+    (graph,) = testing.accounted_graphs()
+    return wrong_calls, graph
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_checkpoint_loaded_in_place_is_checked_at_its_first_call(tmp_path, cuda_graphs):
+    """A trial's LoRA fused in place after 209 calls: 29 of 29 calls wrong until a
+    scheduled check; a kernel caching its packed weights by address served 0.415 off.
+    torch counts writes into the weights an artifact reads: the next call is checked."""
+    wrong_calls, graph = _a_checkpoint_loaded_in_place(tmp_path, cuda_graphs)
+    assert wrong_calls == 0
+    subs = [s for s in graph["substitutions"] if s["region"] == "blocks.1.mlp"]
+    assert subs and subs[0]["demoted"] and subs[0]["caught_at_call"] == 41, subs
+
+
+def test_without_watching_the_weights_the_loaded_checkpoint_is_served_wrong(tmp_path, monkeypatch):
+    """Mutation: no write counted."""
+    monkeypatch.setattr(schedule, "_versions", lambda inputs, positions: 0)
+    wrong_calls, graph = _a_checkpoint_loaded_in_place(tmp_path, False)
+    assert wrong_calls == 6

@@ -94,6 +94,7 @@ class EagerCheck:
         unfaithful: str | None = None,
         whole: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
         state: Sequence[int] = (),
+        watched: Sequence[int] = (),
         kept: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> None:
         self._eager = eager  # the Dynamo graph: the user's code, as Dynamo traced it
@@ -115,9 +116,10 @@ class EagerCheck:
         self._posted = posted if novelty is not None and novelty.on else None
         self._watch = novelty if self._posted is not None else None
         # `state`: the parameters among the call inputs (blocks compiled one by one share this
-        # graph, each with its own: a schedule per block, runtime/checks/schedule.py)
+        # graph, each with its own: a schedule per block, runtime/checks/schedule.py); `watched`:
+        # the weights artifacts read from replays, a call after a write into them checked
         self._due = GraphDue(recheck, record.name, dynamic, keyed, None if self._posted is not None else novelty,
-                             state)
+                             state, watched)
         self._on = MAX_KEYS > 0
         self._lowering = Lowering(eager, compiled, record, events, contain, strict)  # who answers, who is declined
         if unfaithful is not None:  # known to differ from eager on some inputs: never served (capture/matmul_folds.py)

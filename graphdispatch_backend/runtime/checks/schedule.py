@@ -46,6 +46,7 @@ two, written "A|B" for `Due`.
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +64,8 @@ MAX_KEYS = 4096  # shape keys whose schedules are kept: past it they start over 
 # states (blocks' parameters) given a schedule each, per schedule: past it, new ones share one
 # (parameters at a new address every call, as an offloading loader's, would otherwise check every call)
 INSTANCES = 256
+# why a call off the schedules is checked when the weights an artifact reads were written in place
+WRITTEN = "weights written in place since the last call"
 
 
 def graph_schedule(recheck: str | int, artifact_recheck: str | int, replayed_artifacts: bool) -> str | int:
@@ -180,22 +183,39 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a storage of their own
 
 
 class Instances:
-    """Which state a call runs with (module docstring): the input at the first of `positions`
-    (a parameter), by its storage's address (by identity where it has none: a tensor
-    subclass's wrapper). `key(key, inputs)` extends a shape key with the state's number in
-    the order the states came: a read of one address and a dict lookup per call.
+    """Which state a call runs with (module docstring), and whether its weights were written
+    since its last call.
 
-    The number, not the address, goes into the key: a schedule's jitter is seeded by its
-    key, and an address differs between runs and between ranks, where the checked calls
-    must not (ranks check the same calls; a run checks what the same run checked before).
-    The first state keeps the shape key as it is, so a graph with one set of weights is
-    checked on the calls it was checked on without per-state schedules."""
+    A state is the input at the first of `positions` (a parameter), by its storage's
+    address (by identity where it has none: a tensor subclass's wrapper), numbered in the
+    order states came: `key(key, inputs)` extends a shape key with that number. The number,
+    not the address, goes into the key: a schedule's jitter is seeded by its key, and an
+    address differs between runs and between ranks, where the checked calls must not. The
+    first state keeps the shape key as it is, so a graph with one set of weights is checked
+    on the calls it was without per-state schedules.
 
-    __slots__ = ("_known", "_position")
+    An address is not a state for good: a model dropped and a new one built puts its
+    weights where the old ones were. So each state holds its tensor weakly, and a call whose
+    tensor at a known address is not the state's (it died, or moved) starts a new state.
 
-    def __init__(self, positions: Sequence[int]) -> None:
+    `written` says, after `key`, whether the call's `watched` inputs (the weights an
+    artifact reads) were written in place since the state's last call: torch counts such
+    writes (`Tensor._version`: `copy_`, `mul_`, `load_state_dict`), and a write through
+    `.data` it does not count. Only calls without grad are watched (inference: in training
+    every step writes the weights, and the schedules judge those calls).
+    """
+
+    __slots__ = ("_count", "_known", "_position", "_watched", "written")
+
+    def __init__(self, positions: Sequence[int], watched: Sequence[int] = ()) -> None:
         self._position = positions[0] if positions else None
-        self._known: dict[int, int] = {}
+        self._watched = tuple(watched)
+        # address (or id) -> [its number, the tensor (weakly), the watched inputs' version sum,
+        # the watched positions that count writes (an inference tensor keeps no count: it is
+        # written only inside inference_mode)]
+        self._known: dict[int, list[Any]] = {}
+        self._count = 0  # states numbered so far (a new one after a dead one gets a new number)
+        self.written = False
 
     @property
     def on(self) -> bool:
@@ -205,14 +225,44 @@ class Instances:
         if self._position is None:
             return key
         t = inputs[self._position]
-        state = t.data_ptr() if type(t) in _PLAIN or isinstance(t, torch.Tensor) and torch._C._has_storage(t) \
-            else id(t)
-        number = self._known.get(state)
-        if number is None:
+        if type(t) in _PLAIN:  # the usual call
+            state = t.data_ptr()
+        elif isinstance(t, torch.Tensor):
+            state = t.data_ptr() if torch._C._has_storage(t) else id(t)
+        else:  # a size (a symbol at a region's boundary): no weights to tell apart
+            return key
+        entry = self._known.get(state)
+        if entry is not None and entry[1]() is not t and not self._same(entry[1](), t, state):
+            entry = None  # another tensor at a dead state's address: a new state
+            del self._known[state]
+        if entry is None:
+            self.written = False  # a new state: its first call is checked anyway
             if len(self._known) >= INSTANCES:
-                return (*key, None)
-            number = self._known[state] = len(self._known)
-        return key if number == 0 else (*key, number)
+                self._known = {k: e for k, e in self._known.items() if e[1]() is not None}
+                if len(self._known) >= INSTANCES:
+                    return (*key, None)
+            number, self._count = self._count, self._count + 1
+            counted = tuple(p for p in self._watched if isinstance(inputs[p], torch.Tensor)
+                            and not inputs[p].is_inference())
+            self._known[state] = [number, weakref.ref(t), _versions(inputs, counted), counted]
+            return key if number == 0 else (*key, number)
+        if entry[3] and not torch.is_grad_enabled():
+            versions = _versions(inputs, entry[3])
+            self.written = versions != entry[2]
+            entry[2] = versions
+        return key if entry[0] == 0 else (*key, entry[0])
+
+    @staticmethod
+    def _same(held: Any, t: Any, state: int) -> bool:
+        """Another tensor at a live state's storage (a view of it): the same weights."""
+        return held is not None and isinstance(held, torch.Tensor) and torch._C._has_storage(held) \
+            and held.data_ptr() == state
+
+
+
+def _versions(inputs: Sequence[Any], positions: tuple[int, ...]) -> int:
+    """The writes torch counted into the inputs at `positions`, summed (a write adds one)."""
+    return sum(inputs[p]._version for p in positions)
 
 
 class GraphDue:
@@ -222,9 +272,11 @@ class GraphDue:
     leave what the checked calls saw (`novelty`: runtime/checks/novelty.py)."""
 
     def __init__(self, recheck: str | int, name: str, dynamic: bool, keyed: Sequence[int], novelty: Any,
-                 state: Sequence[int] = ()) -> None:
+                 state: Sequence[int] = (), watched: Sequence[int] = ()) -> None:
         self._keyed = tuple(keyed) if dynamic else None  # positions of call inputs (parameters are not keyed)
-        self._instances = Instances(state)  # the parameters' positions among them: a schedule per state
+        # the parameters' positions among them: a schedule per state; `watched`: the weights
+        # artifacts read, where they serve from replays (no gate sees those calls)
+        self._instances = Instances(state, watched)
         self._schedules = KeyedDue(recheck, name)
         self._last: tuple[tuple[object, ...], Due] | None = None  # the last call's key and schedule
         self._schedule = Due(recheck, name)
@@ -239,6 +291,8 @@ class GraphDue:
         scheduled = due()
         seen = self._novelty.observe(args) if self._novelty is not None else None
         novel = None if scheduled or seen is None else seen.why
+        if novel is None and not scheduled and self._instances.written:
+            novel = WRITTEN
         if novel is not None:
             due.checked_now()
         elif not scheduled:

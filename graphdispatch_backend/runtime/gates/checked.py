@@ -17,7 +17,7 @@ from typing import Any
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
-from graphdispatch_backend.runtime.checks.schedule import Instances, KeyedDue
+from graphdispatch_backend.runtime.checks.schedule import WRITTEN, Instances, KeyedDue
 
 Check = tuple[bool, "Observation | None", "str | None"]  # due; what the call saw; why it is new (or None)
 
@@ -30,7 +30,7 @@ class CheckBook:
         # parameters among its inputs; blocks compiled one by one share this gate, each with its
         # own weights: runtime/checks/schedule.py), over its eager calls (the gate's included)
         self._schedules = KeyedDue(recheck, f"{record.artifact}:{record.region}")
-        self._instances = Instances(state)
+        self._instances = Instances(state, state)  # ... and writes into those weights (a new checkpoint)
         self._closed = 0  # the unchecked run a check inside a whole-graph check closed (put back if it fails)
         # eager calls whose region inputs leave what the checked calls saw are checked too
         self._novelty = novelty if novelty is not None and novelty.on else None
@@ -47,6 +47,8 @@ class CheckBook:
         scheduled = due()
         seen = self._novelty.observe(inputs) if self._novelty is not None else None
         why = None if scheduled or seen is None else seen.why
+        if why is None and not scheduled and self._instances.written:
+            why = WRITTEN
         if why is not None:
             due.checked_now()
         return scheduled or why is not None, seen, why
