@@ -166,6 +166,24 @@ def _own_context(example: Sequence[Any]) -> Iterator[None]:
         yield
 
 
+def segment_key(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str]) -> str:
+    """What `compile_segment` makes of `segment` depends on, and nothing else: the recipe,
+    the segment's code, its inputs' layouts, the tensors it reads as attributes, each op's
+    name and role, and the kept ops it holds (a tolerance recipe holds none: they were cut
+    out). A bisection's keep sets leave most segments as they were: equal keys, one compile."""
+    def layout(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (str(value.dtype), str(value.device), tuple(value.shape), tuple(value.stride()))
+        return repr(value)
+
+    ops = [(op_name(n), STATISTIC in n.meta) for n in segment.graph.nodes if n.op == "call_function"]
+    held = sorted(keep & {name for name, _ in ops}) if recipe.exact else []
+    inputs = [layout(n.meta.get("val")) for n in segment.graph.find_nodes(op="placeholder")]
+    attributes = [(n.target, v.data_ptr(), layout(v)) if isinstance(v := getattr(segment, n.target, None), torch.Tensor)
+                  else (n.target, repr(v)) for n in segment.graph.find_nodes(op="get_attr")]
+    return repr((recipe.id, segment.code, ops, held, inputs, attributes))
+
+
 def compile_segment(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str]) -> CompiledSegment:
     """Compile `segment` (its placeholders carry fake values) with the nodes the recipe
     allows, bar the ops in `keep`, lowered by Inductor; the rest run as ATen calls. With

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from graphdispatch_backend.codegen import entry, module_of, unrun
-from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment
+from graphdispatch_backend.fusion.inductor import CompiledSegment, compile_segment, segment_key
 from graphdispatch_backend.fusion.recipe import Recipe
 from graphdispatch_backend.fusion.segments import SEGMENT_META, cut
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
@@ -91,6 +91,9 @@ class FusedUnit:
         self._cuts: dict[Keep, tuple[fx.GraphModule, list[fx.GraphModule]]] = {}
         self._forward: Callable[..., Any] = self.plain
         self._trials: dict[Keep, Callable[..., Any]] = {}
+        # segments compiled for any keep set, by what their compile depends on: a bisection's
+        # tries recompile only the segments a kept op changed
+        self._built: dict[str, CompiledSegment] = {}
         self.compiled: list[CompiledSegment] = []
 
     def __call__(self, *args: Any) -> Any:
@@ -145,8 +148,15 @@ class FusedUnit:
         outer, segments = self.cut(keep)
         if not segments:
             return self.native, []
-        compiled = [compile_segment(s, self._fusion.recipe, keep) for s in segments]
+        compiled = [self._compile(s, keep) for s in segments]
         return _bind(outer, compiled), compiled
+
+    def _compile(self, segment: fx.GraphModule, keep: Keep) -> CompiledSegment:
+        key = segment_key(segment, self._fusion.recipe, keep)
+        found = self._built.get(key)
+        if found is None:
+            found = self._built[key] = compile_segment(segment, self._fusion.recipe, keep)
+        return found
 
     def adopt(self, forward: Callable[..., Any], compiled: list[CompiledSegment]) -> None:
         self._forward, self.compiled = forward, compiled
@@ -160,6 +170,7 @@ class FusedUnit:
 
     def forget_trials(self) -> None:
         self._trials.clear()
+        self._built = {k: c for k, c in self._built.items() if any(c is s for s in self.compiled)}
         self._cuts = {k: v for k, v in self._cuts.items() if not k}  # the cuts of tried keep sets
 
 
