@@ -252,6 +252,24 @@ def test_artifact_that_mutates_its_input_is_demoted_and_the_input_restored(tmp_p
     assert "1 of its inputs" in sub["detail"]
 
 
+def test_a_write_into_its_bias_on_a_call_served_unchecked_is_caught_on_that_call(tmp_path):
+    """A trial's kernel added 0.25 to its bias on one unchecked eager call: every check
+    after it compared two runs that both read the written bias, and 8 of 16 calls came out
+    0.33 off, the report `passed`. torch counts the write: the gate sees it on that call.
+    (On a replay no gate runs: the graph's check finds such a write, tests/artifacts/test_in_place.py.)"""
+    mlp_bundle(tmp_path, "if CALLS[0] == 3:\n    b2.add_(0.25)", k=3)  # once, on a call dense does not check
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(torch.randn(2, 8))
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"]) == (True, "mutated_input"), sub
+    assert "wrote into input 4 (fc2.bias) on a call served unchecked" in sub["detail"], sub["detail"]
+    assert "not undone" in sub["detail"]
+
+
 # -- a region with several outputs -------------------------------------------------------------------------
 
 
@@ -681,3 +699,56 @@ def test_the_gate_checks_on_artifact_recheck_not_on_the_lowerings_schedule(tmp_p
     assert sub["served_since_check"] == 24 - checked[-1]
     assert sub["largest_gap"] == max(b - a - 1 for a, b in zip(checked, [*checked[1:], 25]))
 
+
+
+# -- outputs that share memory native's do not ---------------------------------------------------------------
+
+
+class _Copies(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 1.0, x + 0.0
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = _Copies()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.lin(x), *self.copies(x))
+
+
+ALIASING = {  # values eager's, memory not: what a later write into one shows
+    "its_input": ("return input0, input0.clone()", "output 0: aliasing: a view of input 0"),
+    "one_tensor_twice": ("y = input0 * 1.0\n    return y, y", "output 1: aliasing: a view of output 0"),
+}
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+@pytest.mark.parametrize("kind", list(ALIASING))
+def test_outputs_sharing_memory_natives_do_not_are_bad_output(tmp_path, kind, cuda_graphs):
+    """A trial's kernels returned their input itself, or one tensor for two outputs, with
+    eager's values: the gate compared values only, and the caller's in-place update of its
+    latent changed an output it held (10 of 12 calls, 0.416 off), the report `passed`."""
+    body, detail = ALIASING[kind]
+    spec = {"shape": [4, 8], "dtype": "float32"}
+    write_bundle(tmp_path / "copies", "copies", "copies", [{**spec, "name": "input0"}], [spec, spec],
+                 f"def forward(input0):\n    {body}\n")
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"artifacts": str(tmp_path), "cuda_graphs": cuda_graphs})
+    wrong = 0
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            ours, eager = compiled(x), model(x.clone())
+            x.mul_(0.5)  # the caller's loop updates its latent in place, then reads what it got
+            ours[1].add_(1.0)
+            eager[1].add_(1.0)
+            wrong += not all(torch.equal(a, b) for a, b in zip(ours, eager))
+    (sub,) = [s for g in graphdispatch_backend.latest_report()["graphs"] for s in g.get("substitutions", [])]
+    assert wrong == 0
+    assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "bad_output", "failed"), sub
+    assert detail in sub["detail"], sub["detail"]

@@ -43,6 +43,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import SubstitutionRecord
@@ -113,6 +115,11 @@ class ArtifactGate:
         state = [i for i, name in enumerate(input_names) if name and not re.fullmatch(r"input\d+", name)
                  and i not in written]  # its weights, not a cache
         self._checks = CheckBook(recheck, record, Novelty(watched, input_names, novelty), state)
+        # the inputs it may not write, whose writes torch counts (`Tensor._version`): an
+        # unchecked call that writes one (its bias, once) is caught on that call; a check
+        # after it would compare two runs that both read what it wrote
+        self._unwritable = tuple(i for i in range(len(input_names)) if i not in written)
+        self._names = list(input_names)
         self._lock = threading.Lock()
         self.demoted = False
         record_fields.parity_mode(record, parity.mode)
@@ -177,8 +184,21 @@ class ArtifactGate:
         return not self._tolerant and natively()
 
     def _outputs(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """The artifact's outputs, or None after demoting it for raising or a bad output."""
+        """The artifact's outputs, or None after demoting it for raising, a bad output, or
+        a write torch counted into an input it does not declare."""
+        # not inside a recording: its Python stands for kernels a replay runs without Python
+        # (a write there is the graph's check's to find, runtime/checks/side_by_side.py)
+        counts = _write_counts(inputs, self._unwritable) if self._unwritable and not in_recording() else None
         result, exc = self._contain_artifact(lambda: self._artifact(*inputs))
+        if counts is not None and _write_counts(inputs, self._unwritable) != counts:
+            after = _write_counts(inputs, self._unwritable)
+            names = ", ".join(f"input {p} ({self._names[p]})" if p < len(self._names) and self._names[p] else
+                              f"input {p}" for p, a, b in zip(self._unwritable, counts, after) if a != b)
+            self._demote(Demotion.MUTATED_INPUT,
+                         f"wrote into {names} on a call served unchecked (torch counted the write; not undone: "
+                         "such a call keeps no copy, so those inputs may hold what it wrote)",
+                         counted=False, inputs=inputs)
+            return None
         if exc is not None and in_recording() and refused_by_capture(exc):
             # not the artifact's fault as an eager kernel: the capture fails, naming it, and
             # the graph's eager calls go on serving it (a demotion would lose it for good)
@@ -243,3 +263,10 @@ class ArtifactGate:
         under strict it raises instead)."""
         self.demoted = True
         self._demoter(reason, detail, mismatch, **how)
+
+
+def _write_counts(inputs: Sequence[Any], positions: Sequence[int]) -> list[int]:
+    """torch's count of writes into each tensor input at `positions` (an inference tensor
+    keeps none, a size is none: 0)."""
+    return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else 0
+            for t in map(inputs.__getitem__, positions)]

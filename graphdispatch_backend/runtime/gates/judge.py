@@ -23,7 +23,7 @@ from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion
 from graphdispatch_backend.runtime.checks.novelty import Observation
-from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 from graphdispatch_backend.runtime.gates.checked import CheckBook
@@ -32,7 +32,7 @@ from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
 # what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
 # failure of its values (errors.py Demotion.BAD_OUTPUT), at the gate as at a later call
-_STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride"})
+_STRUCTURE = frozenset({"count", "type", "shape", "dtype", "device", "stride", "aliasing"})
 
 Demote = Callable[..., None]  # the gate's demotion: (reason, detail, mismatch, **how)
 
@@ -81,7 +81,7 @@ class GateJudge:
             return o.native if o.native is not None else self._run_native(inputs)
         native = o.native
         assert native is not None
-        verdict = self.verdict(key, o, recheck)
+        verdict = self.verdict(key, o, recheck, inputs)
         if seen is not None:  # judged: what this call's inputs hold counts as seen
             seen.checked()
         if novel is not None:
@@ -123,7 +123,7 @@ class GateJudge:
         o = self._beside.run(inputs, lambda *a: self._run_native(a), self._artifact, self._parity)
         if o.unjudged is not None or o.native is None:
             return o.native if o.native is not None else self._run_native(inputs)
-        verdict = self.verdict(key, o, recheck=False)
+        verdict = self.verdict(key, o, False, inputs)
         self._contain(o.keep_native)
         if verdict is not None:
             reason, detail, mismatch = verdict
@@ -132,7 +132,8 @@ class GateJudge:
             self._demote(reason, f"{detail}; caught at {call}, inputs {named}", mismatch, cause=o.raised, at="")
         return o.native
 
-    def verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool) -> tuple[Demotion, str, Any] | None:
+    def verdict(self, key: tuple[Any, ...], o: Outcome, recheck: bool,
+                inputs: Sequence[Any]) -> tuple[Demotion, str, Any] | None:
         """Why the artifact is demoted after this side-by-side run, or None (it passed)."""
         if o.touched:
             names = ", ".join(f"input {i}" for i in o.touched)
@@ -149,7 +150,10 @@ class GateJudge:
             return Demotion.BAD_OUTPUT, f"returned {describe(outs)}; tensors expected", None
         p = self._parity
         assert o.native is not None
-        mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol)
+        # the memory its outputs share with its inputs and with each other, as native's: an
+        # output that is its input (or a weight) is written by whoever writes the other later
+        mismatch = compare(list(o.native), list(outs), p.mode, p.rtol, p.atol) or \
+            compare_aliasing(list(o.native), list(outs), inputs)
         if mismatch is not None:
             return reason_of(mismatch), str(mismatch), mismatch
         if o.writes is not None:
