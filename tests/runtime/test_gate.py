@@ -125,6 +125,19 @@ def test_allclose_pass_within_tolerance_serves(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(ours, eager))  # the artifact's own bits were served
 
 
+def test_an_allclose_artifact_captured_inside_the_eager_check_is_counted_native_on_its_replays(tmp_path):
+    """Under CUDA graphs the capture is recorded inside the graph's check against eager,
+    where an allclose artifact answers natively: its replays run the native region. A
+    trial's report credited them to the kernel (replays 10, `serving`) while every output
+    was eager's bits; they are counted as native calls."""
+    mlp_bundle(tmp_path, "out = out * (1 + 2e-6)", parity=ALLCLOSE)
+    ours, eager, sub = run(tmp_path, calls=8, bitwise=False, cuda_graphs="emulate")
+    (graph,) = [g for g in graphdispatch_backend.latest_report()["graphs"] if g["calls"]]
+    assert graph["cuda_graph"]["replays"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(ours, eager))  # what replayed was native
+    assert sub["replays"] == 0 and sub["calls"] + sub["native_calls"] == graph["calls"], sub
+
+
 def test_allclose_fail_beyond_tolerance(tmp_path):
     mlp_bundle(tmp_path, "out = out.clone()\nout[0, 1] += 1e-2", parity=ALLCLOSE)
     _, _, sub = run(tmp_path)

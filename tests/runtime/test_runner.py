@@ -1061,12 +1061,16 @@ def test_verify_mismatch_declines():
 
 
 class _Gate:
-    """A stand-in for an ArtifactGate: what the runner reads (demoted) and tells (replayed)."""
+    """A stand-in for an ArtifactGate: what the runner reads (demoted, what a capture holds)
+    and tells (replayed)."""
 
     def __init__(self) -> None:
         self.demoted = False
         self.replays = 0
         self.native_calls = 0
+
+    def answers_natively(self) -> bool:
+        return self.demoted
 
     def replayed(self, native: bool = False) -> None:
         if native:

@@ -232,6 +232,11 @@ class ArtifactGate:
                 return self._run_native(inputs)
             return self._judge.judge_call(layout_key(inputs), inputs, call, self._demoter.inputs(inputs))
 
+    def answers_natively(self) -> bool:
+        """What a capture recorded now holds for this region: the native region's kernels
+        (demoted; or a tolerance's artifact inside the eager check, which answers natively)."""
+        return self.demoted or self._tolerant and natively()
+
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded
         with the artifact's kernels, or (`native`) with the native region's."""

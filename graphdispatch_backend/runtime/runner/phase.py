@@ -101,6 +101,9 @@ class Capture:
     ptrs: list[int]
     identity: LayoutIdentity | None  # their layouts too, where no Dynamo guard ensures them
     gate_state: tuple[bool, ...]  # per artifact gate of the piece: demoted when captured
+    # ... and whether the capture holds its native region (demoted, or an allclose artifact
+    # recorded inside the eager check, where it answers natively: runtime/checks/modes.py)
+    gate_native: tuple[bool, ...]
     seen: Observation  # the layout identities the classification started from
     replays_at: int  # the runner's replay count when captured
 
@@ -114,8 +117,8 @@ class Capture:
         return bool(gates) and tuple(g.demoted for g in gates) != self.gate_state
 
     def gates_replayed(self, gates: Sequence[Any]) -> None:
-        for gate, demoted in zip(gates, self.gate_state):
-            gate.replayed(native=demoted)  # captured with the artifact's kernels in it, or the native region's
+        for gate, native in zip(gates, self.gate_native):
+            gate.replayed(native=native)  # captured with the artifact's kernels in it, or the native region's
 
     def release(self) -> None:
         self.graph.reset()

@@ -211,7 +211,8 @@ def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[...
         # Dynamo guards every graph input's sizes and strides: only the addresses need a check
         # then; a runner driven by anything else checks the pinned inputs' layouts too
         identity=None if guarded else LayoutIdentity(pinned, args, addressed=()),
-        gate_state=tuple(g.demoted for g in gates), seen=first, replays_at=replays)
+        gate_state=tuple(g.demoted for g in gates), gate_native=tuple(g.answers_natively() for g in gates),
+        seen=first, replays_at=replays)
 
 
 def _fill(inputs: InputPlan, args: Sequence[Any], device: DeviceRuntime) -> None:
