@@ -253,6 +253,7 @@ class Demotion(str, enum.Enum):
     BAD_OUTPUT = "bad_output"  # wrong count, type, shape, dtype, stride or device
     MUTATED_INPUT = "mutated_input"
     SLOWER = "slower"  # speed_gate: not faster than native
+    DREW = "drew"  # drew from torch's default generator, which its region does not
 
 
 class BundleRejection(str, enum.Enum):

@@ -284,6 +284,27 @@ def test_a_write_into_its_bias_on_a_call_served_unchecked_is_caught_on_that_call
     assert "not undone" in sub["detail"]
 
 
+def test_a_kernel_that_draws_from_the_default_generator_is_demoted_and_the_callers_draws_stay_eagers(tmp_path):
+    """A trial's kernel summed in `torch.randperm` order: demoted for parity at its gate, yet
+    its one run there moved the default generator, and 11 of 12 later `torch.randn` inputs
+    of the caller's were not eager's (outputs 16 to 39 off). A kernel that draws is
+    demoted (`drew`) and the generator put back where native's run left it."""
+    mlp_bundle(tmp_path, "torch.rand(3)", k=1)  # its values eager's: only the draw
+
+    def serve(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return [model(torch.randn(2, 8)) for _ in range(4)]
+
+    torch.manual_seed(0)
+    model = Block().eval()
+    eager = serve(model)
+    ours = serve(torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)}))
+    assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"]) == (True, "drew"), sub
+
+
 # -- a region with several outputs -------------------------------------------------------------------------
 
 

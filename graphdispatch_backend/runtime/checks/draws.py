@@ -61,6 +61,10 @@ class Start:
         if self._end is None:
             self._end = {device: g.get_state() for device, g in draws.generators.items()}
 
+    def moved(self) -> bool:
+        """Whether a default generator has moved since this was taken (a run drew from it)."""
+        return any(not torch.equal(_default(device).get_state(), state) for device, state in self._states.items())
+
     def restore(self) -> None:
         """The user's generators as the call began: a compiled run that raised drew from
         them, and the Dynamo graph that answers instead must draw what eager would."""

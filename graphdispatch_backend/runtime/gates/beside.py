@@ -43,6 +43,7 @@ import torch
 
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.checks.digest import digest
+from graphdispatch_backend.runtime.checks.draws import Start
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, by_parity, held
 from graphdispatch_backend.runtime.checks.world import Writes
@@ -85,6 +86,7 @@ class Outcome:
 
     copied: list[Guard] = dataclasses.field(default_factory=list)  # declared inputs copied whole
     copying: bool = True  # whole copies were asked for (not at a re-check)
+    drew: bool = False  # the artifact drew from a default generator (put back)
 
     def keep_native(self) -> None:
         """Leave the declared inputs as the native run wrote them (wherever the artifact
@@ -122,7 +124,13 @@ class Beside:
         _, exc = self._contain(lambda: side.set_aside(REFERENCE))
         if exc is not None:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
+        # where the generators stand after native's run: the kernel may not move them (a draw
+        # of its own would shift every later draw of the caller's); put back either way
+        start = Start()
         result, raised = self._contain_artifact(lambda: artifact(*inputs))
+        drew = start.moved()
+        if drew:
+            start.restore()
         judged, exc = self._contain(lambda: self._judge(declared, guards, side, parity))
         if exc is not None:
             outcome = Outcome(native_out, side=side, copied=copied,
@@ -131,7 +139,7 @@ class Beside:
             return outcome
         touched, undone, writes, outside = judged
         return Outcome(native_out, result, raised, touched, undone, writes, outside,
-                       not outside or len(copied) == len(declared), None, side, copied, whole)
+                       not outside or len(copied) == len(declared), None, side, copied, whole, drew)
 
     def _judge(self, declared: list[int], guards: list[Guard], side: SideBySide,
                parity: Any) -> tuple[list[int], bool, Any, bool]:

@@ -142,6 +142,10 @@ class GateJudge:
             return Demotion.MUTATED_INPUT, f"wrote into {len(o.touched)} of its inputs ({names}){undone}", None
         if o.raised is not None:
             return Demotion.RAISED, raised(o.raised), None
+        if o.drew:
+            return Demotion.DREW, ("drew from torch's default generator, which its region does not (put back: "
+                                   "the caller's later draws are eager's); a kernel's randomness needs a generator "
+                                   "of its own"), None
         outs = as_tuple(o.result)
         if recheck and meta(outs) != self.passed.get(key, meta(outs)):  # what a later call would call bad
             expected = describe_meta(self.passed[key])
