@@ -179,7 +179,8 @@ def segment_key(segment: fx.GraphModule, recipe: Recipe, keep: frozenset[str]) -
     ops = [(op_name(n), STATISTIC in n.meta) for n in segment.graph.nodes if n.op == "call_function"]
     held = sorted(keep & {name for name, _ in ops}) if recipe.exact else []
     inputs = [layout(n.meta.get("val")) for n in segment.graph.find_nodes(op="placeholder")]
-    attributes = [(n.target, v.data_ptr(), layout(v)) if isinstance(v := getattr(segment, n.target, None), torch.Tensor)
+    # a tensor attribute by identity (its unit's graph holds it for the unit's life)
+    attributes = [(n.target, id(v), layout(v)) if isinstance(v := getattr(segment, n.target, None), torch.Tensor)
                   else (n.target, repr(v)) for n in segment.graph.find_nodes(op="get_attr")]
     return repr((recipe.id, segment.code, ops, held, inputs, attributes))
 

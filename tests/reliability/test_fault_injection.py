@@ -200,13 +200,16 @@ def test_artifact_fault_at_kth_invocation(tmp_path, counts, fault, k, mode):
 @pytest.mark.parametrize("fault", ["noise", "last_bit", "nan", "one_ulp_one_element"])
 def test_artifact_wrong_values_fail_parity(tmp_path, counts, fault):
     statements = {
-        "noise": "return out + torch.randn_like(out) * 1e-3",  # nondeterministic: new noise every call
+        # nondeterministic: new noise every call, from a generator of its own (one that draws from
+        # torch's default generator is demoted for that: `drew`, tests/runtime/test_gate.py)
+        "noise": "return out + torch.randn(out.shape, generator=NOISE) * 1e-3",
         "last_bit": "return (out.view(torch.int32) ^ 1).view(torch.float32)",  # one ulp everywhere
         "nan": "out = out.clone()\nout[1, 2] = float('nan')\nreturn out",
         "one_ulp_one_element": "out = out.clone()\nout[3, 7] = torch.nextafter(out[3, 7], torch.tensor(float('inf')))"
                                "\nreturn out",
     }[fault]
-    report = run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, kernel(statements)))})
+    prelude = "NOISE = torch.Generator().manual_seed(0)" if fault == "noise" else ""
+    report = run(make(), {**EMULATE, "artifacts": str(bundle(tmp_path, kernel(statements, prelude=prelude)))})
     sub = substitution(report)
     assert sub["demoted"] and sub["reason"] == "parity" and sub["parity"] == "failed", sub
     assert sub["first_mismatch_index"] is not None, sub

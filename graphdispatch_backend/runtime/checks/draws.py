@@ -143,3 +143,15 @@ def _device(args: Any, kwargs: dict[str, Any]) -> torch.device:
             return a.device
     device = kwargs.get("device")
     return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def undrawn(run: Callable[[], Any]) -> tuple[Any, bool]:
+    """`run`'s result, and whether it drew from a default generator; where it did, the
+    generators are put back where they stood before it (runtime/gates/beside.py: a kernel
+    judged beside its region may not shift the caller's later draws)."""
+    start = Start()
+    result = run()
+    drew = start.moved()
+    if drew:
+        start.restore()
+    return result, drew

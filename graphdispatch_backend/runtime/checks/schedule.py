@@ -259,7 +259,6 @@ class Instances:
             and held.data_ptr() == state
 
 
-
 def _versions(inputs: Sequence[Any], positions: tuple[int, ...]) -> int:
     """The writes torch counted into the inputs at `positions`, summed (a write adds one)."""
     return sum(inputs[p]._version for p in positions)

@@ -43,7 +43,7 @@ import torch
 
 from graphdispatch_backend.errors import Contain
 from graphdispatch_backend.runtime.checks.digest import digest
-from graphdispatch_backend.runtime.checks.draws import Start
+from graphdispatch_backend.runtime.checks.draws import undrawn
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, by_parity, held
 from graphdispatch_backend.runtime.checks.world import Writes
@@ -124,13 +124,9 @@ class Beside:
         _, exc = self._contain(lambda: side.set_aside(REFERENCE))
         if exc is not None:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
-        # where the generators stand after native's run: the kernel may not move them (a draw
-        # of its own would shift every later draw of the caller's); put back either way
-        start = Start()
-        result, raised = self._contain_artifact(lambda: artifact(*inputs))
-        drew = start.moved()
-        if drew:
-            start.restore()
+        # the generators as native's run left them: the kernel may not move them (a draw of
+        # its own would shift every later draw of the caller's), and they are put back
+        (result, raised), drew = undrawn(lambda: self._contain_artifact(lambda: artifact(*inputs)))
         judged, exc = self._contain(lambda: self._judge(declared, guards, side, parity))
         if exc is not None:
             outcome = Outcome(native_out, side=side, copied=copied,
