@@ -237,3 +237,24 @@ def test_each_device_has_its_recipe(device):
     else:
         assert patches["cpp.enable_floating_point_contract_flag"] == "off"
     assert recipe_for("cpu").id != recipe_for("cuda").id
+
+
+def test_a_segments_key_is_its_structure_not_its_node_names():
+    """A bisection cuts the graph anew per keep set, naming the same nodes otherwise: the
+    key (what a unit's compiled segments are kept by) is the nodes' structure, so such a
+    segment is compiled once; another op, another layout, or a kept op it holds is another
+    key (the exact recipe keeps ops inside its segments)."""
+    x, w = torch.randn(8, 32), torch.randn(32, 32)
+    gm, _ = _segment(residual, x, w)
+    renamed, _ = _segment(residual, x, w)
+    for i, node in enumerate(renamed.graph.nodes):
+        node.name = f"other_{i}"
+    renamed.recompile()
+    assert renamed.code != gm.code
+    key = inductor.segment_key(gm, CPU, frozenset())
+    assert inductor.segment_key(renamed, CPU, frozenset()) == key
+    assert inductor.segment_key(gm, CPU, frozenset({"aten.add.Tensor"})) != key
+    assert inductor.segment_key(gm, CPU, frozenset({"aten.sin.default"})) == key  # not an op it holds
+    assert inductor.segment_key(_segment(residual, torch.randn(4, 32), w)[0], CPU, frozenset()) != key
+    other, _ = _segment(lambda x, w: x - 0.5 * (x @ w), x, w)
+    assert inductor.segment_key(other, CPU, frozenset()) != key
