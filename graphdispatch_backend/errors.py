@@ -250,7 +250,7 @@ class Demotion(str, enum.Enum):
 
     PARITY = "parity"
     RAISED = "raised"
-    BAD_OUTPUT = "bad_output"  # wrong count, type, shape, dtype, stride or device
+    BAD_OUTPUT = "bad_output"  # wrong count, type, shape, dtype, stride, device or memory shared
     MUTATED_INPUT = "mutated_input"
     SLOWER = "slower"  # speed_gate: not faster than native
     DREW = "drew"  # drew from torch's default generator, which its region does not

@@ -232,7 +232,6 @@ def test_writes_into_watched_weights_are_seen_at_the_next_call_without_grad():
             instances.key((), [x, weight])
             seen.append(instances.written)
     assert seen == [False, False, True, False, True, False]
-    weight.data.mul_(1)
     with torch.no_grad():
         weight.add_(1)
     instances.key((), [x, weight])  # with grad on (a training step writes them every time): not watched

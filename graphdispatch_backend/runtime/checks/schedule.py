@@ -232,7 +232,7 @@ class Instances:
         else:  # a size (a symbol at a region's boundary): no weights to tell apart
             return key
         entry = self._known.get(state)
-        if entry is not None and entry[1]() is not t and not self._same(entry[1](), t, state):
+        if entry is not None and (held := entry[1]()) is not t and not _same_storage(held, state):
             entry = None  # another tensor at a dead state's address: a new state
             del self._known[state]
         if entry is None:
@@ -252,11 +252,11 @@ class Instances:
             entry[2] = versions
         return key if entry[0] == 0 else (*key, entry[0])
 
-    @staticmethod
-    def _same(held: Any, t: Any, state: int) -> bool:
-        """Another tensor at a live state's storage (a view of it): the same weights."""
-        return held is not None and isinstance(held, torch.Tensor) and torch._C._has_storage(held) \
-            and held.data_ptr() == state
+
+def _same_storage(held: Any, state: int) -> bool:
+    """A state's tensor, alive and still at the address `state` (another tensor there is a
+    view of it: the same weights)."""
+    return held is not None and torch._C._has_storage(held) and held.data_ptr() == state
 
 
 def _versions(inputs: Sequence[Any], positions: tuple[int, ...]) -> int:

@@ -7,9 +7,12 @@ inputs it declares in `signature.mutates`, a KV cache's rows, it must write as n
 does, and nowhere else); the artifact serves only if its outputs pass the manifest's
 parity (the values: bits, or allclose with NaN/inf in place). Raising at any call, a wrong
 output at any call (`bad_output`: count, type, shape, dtype, stride or device, at the gate as
-later), failing parity, mutating an input, or (with `speed_gate`) not being faster, demotes
-the artifact to the native region for the rest of the session; the run goes on with the
-native output. Under `strict` a demotion raises.
+later; at a judged call also memory shared with an input or another output where native's
+is not), failing parity, mutating an input (at a judged call by the guards; at an unchecked
+eager call by torch's count of writes, `Tensor._version`), drawing from a default generator
+(`drew`), or (with `speed_gate`) not being faster, demotes the artifact to the native region
+for the rest of the session; the run goes on with the native output. Under `strict` a
+demotion raises.
 
 An artifact can also go wrong after its gate (state, a cache, values only some inputs
 have): it is checked again on the calls of each shape key its own schedule picks (the
@@ -192,9 +195,9 @@ class ArtifactGate:
         # (a write there is the graph's check's to find, runtime/checks/side_by_side.py)
         counts = self._write_counts(inputs) if self._unwritable and not in_recording() else None
         result, exc = self._contain_artifact(lambda: self._artifact(*inputs))
-        if counts is not None and (after := list(map(_VERSION, map(inputs.__getitem__, self._counted)))) != counts:
-            names = ", ".join(f"input {p} ({self._names[p]})" if p < len(self._names) and self._names[p] else
-                              f"input {p}" for p, a, b in zip(self._counted, counts, after) if a != b)
+        if counts is not None and (after := self._write_counts(inputs)) != counts:
+            names = ", ".join(f"input {p} ({self._names[p]})" if self._names[p] else f"input {p}"
+                              for p, a, b in zip(self._counted, counts, after) if a != b)
             self._demote(Demotion.MUTATED_INPUT,
                          f"wrote into {names} on a call served unchecked (torch counted the write; not undone: "
                          "such a call keeps no copy, so those inputs may hold what it wrote)",
