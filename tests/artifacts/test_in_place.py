@@ -311,7 +311,9 @@ WRITES_ITS_BIAS_WHEN_LARGE = """
 import torch
 def forward(w1, b1, x, w2, b2):
     y = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
-    b2.add_(torch.where(x.abs().amax() > 6.0, 1e-3, 0.0))  # undeclared, and only for large inputs
+    # undeclared, and only for large inputs; through `.data`, as a kernel writing raw memory
+    # does, torch counts no write (a counted one is caught at its gate's runs: tests/runtime/test_gate.py)
+    b2.data.add_(torch.where(x.abs().amax() > 6.0, 1e-3, 0.0))
     return y
 """
 

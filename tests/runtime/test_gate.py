@@ -284,6 +284,34 @@ def test_a_write_into_its_bias_on_a_call_served_unchecked_is_caught_on_that_call
     assert "not undone" in sub["detail"]
 
 
+@pytest.mark.parametrize("run", [2, 3, 4], ids=["warmup", "capture", "check"])
+def test_a_write_into_its_bias_in_a_run_made_for_a_cuda_graph_is_caught_there(tmp_path, run):
+    """A trial's kernel added 0.25 to its bias in the runs a CUDA graph's capture makes (its
+    2nd, 3rd and 4th runs here: the warmup, the recorded run, the graph's check against
+    eager), where no gate counted writes: the graph was then declined as eager's own
+    nondeterminism, the artifact stayed `passed`, and a capture that recorded the write
+    repeated it on each replay (the bias 0.75 off after one write). The gate counts the
+    write there too; the capture is made again without the kernel before any replay."""
+    mlp_bundle(tmp_path, f"if CALLS[0] == {run}:\n    b2.add_(0.25)", k=run)
+    torch.manual_seed(0)
+    model = Block().eval()
+    before = model.mlp.fc2.bias.detach().clone()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"artifacts": str(tmp_path), "cuda_graphs": "emulate"})
+    with torch.no_grad():
+        served = [(compiled(x), x) for x in torch.randn(8, 2, 8).unbind()]
+        later = [torch.equal(out, model(x)) for out, x in served[2:]]  # the weights as written, once
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"]) == (True, "mutated_input"), sub
+    assert "wrote into input 4 (fc2.bias) in a run made for a CUDA graph" in sub["detail"], sub["detail"]
+    assert "not undone" in sub["detail"]
+    torch.testing.assert_close(model.mlp.fc2.bias - before, torch.full_like(before, 0.25))  # once, never replayed
+    assert all(later), later
+    graph = graphdispatch_backend.latest_report()["graphs"][-1]
+    assert graph["lowering_check"]["status"] == "bitwise", graph["lowering_check"]
+    assert graph["cuda_graph"]["state"] == "verified" and graph["cuda_graph"]["replays"] >= 4, graph["cuda_graph"]
+
+
 def test_a_kernel_that_draws_from_the_default_generator_is_demoted_and_the_callers_draws_stay_eagers(tmp_path):
     """A trial's kernel summed in `torch.randperm` order: demoted for parity at its gate, yet
     its one run there moved the default generator, and 11 of 12 later `torch.randn` inputs

@@ -39,7 +39,7 @@ import torch
 from graphdispatch_backend.diagnostics.events import Events
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.diagnostics.timing import Timing
-from graphdispatch_backend.errors import Contain, Decline, StrictModeError
+from graphdispatch_backend.errors import Contain, Decline, Demotion, StrictModeError
 from graphdispatch_backend.runtime.call.calls import mark_entry
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
@@ -222,7 +222,7 @@ class EagerCheck:
         grads = self._gradients.reference(args, ref.outputs) \
             if self._gradients is not None and self._gradients.needed(args) else None
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
-        demoted = [s.demoted for s in self._record.substitutions] if self._isolates else []
+        demoted = [s.demoted for s in self._record.substitutions]
         _, exc = self._contain(lambda: side.set_aside(REFERENCE))  # eager's world kept aside, the world before back
         if exc is not None:
             self._record.called(False, Decline.CHECK_FAILED.value)  # the compiled graph never ran
@@ -263,13 +263,17 @@ class EagerCheck:
                 gradients = () if judged is None else judged.gradients
             else:
                 local = None
-        verdict = self._settle(local, args, side, ref, forward and not beyond)
+        # an artifact demoted for a write during the compiled run (a CUDA graph's warmup, its
+        # capture): the world moved under the check, and eager run again would disagree with
+        # itself; no verdict on the lowering, eager's values answer (the next check judges it)
+        moved = local is not None and forward and _wrote_during(self._record.substitutions, demoted)
+        verdict = self._settle(None if moved else local, args, side, ref, forward and not beyond)
         if seen is not None:  # judged: what this call's inputs hold counts as seen
             seen.checked()
         if novel is not None:
             with self._record.lock:
                 self._record.novelty_checks += 1
-        isolated = False  # an artifact or a capture took the blame: eager's values answer, nothing else changes
+        isolated = moved and verdict is None  # an artifact or a capture took the blame: eager's values answer
         if verdict is not None and verdict[0] is Decline.LOWERING_MISMATCH and forward and self._isolates:
             verdict = self._isolate(args, side, ref, replays, demoted, verdict, novel)
             isolated = verdict is None
@@ -365,3 +369,10 @@ class EagerCheck:
             ref.forget_second()  # the world is eager's first run's again: the answer runs eager once more
             return Decline.EAGER_NONDETERMINISTIC, again.detail
         return Decline.LOWERING_MISMATCH, ref.detail(detail)
+
+
+def _wrote_during(substitutions: Sequence[Any], demoted: Sequence[bool]) -> bool:
+    """An artifact was demoted since `demoted` was taken for writing an input it does not
+    declare: in a run no check snapshots (runtime/gates/gate.py), so its write stays."""
+    return any(s.demoted and not was and s.reason == Demotion.MUTATED_INPUT.value
+               for s, was in zip(substitutions, demoted))

@@ -9,7 +9,8 @@ parity (the values: bits, or allclose with NaN/inf in place). Raising at any cal
 output at any call (`bad_output`: count, type, shape, dtype, stride or device, at the gate as
 later; at a judged call also memory shared with an input or another output where native's
 is not), failing parity, mutating an input (at a judged call by the guards; at an unchecked
-eager call by torch's count of writes, `Tensor._version`), drawing from a default generator
+eager call, and in the runs a CUDA graph's warmup, capture and check make, by torch's count
+of writes, `Tensor._version`), drawing from a default generator
 (`drew`), or (with `speed_gate`) not being faster, demotes the artifact to the native region
 for the rest of the session; the run goes on with the native output. Under `strict` a
 demotion raises.
@@ -191,16 +192,21 @@ class ArtifactGate:
     def _outputs(self, inputs: Sequence[Any], expected: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The artifact's outputs, or None after demoting it for raising, a bad output, or
         a write torch counted into an input it does not declare."""
-        # not inside a recording: its Python stands for kernels a replay runs without Python
-        # (a write there is the graph's check's to find, runtime/checks/side_by_side.py)
-        counts = self._write_counts(inputs) if self._unwritable and not in_recording() else None
+        # inside a recording too (a CUDA graph's warmup, its capture, the graph check's eager
+        # runs): none of those snapshots an input the graph does not write, so a write there
+        # stays, and a capture that recorded it would repeat it on every replay; the
+        # runner captures again without the artifact (runner/record.py takes the gates'
+        # states before the capture)
+        counts = self._write_counts(inputs) if self._unwritable else None
         result, exc = self._contain_artifact(lambda: self._artifact(*inputs))
         if counts is not None and (after := self._write_counts(inputs)) != counts:
             names = ", ".join(f"input {p} ({self._names[p]})" if self._names[p] else f"input {p}"
                               for p, a, b in zip(self._counted, counts, after) if a != b)
+            run = ("in a run made for a CUDA graph (its warmup, its capture or its check against eager)"
+                   if in_recording() else "on a call served unchecked")
             self._demote(Demotion.MUTATED_INPUT,
-                         f"wrote into {names} on a call served unchecked (torch counted the write; not undone: "
-                         "such a call keeps no copy, so those inputs may hold what it wrote)",
+                         f"wrote into {names} {run} (torch counted the write; not undone: "
+                         "such a run keeps no copy, so those inputs may hold what it wrote)",
                          counted=False, inputs=inputs)
             return None
         if exc is not None and in_recording() and refused_by_capture(exc):

@@ -185,12 +185,20 @@ def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[...
         rewind, exc = scope.contain(lambda: held(writes.regions(static_args)))
         if exc is not None:
             raise _refusal(exc, "snapshotting the inputs the graph writes")
-        # collectives inside (lockstep): no warmup run that one rank would make alone
-        with device.guard():
-            graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device,
-                                                                    warmup=not lockstep, rewind=rewind,
-                                                                    like=like))
-        rewind()
+        while True:
+            gate_state, gate_native = tuple(g.demoted for g in gates), tuple(g.answers_natively() for g in gates)
+            # collectives inside (lockstep): no warmup run that one rank would make alone
+            with device.guard():
+                graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device,
+                                                                        warmup=not lockstep, rewind=rewind,
+                                                                        like=like))
+            rewind()
+            if exc is not None or tuple(g.demoted for g in gates) == gate_state:
+                break
+            # an artifact demoted during the warmup or the recorded run (a write into an input
+            # it does not declare, runtime/gates/gate.py): the graph may hold its kernel, which
+            # no replay may run; captured again at once without it (each round demotes one more)
+            graph.reset()
     if exc is not None:
         raise _refusal(exc, "capturing")
     for i, out in enumerate(graph.outputs):
@@ -211,7 +219,7 @@ def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[...
         # Dynamo guards every graph input's sizes and strides: only the addresses need a check
         # then; a runner driven by anything else checks the pinned inputs' layouts too
         identity=None if guarded else LayoutIdentity(pinned, args, addressed=()),
-        gate_state=tuple(g.demoted for g in gates), gate_native=tuple(g.answers_natively() for g in gates),
+        gate_state=gate_state, gate_native=gate_native,
         seen=first, replays_at=replays)
 
 
