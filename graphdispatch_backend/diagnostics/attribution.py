@@ -10,7 +10,9 @@ manifest pins one, is served by it), pending
 others its pattern named: a signature that stopped fitting after Dynamo recompiled with
 dynamic shapes, say; see `rejections`; a `fingerprint` rejection counts only for a module
 it serves elsewhere, since a pinned fingerprint, like the pattern, says which regions the
-artifact is for), partly_demoted, demoted, rejected (its pattern
+artifact is for), native (reached and passed, yet every call was answered natively: an
+allclose artifact inside a graph's checks and the replays of a graph captured during one;
+`why` says so), partly_demoted, demoted, rejected (its pattern
 named regions but a check refused them all), unmatched (its pattern named no region:
 `suggestion` says what would), not_enabled, unused (its graphs run as the Dynamo graph:
 torch's lowering was not bitwise equal to eager).
@@ -77,6 +79,10 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
             entry["replays"] += sub.get("replays", 0)
             entry["native_calls"] += sub["native_calls"]
             entry["parity"][sub["parity"]] += 1
+            entry["parity_mode"] = sub.get("parity_mode", "bitwise")
+            gap = sub.get("largest_diff_passed")
+            if gap is not None and (entry.get("largest_diff_passed") is None or gap > entry["largest_diff_passed"]):
+                entry["largest_diff_passed"] = gap
             if sub["demoted"]:
                 entry["demotions"].append({
                     "graph": g["name"], "region": sub["region"], "reason": sub["reason"], "detail": sub["detail"],
@@ -106,6 +112,13 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
     return out
 
 
+# reached and passed, and no call served: an allclose artifact answers natively inside a
+# graph's check against eager, and so do the replays of a graph captured during one
+NATIVE_WHY = ("every call of its regions was answered natively, none failed: an allclose artifact answers natively "
+              "inside a graph's check against eager, and in the replays of a graph captured during one "
+              "(it serves the eager calls the checks do not pick)")
+
+
 def _status(entry: dict[str, Any], refusals: set[str]) -> str:
     """One word a reader can act on: is this artifact doing anything, and if not, why
     (`refusals`: the reasons that refused regions it is for)."""
@@ -121,4 +134,7 @@ def _status(entry: dict[str, Any], refusals: set[str]) -> str:
         return "partly_demoted"
     if entry["calls"] or entry["replays"]:
         return "partly_rejected" if refusals else "serving"
+    if entry["native_calls"] and "passed" in entry["parity"]:
+        entry["why"] = NATIVE_WHY
+        return "native"
     return "unused" if set(entry["parity"]) == {"unused"} else "pending"

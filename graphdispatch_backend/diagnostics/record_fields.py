@@ -142,9 +142,12 @@ def parity_mode(sub: SubstitutionRecord, mode: str) -> None:
     sub.parity_mode = mode
 
 
-def parity_passed(sub: SubstitutionRecord) -> None:
+def parity_passed(sub: SubstitutionRecord, gap: float | None = None) -> None:
+    """A check passed; `gap`: the largest difference it saw (allclose), kept if the largest yet."""
     with sub.lock:
         sub.parity = "passed"
+        if gap is not None and (sub.largest_diff_passed is None or gap > sub.largest_diff_passed):
+            sub.largest_diff_passed = gap
 
 
 def speed(sub: SubstitutionRecord, figures: dict[str, float]) -> None:

@@ -18,6 +18,15 @@ _CAUGHT_BY = {
 }
 
 
+def _parity(entry: dict[str, Any]) -> str:
+    """Its verdicts; for an allclose artifact, so marked, with the largest difference a passing check saw."""
+    said = counts(entry["parity"])
+    if entry.get("parity_mode", "bitwise") == "bitwise":
+        return said
+    gap = entry.get("largest_diff_passed")
+    return f"{said} ({entry['parity_mode']}" + (f", passed up to {gap:.3g})" if gap is not None else ")")
+
+
 def _speed(entry: dict[str, Any]) -> str:
     """Time against native, as native/artifact (above 1.00x the artifact is faster)."""
     parts = []
@@ -56,7 +65,7 @@ def artifacts(report: dict[str, Any]) -> list[str]:
     artifacts = report.get("artifacts", {})
     if not artifacts:
         return ["", "Artifacts", "  none"]
-    rows, demotions, unmatched = [], [], []
+    rows, demotions, unmatched, explained = [], [], [], []
     patterns = report.get("registry", {}).get("patterns") or {}
     for aid, a in sorted(artifacts.items()):
         reasons: dict[str, int] = {}
@@ -64,7 +73,9 @@ def artifacts(report: dict[str, Any]) -> list[str]:
             reasons[d["reason"]] = reasons.get(d["reason"], 0) + 1
             demotions.append(f"  {aid} on {d['graph']} {d['region']}: {d['reason']}: {d['detail']}")
         rows.append([aid, a.get("status", "-"), len(a["regions_matched"]), a["calls"], a.get("replays", 0),
-                     a["native_calls"], counts(a["parity"]), counts(reasons), counts(a["rejections"]), _speed(a)])
+                     a["native_calls"], _parity(a), counts(reasons), counts(a["rejections"]), _speed(a)])
+        if a.get("why"):
+            explained.append(f"  {aid} ({a['status']}): {a['why']}")
         if a.get("status") == "unmatched":
             hint = (a.get("suggestion") or {}).get("text", "")
             unmatched.append(f"  {aid}: pattern `{patterns.get(aid, '?')}` matched no region"
@@ -77,6 +88,7 @@ def artifacts(report: dict[str, Any]) -> list[str]:
                   "time vs native (>1.00x: artifact faster)"], rows)]
     if not any(a["speed"] or (a.get("shadow") or {}).get("calls") for a in artifacts.values()):
         out.append("  no timings: set speed_gate=True or timing='shadow' to time each artifact against native")
+    out += explained
     if unmatched:
         out += ["", "Unmatched artifacts (patterns are fnmatch over the compiled module's named_modules() names, "
                     "anchored at both ends)"] + unmatched

@@ -110,6 +110,7 @@ class SubstitutionRecord:
     reason: str | None = None
     detail: str | None = None
     max_abs_diff: float | None = None
+    largest_diff_passed: float | None = None  # allclose: the largest |native - artifact| a passing check saw
     first_mismatch_index: list[int] | None = None
     speed: dict[str, float] | None = None  # speed_gate: median ms of both
     shadow: dict[str, float] = dataclasses.field(default_factory=dict)  # timing="shadow"

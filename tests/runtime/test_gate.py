@@ -123,6 +123,13 @@ def test_allclose_pass_within_tolerance_serves(tmp_path):
     assert (sub["calls"], sub["native_calls"]) == (1, 3)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ours, eager))
     assert not all(torch.equal(a, b) for a, b in zip(ours, eager))  # the artifact's own bits were served
+    # what it served may be off by what its passing checks saw: the largest of them, reported
+    served = max(float((a - b).abs().max()) for a, b in zip(ours, eager))
+    assert 0 < sub["largest_diff_passed"] <= 2 * served, (sub["largest_diff_passed"], served)
+    (entry,) = graphdispatch_backend.latest_report()["artifacts"].values()
+    assert entry["status"] == "serving" and entry["largest_diff_passed"] == sub["largest_diff_passed"]
+    assert f"passed=1 (allclose, passed up to {sub['largest_diff_passed']:.3g})" in render(
+        graphdispatch_backend.latest_report())
 
 
 def test_an_allclose_artifact_captured_inside_the_eager_check_is_counted_native_on_its_replays(tmp_path):
@@ -136,6 +143,12 @@ def test_an_allclose_artifact_captured_inside_the_eager_check_is_counted_native_
     assert graph["cuda_graph"]["replays"] > 0
     assert all(torch.equal(a, b) for a, b in zip(ours, eager))  # what replayed was native
     assert sub["replays"] == 0 and sub["calls"] + sub["native_calls"] == graph["calls"], sub
+    # reached on every call, passed, and served none: said so, not `pending` ("not called yet": a trial)
+    (entry,) = graphdispatch_backend.latest_report()["artifacts"].values()
+    assert (entry["status"], entry["calls"]) == ("native", 0), entry
+    assert "answers natively inside a graph's check" in entry["why"]
+    assert "mlp (native): every call of its regions was answered natively" in render(
+        graphdispatch_backend.latest_report())
 
 
 def test_allclose_fail_beyond_tolerance(tmp_path):

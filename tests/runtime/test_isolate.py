@@ -126,6 +126,46 @@ def test_by_default_a_wrong_value_is_caught_at_the_next_check_and_counted(tmp_pa
     assert graph["cuda_graph"]["replays"] > CALLS - caught - 4  # replays again after the recapture
 
 
+class Accumulating(nn.Module):
+    """Net, and state it writes: each call adds its output to a buffer and returns the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+        self.register_buffer("acc", torch.zeros(4, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.mlp(x * 2)
+        self.acc.add_(y)
+        return self.acc * 1
+
+
+def test_a_catch_says_the_state_the_calls_served_unchecked_wrote_stays(tmp_path, caplog):
+    """A trial's RMSNorm kernel, 1 ulp off on some rows, served 3 decode steps unchecked
+    whose keys and values the cache kept: 13 of the request's 16 steps came out off, where
+    the catch said 3 calls. The kernel here is off where its input sums above zero (a sign:
+    no statistic sees it), on calls 3, 5-7 and 8; the dense schedule checks 4 and 8."""
+    region = region_entry(Net().eval(), _x(0), name="mlp", cuda_graphs=False)
+    sig = manifest_from_region(region)
+    source = KERNEL.format(names=[i["name"] for i in region["inputs"]])
+    source = source.replace('(a["input0"].abs() > 3).any()', 'a["input0"].sum() > 0')
+    write_bundle(tmp_path / "mlp", "mlp-sign", "mlp", sig["inputs"], sig["outputs"], source)
+    torch.manual_seed(0)
+    model = Accumulating().eval()
+    compiled = torch.compile(model, backend="graphdispatch",
+                             options={"cuda_graphs": "emulate", "artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for i in range(1, 13):
+            x = _x(i)
+            compiled(x if (x.sum() > 0) == (i in (3, 5, 6, 7, 8)) else -x)
+    (graph,) = accounted_graphs()
+    (sub,) = graph["substitutions"]
+    assert (sub["caught_at_call"], sub["unchecked_calls"]) == (8, 3), sub
+    said = next(r.getMessage() for r in caplog.records if "the artifact was at fault" in r.getMessage())
+    assert "the 3 call(s) since the last check (call 4) were served unchecked, and what they wrote into" in said, said
+    assert "acc" in said.split("wrote into", 1)[1].split("(state", 1)[0] and "stays" in said, said
+
+
 def test_without_checks_of_replays_wrong_values_go_on(tmp_path, monkeypatch):
     """The rule removed: checks stop after the first calls, as the doubling schedule that
     checked eager calls only did in effect once every call replayed."""

@@ -178,6 +178,14 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
     message = f"{record.name}: a served call differed from eager at {call}: the {party} was at fault"
     if checked.previous:
         message += f"; the {unchecked} call(s) since the last check (call {checked.previous}) were served unchecked"
+    state = [w["input"] for w in record.input_writes]
+    if unchecked and state and party == ARTIFACT:
+        # what they wrote came from the kernel's values (through the native ops after it too):
+        # later calls read it, eager's reference included, so no check finds it (a trial:
+        # 3 unchecked decode steps, 13 of 16 steps of the request off)
+        message += (f", and what they wrote into {', '.join(state)} (state the graph writes: a cache) stays, "
+                    "computed from the kernel's values: the calls that read it differ from eager's until it is "
+                    "written anew")
     for sub in found.demoted:
         with sub.lock:
             record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck")

@@ -104,6 +104,14 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float | None:
     return peak
 
 
+def largest_gap(expected: Sequence[Any], actual: Sequence[Any]) -> float | None:
+    """The largest |expected - actual| over the floating (and complex) tensor outputs'
+    elements finite in both: what a passing allclose check served (None: no such output)."""
+    gaps = [_gap(e, a) for e, a in zip(expected, actual) if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor)
+            and (e.is_floating_point() or e.is_complex()) and e.shape == a.shape]
+    return max((g for g in gaps if g is not None), default=None)
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(_bits(a), _bits(b))
 

@@ -23,7 +23,7 @@ from graphdispatch_backend.diagnostics.report import SubstitutionRecord
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Contain, Demotion
 from graphdispatch_backend.runtime.checks.novelty import Observation
-from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing
+from graphdispatch_backend.runtime.checks.parity import Mismatch, compare, compare_aliasing, largest_gap
 from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 from graphdispatch_backend.runtime.gates.checked import CheckBook
@@ -97,7 +97,9 @@ class GateJudge:
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
         p = self._parity
-        record_fields.parity_passed(self._record)
+        # allclose: the difference it passed with, the error its served calls may carry
+        gap = self._contain(lambda: largest_gap(as_tuple(native), as_tuple(o.result)))[0] if self.tolerant else None
+        record_fields.parity_passed(self._record, gap)
         if self._speed is not None and not recheck and not self._faster(inputs):
             return native
         outs = as_tuple(o.result)
