@@ -149,6 +149,18 @@ def signature(entry: dict[str, Any]) -> dict[str, list[Any]]:
     return sig
 
 
+def named_elsewhere(every: list[Kind], kind: Kind, pattern: str) -> tuple[int, int]:
+    """The regions `pattern` names outside `kind`: (those of its own modules in other graphs,
+    those of other modules). The first are no other kind to a reader (Dynamo compiled the same
+    modules again, with other shapes): a pin would keep the kernel from them (a trial followed
+    "keep the fingerprint" there, and its kernel served 25 of 40 calls)."""
+    mine = {n.split("#", 1)[0] for n in kind.names}
+    named = [n.split("#", 1)[0] for o in every if (o.fingerprint, o.names) != (kind.fingerprint, kind.names)
+             for n in o.names if matches(pattern, n.split("#", 1)[0])]
+    again = sum(1 for n in named if n in mine)
+    return again, len(named) - again
+
+
 def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.json",
            directory: str | None = None) -> str:
     """The listing; `directory` (default: the folder of `source`) goes into the commands it prints."""
@@ -183,14 +195,19 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
         return "\n".join(out)
     for k in shown:
         names = [n for n in k.names if matches(pattern, n.split("#", 1)[0])]
-        others = sum(1 for o in every if o is not k for n in o.names if matches(pattern, n.split("#", 1)[0]))
+        again, others = named_elsewhere(every, k, pattern)
         out += ["", f"`{pattern}`: {k.cls}, {len(names)} of its {len(k.regions)} regions ({', '.join(names[:4])}"
                     + (", ..." if len(names) > 4 else "") + ")"]
+        if again and not others:
+            out.append(f"  `{pattern}` also names {again} region(s) of these modules in other graphs (Dynamo compiled "
+                       "them again, with other shapes): no fingerprint, so the kernel serves every graph its "
+                       "signature fits (write null for a size that varies)")
         if others:
             alone = ", ".join(f"`{p}`" for p, fp in k.own_choices(every) if fp is None)
             out.append(f"  `{pattern}` also names {others} region(s) of other kinds: keep the fingerprint (as the "
                        "scaffold command below does)" + (f", or name this kind alone: {alone}" if alone else ""))
-        # a fingerprint only where it must pick this kind: a pin fits no other size (scaffold.py)
+        # a fingerprint only where it must pick this kind among other modules: a pin fits no
+        # other size (scaffold.py); the scaffold command takes one to pick the kind either way
         region = {"module": pattern, **({"fingerprint": k.fingerprint} if others else {})}
         out.append(f'  "region": {json.dumps(region)},')
         out.append(f'  "signature": {json.dumps(signature(k.entry))},')
@@ -198,7 +215,7 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
                             for side in ("inputs", "outputs"))
         if strides.strip("; "):
             out.append(f"  strides (not manifest fields; parity compares the outputs'): {strides}")
-        fingerprint = k.short_fingerprint(every) if others else None  # the pattern alone names this kind
+        fingerprint = k.short_fingerprint(every) if others or again else None  # the pattern alone names this kind
         out.append(f"  scaffold: {scaffold_hint(directory, pattern, fingerprint)}")
     return "\n".join(out)
 

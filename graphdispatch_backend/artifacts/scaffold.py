@@ -11,8 +11,9 @@ computes the region's sizes from its tensor inputs' dims. Its comments give ever
 dtype, shape and stride, the inputs' and outputs' included: parity compares the outputs'
 strides, so an author sees them before a failure says so.
 
-The manifest pins `region.fingerprint` only when `--fingerprint` picks one kind among those
-the pattern names: a fingerprint covers the boundary's shapes, so a pinned bundle never
+The manifest pins `region.fingerprint` only when `--fingerprint` is given, and not where it
+only picks among the same modules compiled again with other shapes (the kernel should
+serve those too): a fingerprint covers the boundary's shapes, so a pinned bundle never
 serves a new batch size nor the recompile with a symbolic one, which writing `null` in the
 signature's dims is for (docs/artifacts.md, dynamic shapes). The pattern and the signature
 choose the regions, and parity is checked at the first call of each shape.
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.artifacts.bundle import sha256_file, verify_bundle
-from graphdispatch_backend.artifacts.catalog import Kind, kinds, signature, spec_text
+from graphdispatch_backend.artifacts.catalog import Kind, kinds, named_elsewhere, signature, spec_text
 from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, version_tuple
 from graphdispatch_backend.diagnostics.report_file import expand
 from graphdispatch_backend.errors import BundleRejected
@@ -267,7 +268,11 @@ def scaffold(report: dict[str, Any], pattern: str, out: Path, *, fingerprint: st
     (out / KERNEL_NAME).write_text(text, "utf-8")
     kernel = out / KERNEL_NAME
     files = [{"path": KERNEL_NAME, "sha256": sha256_file(kernel), "bytes": kernel.stat().st_size}]
-    manifest = _manifest(kind, pattern, artifact_id, report, files, graph, pin=fingerprint is not None)
+    # pinned where a fingerprint was given, unless it only picked among the kind's own modules
+    # compiled again with other shapes, which the kernel should serve too (catalog.py `named_elsewhere`)
+    again, others = named_elsewhere(kinds(report), kind, pattern)
+    pin = fingerprint is not None and not (again and not others)
+    manifest = _manifest(kind, pattern, artifact_id, report, files, graph, pin=pin)
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", "utf-8")
     verify_bundle(out)  # what the registry will check, now
     return manifest

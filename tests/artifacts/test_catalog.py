@@ -231,13 +231,15 @@ def test_under_a_pattern_each_kind_prints_a_scaffold_command_that_writes_it(tmp_
     assert len(commands) == 2 and all(c[:2] == ["artifacts", "scaffold"] for c in commands)
     below = out.split("\n\n", 1)[1]  # under the table, a `--fingerprint` is a command's argument, never prose
     assert all("python -m graphdispatch_backend " in line for line in below.splitlines() if "--fingerprint" in line)
-    fingerprints = []
+    manifests = []
     for argv in commands:
         _parser().parse_args(argv)
         assert main(argv) == 0
-        fingerprints.append(json.loads((tmp_path / argv[-1] / "artifact.json").read_text())["region"]["fingerprint"])
+        manifests.append(json.loads((tmp_path / argv[-1] / "artifact.json").read_text()))
     capsys.readouterr()
-    assert len(set(fingerprints)) == 2  # one bundle per kind, in folders of their own
+    # one bundle per kind, in folders of their own; the same modules at other shapes: unpinned
+    assert [m["region"].get("fingerprint") for m in manifests] == [None, None]
+    assert manifests[0]["signature"] != manifests[1]["signature"]
     assert main(["artifacts", "verify", "my_kernels"]) == 0
 
 
@@ -258,3 +260,19 @@ def test_strides_of_inputs_and_outputs_are_listed(report_dir, capsys):
     want = (", ".join(f"{i['name']} {stride(i)}" for i in region["inputs"]) + "; "
             + ", ".join(f"{o['name']} {stride(o)}" for o in region["outputs"]))
     assert line.endswith(want), (line, want)
+
+
+def test_the_same_modules_recompiled_with_other_shapes_are_no_reason_to_pin(tmp_path, capsys):
+    """A trial's LLM recompiled its MLPs with dynamic sizes: the listing called them "other
+    kinds" and said to keep the fingerprint, and the pinned kernel served 25 of 40 calls
+    (refused in 3 of 4 graphs). The same modules in another graph are said as such, unpinned."""
+    from graphdispatch_backend.testing import Block
+
+    compiled = torch.compile(Block().eval(), backend="graphdispatch", options={"report_dir": str(tmp_path / "gd")})
+    with torch.no_grad():
+        for batch in (2, 3):  # the second recompiles with a dynamic batch
+            compiled(torch.randn(batch, 8))
+    graphdispatch_backend.flush()
+    out = listing(capsys, str(tmp_path / "gd"), "--regions", "mlp")
+    assert out.count('"region": {"module": "mlp"}') == 2 and "keep the fingerprint" not in out, out
+    assert "also names 1 region(s) of these modules in other graphs (Dynamo compiled them again" in out
