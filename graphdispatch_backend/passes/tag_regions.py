@@ -11,6 +11,10 @@ Size computations (symbolic scalars computed from the graph's input sizes only, 
 `s0 * 4` under dynamic shapes) belong to no region: aot shares one such node between all
 the modules that need it, and a region holding it would hand a size to its neighbours.
 They enter the regions that use them as size inputs, which a kernel never receives.
+The nodes aot makes to use a number input in tensor math (under `dynamic=True`, a float
+attribute such as an RMSNorm's `eps` is a 0-dim input, and `mean + eps` carries no module
+stack) join the regions all their users are in: the number is then the region's input,
+named after the attribute (`variance_epsilon`), and the kernel receives it.
 
 Before::
 
@@ -57,6 +61,39 @@ def _size_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return sizes
 
 
+def _scalar_glue(gm: fx.GraphModule, sizes: set[fx.Node]) -> list[tuple[fx.Node, tuple[str, ...]]]:
+    """The nodes aot makes to use a symbolic scalar input in tensor math, with the regions
+    their users share. Under `dynamic=True` a float attribute (an RMSNorm's `eps`) is a
+    graph input (a 0-dim tensor), and `variance + eps` becomes `add(mean,
+    convert_element_type(eps))` with no `nn_module_stack`: left out, it split the norm in two
+    (its mean an output, `mean + eps` an input: a trial's manifest fit no region). Such a
+    node (no module stack, no write) reads a scalar input, or another such node, and region
+    nodes; it joins the regions all its users are in, and the scalar is the region's input."""
+    symbolic = {n for n in gm.graph.find_nodes(op="placeholder") if _scalar_input(n.meta.get("val"))}
+    glue: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and not node.meta.get("gd_regions") and node not in sizes
+                and not writes(node) and node.users
+                and any(a in symbolic or a in glue for a in node.all_input_nodes)
+                and all(a in symbolic or a in glue or a.meta.get("gd_regions") for a in node.all_input_nodes)):
+            glue.append(node)
+    joined: dict[fx.Node, tuple[str, ...]] = {}
+    for node in reversed(glue):  # users first: a chain of glue takes its last link's regions
+        stacks = [joined.get(u, u.meta.get("gd_regions") or ()) for u in node.users]
+        shared = stacks[0]
+        for stack in stacks[1:]:
+            shared = tuple(a for a, b in zip(shared, stack) if a == b)
+        if shared:
+            joined[node] = shared
+    return [(n, joined[n]) for n in glue if n in joined]
+
+
+def _scalar_input(value: Any) -> bool:
+    """A graph input that is one number: a symbolic scalar, or a 0-dim tensor (a float
+    attribute Dynamo passes as an input under dynamic shapes)."""
+    return isinstance(value, _SYMBOLIC) or isinstance(value, torch.Tensor) and value.dim() == 0
+
+
 def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
     regions: dict[str, Region] = {}
     sizes = _size_nodes(gm)
@@ -79,8 +116,15 @@ def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             region.nodes.append(node)
             names.append(name)
         node.meta["gd_regions"] = tuple(names)
+    for node, names in _scalar_glue(gm, sizes):
+        node.meta["gd_regions"] = names
+        for name in names:
+            region = regions[name]
+            region.nodes.append(node)
     order = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
+    for region in regions.values():
+        region.nodes.sort(key=position.__getitem__)  # the glue in its place
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     kinds: set[str] = set()
     for region in regions.values():
@@ -111,6 +155,9 @@ def _describe(
             j += 1
         elif origin is not None and origin.is_state and origin.name.startswith(prefix):
             region.input_names.append(origin.name[len(prefix) :])
+        elif origin is not None and f".{prefix}" in f".{origin.name}" and _scalar_input(node.meta.get("val")):
+            # a number attribute of the module's, passed as an input (`self.norm.variance_epsilon`)
+            region.input_names.append(f".{origin.name}".rsplit(f".{prefix}", 1)[1])
         else:
             region.input_names.append(f"input{k}")
             k += 1

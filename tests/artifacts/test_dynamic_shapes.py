@@ -132,3 +132,50 @@ def test_strict_fails_the_recompile_that_stops_fitting(tmp_path):
     # the first graph compiled and served before the recompile failed
     first = compiled_graphs(graphdispatch_backend.latest_report())[0]
     assert {s["region"] for s in first["substitutions"]} == {"layers.0.mlp", "layers.1.mlp"}
+
+
+class Normed(torch.nn.Module):
+    """transformers' RMSNorm (a float `variance_epsilon` attribute), then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(16, eps=1e-6)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x))
+
+
+RMS_KERNEL = """
+import torch
+
+
+def forward(x, eps, weight):
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps.to(torch.float32)))
+"""
+
+
+def test_under_dynamic_true_a_float_attribute_is_the_regions_input_not_a_split(tmp_path):
+    """Under `dynamic=True` Dynamo passes `variance_epsilon` as a 0-dim input, and aot's
+    `mean + eps` carried no module stack: the norm's region came out split (its mean an
+    output, `mean + eps` an input) and a trial's RMSNorm manifest fit no region. The glue
+    joins the region; the number is its input, named after the attribute."""
+    torch.manual_seed(0)
+    model = Normed().eval()
+    with torch.no_grad():
+        torch.compile(model, backend="graphdispatch", dynamic=True)(torch.randn(2, 5, 16))
+    region = next(r for r in graphdispatch_backend.latest_report()["graphs"][-1]["regions"] if r["name"] == "norm")
+    assert [(i["name"], i["shape"]) for i in region["inputs"]] == [
+        ("input0", [None, None, 16]), ("variance_epsilon", []), ("weight", [16])], region["inputs"]
+    assert [o["shape"] for o in region["outputs"]] == [[None, None, 16]]
+    torch._dynamo.reset()
+    graphdispatch_backend.reset()
+    testing.write_bundle(tmp_path / "rms", "rms", "norm", source=RMS_KERNEL, **testing.manifest_from_region(region))
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=True, options={"artifacts": str(tmp_path)})
+    with torch.no_grad():
+        for length in (5, 7, 3):
+            x = torch.randn(2, length, 16)
+            assert torch.equal(compiled(x), model(x))
+    (sub,) = graphdispatch_backend.latest_report()["graphs"][-1]["substitutions"]
+    assert (sub["parity"], sub["demoted"], sub["calls"]) == ("passed", False, 3), sub
