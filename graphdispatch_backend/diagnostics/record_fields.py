@@ -177,9 +177,11 @@ def substitution_caught(sub: SubstitutionRecord, at_call: int | None, unchecked_
 
 
 def served_unchecked(sub: SubstitutionRecord, since_check: int) -> None:
-    """Under the lock: the run of calls served since the last check, and the longest run."""
+    """Under the lock: the run of calls served since the last check, the longest run, and
+    the session's count of calls served unchecked (one more)."""
     sub.served_since_check = since_check
     sub.largest_gap = max(sub.largest_gap, since_check)
+    sub.served_unchecked += 1
 
 
 def checked_run(sub: SubstitutionRecord, since_check: int) -> None:

@@ -85,8 +85,9 @@ def _summary(report: dict[str, Any]) -> list[str]:
     if subs:  # what the artifacts' check schedule left unjudged (see "Artifact checks")
         unchecked = sum(s.get("served_since_check", 0) for s in subs)
         gap = max(s.get("largest_gap", 0) for s in subs)
-        out.append(f"  artifacts: {plural(unchecked, 'region call')} served since their last check, "
-                   f"at most {plural(gap, 'call')} served unchecked in a row")
+        ever = sum(s.get("served_unchecked", 0) for s in subs)
+        out.append(f"  artifacts: {plural(unchecked, 'region call')} served since their last check "
+                   f"({ever} unchecked in all), at most {plural(gap, 'call')} served unchecked in a row")
     if backwards:
         b_calls = sum(b["calls"] for b in backwards)
         b_replays = sum(b["cuda_graph"]["replays"] for b in backwards)

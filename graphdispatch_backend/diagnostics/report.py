@@ -127,6 +127,7 @@ class SubstitutionRecord:
     # served unchecked in a row: what its `artifact_recheck` schedule left unjudged
     served_since_check: int = 0
     largest_gap: int = 0
+    served_unchecked: int = 0  # ... and all the calls it served unchecked, over the session
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def to_dict(self) -> dict[str, Any]:

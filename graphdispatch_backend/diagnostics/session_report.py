@@ -91,6 +91,7 @@ def _totals(graphs: list[dict[str, Any]]) -> dict[str, Any]:
         # region calls artifacts served since their last check, and the most one region's
         # artifact served unchecked in a row (the artifact_recheck schedule's gaps)
         "artifact_unchecked_calls": sum(s.get("served_since_check", 0) for g in graphs for s in g["substitutions"]),
+        "artifact_served_unchecked": sum(s.get("served_unchecked", 0) for g in graphs for s in g["substitutions"]),
         "artifact_largest_gap": max((s.get("largest_gap", 0) for g in graphs for s in g["substitutions"]), default=0),
         # the backwards of autograd graphs, accounted apart: a backward is no call of the model
         "backward_calls": sum(b["calls"] for b in backwards),

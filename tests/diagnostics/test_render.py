@@ -344,7 +344,10 @@ def test_artifact_checks_say_per_graph_and_per_artifact_what_was_served_unchecke
     rc, text, err = _render(capsys, out)
     assert rc == 0, err
     assert "artifact_recheck=3" in text.splitlines()[2]  # the header's options
-    assert "artifacts: 4 region calls served since their last check, at most 2 calls served unchecked in a row" in text
+    # in all: calls 3, 5, 6, 9, 11 of the first graph and 3, 5 of the second, two regions each
+    assert ("artifacts: 4 region calls served since their last check (14 unchecked in all), at most 2 calls "
+            "served unchecked in a row") in text
+    assert graphdispatch_backend.load_report(out)["totals"]["artifact_served_unchecked"] == 14
     lines = _section(text, "Artifact checks (artifact_recheck=3")
     # regions, served, unchecked, largest gap, novelty checks
     assert _row(lines, "graph_0", "mlp-exact")[2:] == ["2", "22", "2", "2", "0"]
