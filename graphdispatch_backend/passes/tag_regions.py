@@ -28,6 +28,7 @@ After (same graph, annotated)::
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,21 +62,29 @@ def _size_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return sizes
 
 
-def _scalar_glue(gm: fx.GraphModule, sizes: set[fx.Node]) -> list[tuple[fx.Node, tuple[str, ...]]]:
-    """The nodes aot makes to use a symbolic scalar input in tensor math, with the regions
-    their users share. Under `dynamic=True` a float attribute (an RMSNorm's `eps`) is a
+def _scalar_glue(gm: fx.GraphModule, sizes: set[fx.Node],
+                 origins: Sequence[Any]) -> list[tuple[fx.Node, tuple[str, ...]]]:
+    """The nodes aot makes to use a module's number attribute in tensor math, with the
+    regions they join. Under `dynamic=True` a float attribute (an RMSNorm's `eps`) is a
     graph input (a 0-dim tensor), and `variance + eps` becomes `add(mean,
     convert_element_type(eps))` with no `nn_module_stack`: left out, it split the norm in two
     (its mean an output, `mean + eps` an input: a trial's manifest fit no region). Such a
-    node (no module stack, no write) reads a scalar input, or another such node, and region
-    nodes; it joins the regions all its users are in, and the scalar is the region's input."""
-    symbolic = {n for n in gm.graph.find_nodes(op="placeholder") if _scalar_input(n.meta.get("val"))}
+    node (no module stack, no write) reads an attribute input, or another such node, and
+    region nodes; it joins the regions all its users are in that own every attribute it
+    reads (root code on a number the caller passes, `t * 1000`, has no stack either, and
+    stays out)."""
+    attributes: dict[fx.Node, set[str]] = {}  # a node of the glue -> the attribute paths it reads
+    for pos, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        origin = origins[pos] if pos < len(origins) else None
+        if origin is not None and "." in origin.name and _scalar_input(node.meta.get("val")):
+            attributes[node] = {f".{origin.name}."}
     glue: list[fx.Node] = []
     for node in gm.graph.nodes:
         if (node.op == "call_function" and not node.meta.get("gd_regions") and node not in sizes
                 and not writes(node) and node.users
-                and any(a in symbolic or a in glue for a in node.all_input_nodes)
-                and all(a in symbolic or a in glue or a.meta.get("gd_regions") for a in node.all_input_nodes)):
+                and any(a in attributes for a in node.all_input_nodes)
+                and all(a in attributes or a.meta.get("gd_regions") for a in node.all_input_nodes)):
+            attributes[node] = set().union(*(attributes.get(a, set()) for a in node.all_input_nodes))
             glue.append(node)
     joined: dict[fx.Node, tuple[str, ...]] = {}
     for node in reversed(glue):  # users first: a chain of glue takes its last link's regions
@@ -83,6 +92,8 @@ def _scalar_glue(gm: fx.GraphModule, sizes: set[fx.Node]) -> list[tuple[fx.Node,
         shared = stacks[0]
         for stack in stacks[1:]:
             shared = tuple(a for a, b in zip(shared, stack) if a == b)
+        shared = tuple(r for r in shared  # the regions whose module owns what it reads
+                       if all(f".{r.split('#', 1)[0]}." in path for path in attributes[node]))
         if shared:
             joined[node] = shared
     return [(n, joined[n]) for n in glue if n in joined]
@@ -116,7 +127,7 @@ def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             region.nodes.append(node)
             names.append(name)
         node.meta["gd_regions"] = tuple(names)
-    for node, names in _scalar_glue(gm, sizes):
+    for node, names in _scalar_glue(gm, sizes, ctx.input_origins):
         node.meta["gd_regions"] = names
         for name in names:
             region = regions[name]

@@ -179,3 +179,24 @@ def test_under_dynamic_true_a_float_attribute_is_the_regions_input_not_a_split(t
             assert torch.equal(compiled(x), model(x))
     (sub,) = graphdispatch_backend.latest_report()["graphs"][-1]["substitutions"]
     assert (sub["parity"], sub["demoted"], sub["calls"]) == ("passed", False, 3), sub
+
+
+class Timed(torch.nn.Module):
+    """Root code on a number the caller passes (a 0-dim timestep), then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.lin((t * 1000).reshape(1, 1)) + x
+
+
+def test_root_code_on_a_number_the_caller_passes_stays_out_of_the_region():
+    """It carries no module stack either, as aot's glue for an attribute does: only what
+    reads a module's own attribute joins that module's region."""
+    with torch.no_grad():
+        torch.compile(Timed().eval(), backend="graphdispatch", dynamic=True)(torch.randn(1, 8), torch.tensor(0.5))
+    region = next(r for r in graphdispatch_backend.latest_report()["graphs"][-1]["regions"] if r["name"] == "lin")
+    assert [(i["name"], i["shape"]) for i in region["inputs"]] == [("weight", [8, 1]), ("bias", [8]),
+                                                                    ("input0", [1, 1])], region["inputs"]
