@@ -98,6 +98,9 @@ class Decline(str, enum.Enum):
     WARMUP = "warmup"
     VERIFYING = "verifying"
     BUSY = "busy"  # another thread holds the runner while it captures or verifies
+    # a check of the graph against eager, bit for bit, on a piece holding an allclose
+    # artifact: run eagerly, the artifact judged beside its region and answering natively
+    CHECKED_NATIVELY = "checked_natively"
     # Warmup that is not on its way: every call brings a new shape key (a growing KV cache).
     SHAPE_CHURN = "shape_churn"
     # Refusals of one runner entry (a shape key) or of a whole graph.

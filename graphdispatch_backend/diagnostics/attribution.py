@@ -11,8 +11,8 @@ others its pattern named: a signature that stopped fitting after Dynamo recompil
 dynamic shapes, say; see `rejections`; a `fingerprint` rejection counts only for a module
 it serves elsewhere, since a pinned fingerprint, like the pattern, says which regions the
 artifact is for), native (reached and passed, yet every call was answered natively: an
-allclose artifact inside a graph's checks and the replays of a graph captured during one;
-`why` says so), partly_demoted, demoted, rejected (its pattern
+allclose artifact inside its graph's checks against eager, which under `recheck="every"`
+are every call; `why` says so), partly_demoted, demoted, rejected (its pattern
 named regions but a check refused them all), unmatched (its pattern named no region:
 `suggestion` says what would), not_enabled, unused (its graphs run as the Dynamo graph:
 torch's lowering was not bitwise equal to eager).
@@ -113,10 +113,10 @@ def attribute(graphs: list[dict[str, Any]], registry: dict[str, Any]) -> dict[st
 
 
 # reached and passed, and no call served: an allclose artifact answers natively inside a
-# graph's check against eager, and so do the replays of a graph captured during one
+# graph's check against eager, bit for bit (runtime/checks/modes.py)
 NATIVE_WHY = ("every call of its regions was answered natively, none failed: an allclose artifact answers natively "
-              "inside a graph's check against eager, and in the replays of a graph captured during one "
-              "(it serves the eager calls the checks do not pick)")
+              "inside a graph's check against eager, bit for bit, and every call was one (it serves the calls, "
+              "eager or replayed, the checks do not pick; recheck='every' picks all)")
 
 
 def _status(entry: dict[str, Any], refusals: set[str]) -> str:

@@ -132,23 +132,62 @@ def test_allclose_pass_within_tolerance_serves(tmp_path):
         graphdispatch_backend.latest_report())
 
 
-def test_an_allclose_artifact_captured_inside_the_eager_check_is_counted_native_on_its_replays(tmp_path):
-    """Under CUDA graphs the capture is recorded inside the graph's check against eager,
-    where an allclose artifact answers natively: its replays run the native region. A
-    trial's report credited them to the kernel (replays 10, `serving`) while every output
-    was eager's bits; they are counted as native calls."""
+def test_an_allclose_artifact_serves_replays_and_the_graphs_checks_run_it_eagerly(tmp_path):
+    """Under CUDA graphs the capture was recorded inside the graph's check against eager,
+    where an allclose artifact answers natively: its replays ran the native region, and a
+    trial's int8 kernel served none of 80 calls. A piece holding one now runs the graph's
+    checked calls eagerly (`checked_natively`), the kernel judged there beside its region;
+    it is captured on a call it serves, and its replays are its own."""
     mlp_bundle(tmp_path, "out = out * (1 + 2e-6)", parity=ALLCLOSE)
-    ours, eager, sub = run(tmp_path, calls=8, bitwise=False, cuda_graphs="emulate")
+    ours, eager, sub = run(tmp_path, calls=16, bitwise=False, cuda_graphs="emulate")
     (graph,) = [g for g in graphdispatch_backend.latest_report()["graphs"] if g["calls"]]
-    assert graph["cuda_graph"]["replays"] > 0
-    assert all(torch.equal(a, b) for a, b in zip(ours, eager))  # what replayed was native
-    assert sub["replays"] == 0 and sub["calls"] + sub["native_calls"] == graph["calls"], sub
-    # reached on every call, passed, and served none: said so, not `pending` ("not called yet": a trial)
+    cuda = graph["cuda_graph"]
+    assert cuda["replays"] > 0 and cuda["eager_by_reason"]["checked_natively"] >= 4, cuda
+    assert sub["replays"] == cuda["replays"] and sub["calls"] + sub["replays"] + sub["native_calls"] == 16, sub
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ours, eager))
+    assert sum(not torch.equal(a, b) for a, b in zip(ours, eager)) == sub["calls"] + sub["replays"]
+    assert sub["parity"] == "passed" and not sub["demoted"] and sub["served_since_check"] < 8, sub
+    (entry,) = graphdispatch_backend.latest_report()["artifacts"].values()
+    assert entry["status"] == "serving"
+
+
+def test_an_allclose_artifact_every_call_of_which_is_checked_answers_natively_said_so(tmp_path):
+    """Reached on every call, passed, served none (`recheck="every"`: each call a check of
+    its graph, where it answers natively): said so, not `pending` ("not called yet", as a
+    trial's report read after 80 calls)."""
+    mlp_bundle(tmp_path, "out = out * (1 + 2e-6)", parity=ALLCLOSE)
+    ours, eager, sub = run(tmp_path, calls=4, bitwise=False, recheck="every")
+    assert all(torch.equal(a, b) for a, b in zip(ours, eager)) and sub["native_calls"] == 4, sub
     (entry,) = graphdispatch_backend.latest_report()["artifacts"].values()
     assert (entry["status"], entry["calls"]) == ("native", 0), entry
     assert "answers natively inside a graph's check" in entry["why"]
     assert "mlp (native): every call of its regions was answered natively" in render(
         graphdispatch_backend.latest_report())
+
+
+def test_an_allclose_artifact_beyond_its_tolerance_on_replays_is_caught_at_the_graphs_next_check(tmp_path):
+    """Off by 1e-3 where its input sums above zero (a sign: no statistic sees it), from a
+    replay on: the graph's next checked call runs it eagerly beside its region, demotes it,
+    and the piece is captured again without it."""
+    mlp_bundle(tmp_path, "out = torch.where(x.sum() > 0, out + 1e-3, out * (1 + 2e-6))", parity=ALLCLOSE)
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path),
+                                                                      "cuda_graphs": "emulate"})
+    beyond = []
+    with torch.no_grad():
+        for i in range(1, 41):
+            x = torch.randn(2, 8)
+            x = x if (x.sum() > 0) == (i >= 21) else -x  # above zero from call 21 (20 and 24 are checked)
+            out, expected = compiled(x), model(x)
+            if not torch.allclose(out, expected, rtol=1e-4, atol=1e-6):
+                beyond.append(i)
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"]) == (True, "parity"), sub
+    assert beyond == [21, 22, 23] and sub["caught_at_call"] == 24, (beyond, sub)
+    assert sub["unchecked_calls"] >= len(beyond), (beyond, sub)  # the calls it served unchecked, said
+    graph = graphdispatch_backend.latest_report()["graphs"][-1]
+    assert graph["cuda_graph"]["state"] == "verified" and graph["cuda_graph"]["recaptures"] >= 1, graph["cuda_graph"]
 
 
 def test_allclose_fail_beyond_tolerance(tmp_path):

@@ -78,6 +78,25 @@ class CheckBook:
             else:
                 record_fields.served_unchecked(record, record.served_since_check + 1)
 
+    def caught_in_graph_check(self) -> str:
+        """A re-check at a check of its graph against eager failed (an allclose artifact's,
+        runtime/gates/gate.py `_reference_call`): the region's call that caught it, and the
+        calls it served unchecked since its last check (replays included), said and recorded."""
+        record = self._record
+        with record.lock:
+            unchecked = record.served_since_check
+            n = record.calls + record.replays + record.native_calls  # this one's native run counted
+            record_fields.substitution_caught(record, n, unchecked, "recheck")
+        return (f"; caught at the region's call {n} by a check of its graph against eager (the piece run eagerly: "
+                f"checked_natively); {unchecked} call(s) served unchecked since its last check")
+
+    def judged(self) -> None:
+        """A check passed on a call it did not serve (native answered): the run of calls it
+        served unchecked ends there."""
+        with self._record.lock:
+            self._closed = self._record.served_since_check
+            record_fields.checked_run(self._record, 0)
+
     def reopen(self) -> None:
         """The whole-graph check that counted the last call as checked failed: its run of
         unchecked calls stands."""

@@ -241,6 +241,11 @@ class ArtifactGate:
                 return self._run_native(inputs)
             return self._judge.judge_call(layout_key(inputs), inputs, call, self._demoter.inputs(inputs))
 
+    @property
+    def tolerant(self) -> bool:
+        """Its parity is allclose: inside a graph's check against eager it answers natively."""
+        return self._tolerant
+
     def answers_natively(self) -> bool:
         """What a capture recorded now holds for this region: the native region's kernels
         (demoted; or a tolerance's artifact inside the eager check, which answers natively)."""
@@ -256,13 +261,18 @@ class ArtifactGate:
             self._checks.served(checked=self._in_graph_check(), replayed=True)
 
     def _reference_call(self, inputs: Sequence[Any]) -> Sequence[Any]:
-        """Inside native_regions(): gate as usual if this shape key is new, but answer natively."""
+        """Inside native_regions() (a check of its graph against eager): judged beside its
+        native region, answering natively; its gate if this shape key is new, else a
+        re-check, which closes the run of calls it served unchecked (replays included: the
+        graph's checks are made on this artifact's schedule too, eager_check.py)."""
         key = layout_key(inputs)
         with self._lock:
-            if key not in self._passed and not self.demoted:
+            if self.demoted:
+                return self._run_native(inputs)
+            if key not in self._passed:
                 self._checks.due(key, inputs)  # the key's first call: its schedule starts here
                 return self._judge.judge(key, inputs, native_answer=True)
-        return self._run_native(inputs)
+            return self._judge.judge(key, inputs, recheck=True, native_answer=True)
 
     def _run_native(self, inputs: Sequence[Any]) -> Sequence[Any]:
         # counted once per call it answers: a run inside a capture, a verification or an

@@ -91,8 +91,9 @@ class GateJudge:
             reason, detail, mismatch = verdict
             if o.outside and "beyond the rows" not in detail:
                 detail += f"; {self._beyond(o)}"
-            if recheck:
-                detail += self._checks.caught(key, inputs, novel)
+            if recheck:  # on its schedule at an eager call, or (answering natively) at a check of its graph
+                checks = self._checks
+                detail += checks.caught_in_graph_check() if native_answer else checks.caught(key, inputs, novel)
             self._demote(reason, detail, mismatch, cause=o.raised, inputs=inputs)
             return native
         # Parity passed: say so before the speed gate, whose "slower" is no parity failure.
@@ -109,6 +110,7 @@ class GateJudge:
                                              "verdict": "passed", "mode": p.mode})
         if native_answer:  # the eager check wants the lowering's own bits (see native_regions)
             self._contain(o.keep_native)
+            self._checks.judged()
             return native
         if not in_recording():
             with self._record.lock:

@@ -101,8 +101,8 @@ class Capture:
     ptrs: list[int]
     identity: LayoutIdentity | None  # their layouts too, where no Dynamo guard ensures them
     gate_state: tuple[bool, ...]  # per artifact gate of the piece: demoted when captured
-    # ... and whether the capture holds its native region (demoted, or an allclose artifact
-    # recorded inside the eager check, where it answers natively: runtime/checks/modes.py)
+    # ... and whether the capture holds its native region (demoted; a piece holding an
+    # allclose artifact is never captured inside the eager check, runner.py `__call__`)
     gate_native: tuple[bool, ...]
     seen: Observation  # the layout identities the classification started from
     replays_at: int  # the runner's replay count when captured

@@ -59,6 +59,7 @@ from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
 from graphdispatch_backend.runtime.checks.agree import Agreement
 from graphdispatch_backend.runtime.checks.isolate import Isolation, isolating_here
+from graphdispatch_backend.runtime.checks.modes import natively
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.runner.book import MAX_PARAMETER_SETS, EntryBook
@@ -132,8 +133,12 @@ class GraphRunner:
         self._publisher = Publisher(fn, verifier, verify_inputs, scope, self._device, stats, gates, transitions,
                                     agreement)
         self._relocator = Relocator(self._device, stats, book, lookup, capturer, transitions, writes, gates)
-        # the hot path (runtime/program/program.py): none where every call counts toward an agreement
-        self.replay_hot = None if agreement is not None else replayer.replay_hot
+        # a piece holding an allclose artifact: its captures hold the kernel, so the graph's
+        # checks against eager, bit for bit, run it eagerly instead (__call__)
+        self._tolerant = any(g.tolerant for g in self._gates)
+        # the hot path (runtime/program/program.py): none where every call counts toward an
+        # agreement, nor where a check must be told from a call (a tolerant piece)
+        self.replay_hot = None if agreement is not None or self._tolerant else replayer.replay_hot
         # the call's first step (runner/policy.py): a plain runner's pays for no policy
         self._first: Callable[[Sequence[Any]], Answer] = replayer.replay_in_place
         if agreement is not None:
@@ -161,6 +166,12 @@ class GraphRunner:
     def __call__(self, *args: Any) -> Sequence[Any]:
         if Isolation.active and isolating_here():  # runtime/checks/isolate.py: the piece, eagerly, uncounted
             return self._fn(*args)
+        if self._tolerant and natively():
+            # the graph's check against eager (runtime/checks/eager_check.py): the lowering is
+            # judged bit for bit, so an allclose artifact answers natively, which no capture
+            # of this piece does (each holds the kernel, recorded on a call served): eagerly
+            # then, its gate judging the kernel beside its region (runtime/gates/gate.py)
+            return answer_eagerly(self._fn, self._stats, args, Decline.CHECKED_NATIVELY)
         out = self._first(args)  # the hot entry's replay, or (a policy's) the full path
         while out is None:  # no entry served the call, or its entry changed phase meanwhile
             out = self._dispatch(args)
