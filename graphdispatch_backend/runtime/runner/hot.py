@@ -28,6 +28,7 @@ from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import Answered, answer_eagerly
 from graphdispatch_backend.runtime.checks.isolate import Isolation
+from graphdispatch_backend.runtime.checks.modes import natively
 from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.lookup import Lookup
 from graphdispatch_backend.runtime.runner.phase import Capture, Verified
@@ -80,6 +81,8 @@ class Replayer:
         self._lookup = lookup  # an entry is kept hot only where one shape key serves every call (`keyless`)
         self._hot: Hot | None = None
         self.last_replayed: Entry | None = None  # what a checked call blames (runtime/checks/isolate.py)
+        # a piece holding an allclose artifact: the graph's checks take the slow path (runner.py)
+        self._tolerant = any(g.tolerant for g in self._gates)
 
     def forget(self) -> None:
         """No hot entry: the next call takes the full path (a verdict came from outside the call)."""
@@ -148,6 +151,8 @@ class Replayer:
         `hot_replays`)."""
         hot = self._hot
         if hot is None or Isolation.active:  # an isolation runs somewhere: the slow path decides
+            return None
+        if self._tolerant and natively():  # a check of the graph: run eagerly (runner.py `__call__`)
             return None
         entry, ptrs, pick, at, positions, nbytes = hot
         if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)

@@ -136,9 +136,8 @@ class GraphRunner:
         # a piece holding an allclose artifact: its captures hold the kernel, so the graph's
         # checks against eager, bit for bit, run it eagerly instead (__call__)
         self._tolerant = any(g.tolerant for g in self._gates)
-        # the hot path (runtime/program/program.py): none where every call counts toward an
-        # agreement, nor where a check must be told from a call (a tolerant piece)
-        self.replay_hot = None if agreement is not None or self._tolerant else replayer.replay_hot
+        # the hot path (runtime/program/program.py): none where every call counts toward an agreement
+        self.replay_hot = None if agreement is not None else replayer.replay_hot
         # the call's first step (runner/policy.py): a plain runner's pays for no policy
         self._first: Callable[[Sequence[Any]], Answer] = replayer.replay_in_place
         if agreement is not None:
