@@ -29,7 +29,9 @@ evidence for what it lets in):
   tensor and a Python number the dtype does not hold: eager rounds the number to the
   tensor's dtype first (its scalar is cast with the tensor operands; `mul` and `div` keep
   it in float), Inductor adds it unrounded (`x - 0.5199` in bf16 differed: op_db's
-  `cosine_embedding_loss`).
+  `cosine_embedding_loss`). Any of these five with a 0-dim tensor operand of another
+  dtype than the result (a float32 scale of a bf16 tensor): eager takes it as a scalar in
+  its compute type, unrounded; Inductor rounds it to the result's dtype first.
 - `maximum`, `minimum`, `amax`, `amin` of floats are not fused: the value is the same, but
   the sign of a zero result where +0 and -0 tie is eager's by position (its vector body
   returns the second operand, its scalar tail the first; a reduction, by its order), so a
@@ -212,6 +214,8 @@ def exact_node(node: fx.Node, device: str) -> bool:
     dtypes = _dtypes(node)
     if device == "cpu" and name in ("add", "sub", "rsub") and not all(_held(float(a), dtypes) for a in _numbers(node)):
         return False  # eager rounds a number added to a bf16/fp16 tensor to that dtype first; Inductor does not
+    if name in ("add", "sub", "rsub", "mul", "div") and _other_zero_dim(node):
+        return False  # eager computes with a 0-dim operand of another dtype as it is; Inductor rounds it first
     if name == "div" and kwargs.get("rounding_mode") is not None:
         return False  # floor/trunc division: eager's formula, not a / b
     if device == "cpu" and name == "sqrt":
@@ -245,6 +249,17 @@ _SIGNED_ZERO_TIES = frozenset({"maximum", "minimum", "clamp", "clamp_min", "clam
 # ops that store a Python number into their output (as its dtype); Inductor may fold the number
 # into the kernel that reads it, unrounded: measured (full(0.3, bf16) * x differs)
 _STORES = frozenset({"full", "full_like", "new_full", "fill", "scalar_tensor", "masked_fill", "where"})
+
+
+def _other_zero_dim(node: fx.Node) -> bool:
+    """An operand is a 0-dim tensor of another dtype than the result (a float32 scale of a
+    bf16 tensor): eager's kernel takes it as a scalar in its compute type, unrounded; the
+    fused kernel rounds it to the result's dtype first (a trial, 2026-12-07: `x * s` and
+    `x / s` in bf16 differed, learned at call 1)."""
+    out = node.meta.get("val")
+    return isinstance(out, torch.Tensor) and any(
+        isinstance(v := a.meta.get("val"), torch.Tensor) and v.dim() == 0 and v.dtype != out.dtype
+        for a in node.all_input_nodes)
 
 
 def _numbers(node: fx.Node) -> list[int | float]:

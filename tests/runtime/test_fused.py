@@ -497,3 +497,32 @@ def test_an_expanded_input_of_a_fused_graph_verifies_at_the_capture_call():
         seen[fuse] = dict(graph["cuda_graph"]["eager_by_reason"])
         assert fuse is False or graph["fusion"]["status"] == "fused", graph["fusion"]
     assert seen[True] == seen[False] == {"warmup": 1, "verifying": 1}, seen
+
+
+class Scaled(nn.Module):
+    """A bf16 tensor times and over a float32 0-dim scale Dynamo passes as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.tensor(0.3)  # a plain tensor attribute: an input of the graph
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale + 1) / self.scale
+
+
+@pytest.mark.parametrize("rule", [True, False], ids=["recipe", "without_the_rule"])
+def test_a_0_dim_operand_of_another_dtype_is_kept_by_the_recipe_not_learned(rule, tmp_path):
+    """A trial: `x * s` and `x / s` with `x` bf16 and `s` a float32 0-dim tensor differ fused
+    (eager computes with `s` unrounded, Inductor rounds it to bf16 first); each device paid a
+    learning round for them at call 1. The recipe keeps them out."""
+    other = mock.patch.object(recipe_mod, "_other_zero_dim", lambda node: False) if not rule \
+        else contextlib.nullcontext()
+    with other:
+        same = run(Scaled(), {"cache_dir": tmp_path, "recheck": "every"},
+                   [((torch.randn(1003) * 3).to(torch.bfloat16),) for _ in range(3)])
+    assert all(same), same  # either way no wrong value is served
+    kept = {(k["op"], k["why"]) for k in fusion()["kept"]}
+    if rule:
+        assert {(MUL, "recipe"), ("aten.div.Tensor", "recipe")} <= kept and not learned(fusion()), kept
+    else:
+        assert learned(fusion()), kept  # the round the rule saves
