@@ -190,6 +190,33 @@ def test_an_allclose_artifact_beyond_its_tolerance_on_replays_is_caught_at_the_g
     assert graph["cuda_graph"]["state"] == "verified" and graph["cuda_graph"]["recaptures"] >= 1, graph["cuda_graph"]
 
 
+@pytest.mark.parametrize("k", [5, 7], ids=["inside_the_capture", "at_its_verification"])
+def test_an_allclose_kernel_drifting_from_a_run_of_a_capture_serves_no_call_beyond_it(tmp_path, k):
+    """A trial's allclose kernel added 0.05 from its Nth run on. From the verification's
+    eager run (its 7th here): that call was answered 0.05 off and the capture blamed
+    (`verify_mismatch`, eager for good). From a run inside the capture (its 5th): replay
+    and eager agreed and 3 replays were served beyond the tolerance. The call that
+    verifies a capture of a piece holding an allclose artifact judges it beside its region."""
+    mlp_bundle(tmp_path, "out = out + 0.05", k=k, parity=ALLCLOSE)
+    ours, eager, sub = run(tmp_path, calls=16, bitwise=False, cuda_graphs="emulate")
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ours, eager))
+    assert (sub["demoted"], sub["reason"]) == (True, "parity"), sub
+    assert "caught at the call that verified its capture" in sub["detail"], sub["detail"]
+    cuda = graphdispatch_backend.latest_report()["graphs"][-1]["cuda_graph"]
+    assert cuda["state"] == "verified" and cuda["replays"] >= 3 and not cuda["declines"], cuda  # captured again
+
+
+def test_an_allclose_kernel_whose_bits_change_between_runs_is_named_by_the_capture_it_fails(tmp_path):
+    """Within its tolerance, but its bits change from its 7th run on (an autotuner switching
+    configuration): the replay differs from eager, and the decline names the artifact."""
+    mlp_bundle(tmp_path, "out = out * (1 + 2e-6)", k=7, parity=ALLCLOSE)
+    run(tmp_path, calls=8, bitwise=False, cuda_graphs="emulate")
+    cuda = graphdispatch_backend.latest_report()["graphs"][-1]["cuda_graph"]
+    detail = cuda["decline_details"]["verify_mismatch"]
+    assert "the piece holds artifact(s) mlp, each judged beside its region on this call and within its parity" \
+        in detail, detail
+
+
 def test_allclose_fail_beyond_tolerance(tmp_path):
     mlp_bundle(tmp_path, "out = out.clone()\nout[0, 1] += 1e-2", parity=ALLCLOSE)
     _, _, sub = run(tmp_path)

@@ -87,8 +87,8 @@ class CheckBook:
             unchecked = record.served_since_check
             n = record.calls + record.replays + record.native_calls  # this one's native run counted
             record_fields.substitution_caught(record, n, unchecked, "recheck")
-        return (f"; caught at the region's call {n} by a check of its graph against eager (the piece run eagerly: "
-                f"checked_natively); {unchecked} call(s) served unchecked since its last check")
+        return (f"; caught at the region's call {n} by a check of its graph against eager, where it answers "
+                f"natively; {unchecked} call(s) served unchecked since its last check")
 
     def judged(self) -> None:
         """A check passed on a call it did not serve (native answered): the run of calls it

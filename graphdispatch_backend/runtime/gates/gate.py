@@ -242,6 +242,11 @@ class ArtifactGate:
             return self._judge.judge_call(layout_key(inputs), inputs, call, self._demoter.inputs(inputs))
 
     @property
+    def artifact(self) -> str:
+        """The artifact's id."""
+        return self._record.artifact
+
+    @property
     def tolerant(self) -> bool:
         """Its parity is allclose: inside a graph's check against eager it answers natively."""
         return self._tolerant

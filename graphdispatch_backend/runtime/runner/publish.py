@@ -7,6 +7,10 @@
                or, after NOT_DISTINCT_LIMIT such calls without one, eager calls counted
                verify_inputs_not_distinct until a call with other values verifies it
 
+On a piece holding artifacts, a verifying call whose replay differs from eager (or eager
+from itself), and every verifying call of a piece holding an allclose artifact, also runs
+the piece with each artifact judged beside its region (answering natively): one demoted
+there is the fault, the call is answered natively and the piece captured again without it.
 Each verifying call is answered by the user's own eager run; its steps (the live set, a
 derived set) are a Trial's (runner/verify.py); a verdict that would change the
 schedule of a piece holding collectives is agreed over its ranks first (`agreed`).
@@ -25,6 +29,7 @@ from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.runtime.call.calls import answer_eagerly
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed, agreed_verdict
 from graphdispatch_backend.runtime.checks.digest import digest
+from graphdispatch_backend.runtime.checks.modes import judging
 from graphdispatch_backend.runtime.runner.entry import Entry
 from graphdispatch_backend.runtime.runner.phase import Capture, Captured
 from graphdispatch_backend.runtime.runner.serve import serve
@@ -32,6 +37,8 @@ from graphdispatch_backend.runtime.runner.transitions import Transitions
 from graphdispatch_backend.runtime.runner.verify import NO_SET, Trial, Verdict, Verifier
 
 NOT_DISTINCT_LIMIT = 8
+# a verification's verdicts an artifact of the piece may be at fault for
+_SUSPECT = (Decline.VERIFY_MISMATCH, Decline.EAGER_NONDETERMINISTIC)
 
 
 class Publisher:
@@ -89,6 +96,34 @@ class Publisher:
             verdicts, live = [verdict] if derived is NO_SET else [verdict, derived], True
         return self._conclude(entry, captured, args, expected, verdicts, live)
 
+    def _judge_artifacts(self, entry: Entry, args: Sequence[Any]) -> Sequence[Any] | None:
+        """The replay differed from eager (or eager from itself) on a piece holding
+        artifacts: each judged beside its region on this call, answering natively (a
+        trial's allclose kernel drifted from its 7th run, inside the capture: the call was
+        answered 0.05 off, beyond its tolerance, and the capture blamed for good). The
+        native answer where one was demoted (the entry captured again without it); None
+        otherwise, or where the piece writes its inputs (a run would write them again)."""
+        live = [g for g in self._gates if not g.demoted]
+        if not live or self._verifier.writes_inputs or self._agreement is not None:  # (collectives: one rank's run)
+            return None
+        with judging("the call that verified its capture"):
+            outs, exc = self._scope.contain(lambda: self._fn(*args))
+        if exc is not None or not any(g.demoted for g in live):
+            return None
+        self._transitions.demoted(entry, "an artifact was demoted while verifying")
+        return outs
+
+    def _held_artifacts(self, judged: bool) -> str:
+        """A verdict's words where the piece holds artifacts (`judged`: they passed beside
+        their regions on this call): a kernel whose bits change between runs (an autotuner
+        switching its configuration) fails this too."""
+        held = sorted({g.artifact for g in self._gates if not g.demoted})
+        if not held:
+            return ""
+        return (f"; the piece holds artifact(s) {', '.join(held)}"
+                + (", each judged beside its region on this call and within its parity" if judged else "")
+                + ": a kernel whose bits change between runs fails this check too")
+
     def _wait(self, entry: Entry, captured: Captured) -> None:
         """No derived set: wait for a call with distinct values. Past NOT_DISTINCT_LIMIT such
         calls, said once; the entry is not declined: a recurrent decode step fed one token
@@ -111,6 +146,14 @@ class Publisher:
         distinct values: a fingerprint of each moving input is kept, not a copy (one hidden
         state kept per compiled block until its next call would be the whole model's
         activations; runtime/checks/digest.py)."""
+        # a piece holding an allclose artifact: its captures are made on calls no check of the
+        # graph picks, and its replays are the kernel's; judged beside native here, before
+        # they serve (a trial's kernel drifted from a run inside the capture: replay and
+        # eager agreed, and 3 replays were served beyond its tolerance)
+        tried = any(g.tolerant and not g.demoted for g in self._gates)
+        answer = self._judge_artifacts(entry, args) if tried else None
+        if answer is not None:
+            return answer
         for i, verdict in enumerate(verdicts):
             if i and entry.phase is not captured:
                 return expected
@@ -122,6 +165,11 @@ class Publisher:
                 return expected
             if changed and verdict is None:
                 verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
+            if verdict is not None and verdict[0] in _SUSPECT and self._agreement is None:
+                answer, tried = (answer, True) if tried else (self._judge_artifacts(entry, args), True)
+                if answer is not None:  # an artifact was at fault: captured again without it
+                    return answer
+                verdict = verdict[0], verdict[1] + self._held_artifacts(judged=not self._verifier.writes_inputs)
             verdict = agreed_verdict(self._agreement, verdict)  # every rank, one reason
             if verdict is not None:
                 if verdict[0] is not Decline.OUT_OF_MEMORY:

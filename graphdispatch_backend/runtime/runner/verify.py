@@ -60,6 +60,11 @@ class Verifier:
         """A call's live set alone, without the publisher's other steps (Trial.live)."""
         return Trial(self, args, serve, eager).live()
 
+    @property
+    def writes_inputs(self) -> bool:
+        """The piece writes some of its inputs (a cache's rows)."""
+        return bool(self._writes.positions)
+
     def world(self, args: Sequence[Any]) -> SideBySide | Compared:
         """The world before a replay and eager run beside each other on `args` (or REFUSED)."""
         return SideBySide.open(lambda: self._writes.regions(args), self.contain)
