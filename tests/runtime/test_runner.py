@@ -1061,8 +1061,11 @@ def test_verify_mismatch_declines():
 
 
 class _Gate:
-    """A stand-in for an ArtifactGate: what the runner reads (demoted, what a capture holds)
-    and tells (replayed)."""
+    """A stand-in for an ArtifactGate: what the runner reads (demoted, what a capture holds,
+    a bitwise parity, its id) and tells (replayed)."""
+
+    tolerant = False
+    artifact = "stand-in"
 
     def __init__(self) -> None:
         self.demoted = False
