@@ -127,15 +127,17 @@ def tag_regions(gm: fx.GraphModule, ctx: PassContext) -> None:
             region.nodes.append(node)
             names.append(name)
         node.meta["gd_regions"] = tuple(names)
+    joined: set[str] = set()
     for node, names in _scalar_glue(gm, sizes, ctx.input_origins):
         node.meta["gd_regions"] = names
+        joined.update(names)
         for name in names:
             region = regions[name]
             region.nodes.append(node)
     order = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(order)}
-    for region in regions.values():
-        region.nodes.sort(key=position.__getitem__)  # the glue in its place
+    for name in joined:  # the glue in its place
+        regions[name].nodes.sort(key=position.__getitem__)
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     kinds: set[str] = set()
     for region in regions.values():

@@ -1061,8 +1061,8 @@ def test_verify_mismatch_declines():
 
 
 class _Gate:
-    """A stand-in for an ArtifactGate: what the runner reads (demoted, what a capture holds,
-    a bitwise parity, its id) and tells (replayed)."""
+    """A stand-in for an ArtifactGate: what the runner reads (demoted, a bitwise parity, its
+    id) and tells (replayed)."""
 
     tolerant = False
     artifact = "stand-in"
@@ -1071,9 +1071,6 @@ class _Gate:
         self.demoted = False
         self.replays = 0
         self.native_calls = 0
-
-    def answers_natively(self) -> bool:
-        return self.demoted
 
     def replayed(self, native: bool = False) -> None:
         if native:

@@ -73,8 +73,7 @@ class CheckBook:
             else:
                 record.calls += 1
             if checked:
-                self._closed = record.served_since_check
-                record_fields.checked_run(record, 0)
+                self._close()
             else:
                 record_fields.served_unchecked(record, record.served_since_check + 1)
 
@@ -94,8 +93,12 @@ class CheckBook:
         """A check passed on a call it did not serve (native answered): the run of calls it
         served unchecked ends there."""
         with self._record.lock:
-            self._closed = self._record.served_since_check
-            record_fields.checked_run(self._record, 0)
+            self._close()
+
+    def _close(self) -> None:
+        """Under the record's lock: the run of calls served unchecked ends (kept for `reopen`)."""
+        self._closed = self._record.served_since_check
+        record_fields.checked_run(self._record, 0)
 
     def reopen(self) -> None:
         """The whole-graph check that counted the last call as checked failed: its run of

@@ -251,11 +251,6 @@ class ArtifactGate:
         """Its parity is allclose: inside a graph's check against eager it answers natively."""
         return self._tolerant
 
-    def answers_natively(self) -> bool:
-        """What a capture recorded now holds for this region: the native region's kernels
-        (demoted; or a tolerance's artifact inside the eager check, which answers natively)."""
-        return self.demoted or self._tolerant and natively()
-
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded
         with the artifact's kernels, or (`native`) with the native region's."""

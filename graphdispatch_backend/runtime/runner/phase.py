@@ -100,10 +100,10 @@ class Capture:
     pick_pinned: Callable[[Sequence[Any]], Any]
     ptrs: list[int]
     identity: LayoutIdentity | None  # their layouts too, where no Dynamo guard ensures them
-    gate_state: tuple[bool, ...]  # per artifact gate of the piece: demoted when captured
-    # ... and whether the capture holds its native region (demoted; a piece holding an
-    # allclose artifact is never captured inside the eager check, runner.py `__call__`)
-    gate_native: tuple[bool, ...]
+    # per artifact gate of the piece: demoted when captured, so the capture holds its native
+    # region (a piece holding an allclose artifact is never captured inside the graph's check,
+    # where it answers natively: runner.py `__call__`)
+    gate_state: tuple[bool, ...]
     seen: Observation  # the layout identities the classification started from
     replays_at: int  # the runner's replay count when captured
 
@@ -117,7 +117,7 @@ class Capture:
         return bool(gates) and tuple(g.demoted for g in gates) != self.gate_state
 
     def gates_replayed(self, gates: Sequence[Any]) -> None:
-        for gate, native in zip(gates, self.gate_native):
+        for gate, native in zip(gates, self.gate_state):
             gate.replayed(native=native)  # captured with the artifact's kernels in it, or the native region's
 
     def release(self) -> None:

@@ -166,7 +166,8 @@ class Publisher:
             if changed and verdict is None:
                 verdict = Decline.ARTIFACT_DEMOTED, "an artifact was demoted while verifying"
             if verdict is not None and verdict[0] in _SUSPECT and self._agreement is None:
-                answer, tried = (answer, True) if tried else (self._judge_artifacts(entry, args), True)
+                if not tried:
+                    tried, answer = True, self._judge_artifacts(entry, args)
                 if answer is not None:  # an artifact was at fault: captured again without it
                     return answer
                 verdict = verdict[0], verdict[1] + self._held_artifacts(judged=not self._verifier.writes_inputs)

@@ -186,7 +186,7 @@ def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[...
         if exc is not None:
             raise _refusal(exc, "snapshotting the inputs the graph writes")
         while True:
-            gate_state, gate_native = tuple(g.demoted for g in gates), tuple(g.answers_natively() for g in gates)
+            gate_state = tuple(g.demoted for g in gates)
             # collectives inside (lockstep): no warmup run that one rank would make alone
             with device.guard():
                 graph, exc = scope.contain(lambda: scope.engine.capture(fn, static_args, device.device,
@@ -219,7 +219,7 @@ def record(entry: Entry, warming: Warming, args: Sequence[Any], fn: Callable[...
         # Dynamo guards every graph input's sizes and strides: only the addresses need a check
         # then; a runner driven by anything else checks the pinned inputs' layouts too
         identity=None if guarded else LayoutIdentity(pinned, args, addressed=()),
-        gate_state=gate_state, gate_native=gate_native,
+        gate_state=gate_state,
         seen=first, replays_at=replays)
 
 
