@@ -43,7 +43,7 @@ every call bitwise; the warm first call of both <= 1.2x default Inductor's.
     python bench/fusion.py --quick          # fewer repeats
     python bench/fusion.py --models cogvideox,mistral --dtypes fp32 --clock cpu
     python bench/fusion.py --scale 4 --no-learning    # the families 4x as wide (fixed per-call costs shrink)
-    python bench/fusion.py --smoke          # a one-block demo, fp32, no Inductor baseline: the plumbing (CI)
+    python bench/fusion.py --smoke          # a one-block demo, fp32, no Inductor, one child: the plumbing (CI)
     python bench/fusion.py --statistics --clock cpu   # only: where the tolerance's novelty statistics are taken
     python bench/fusion.py --frames         # only: the Python frames one steady call enters, per variant
 
@@ -427,7 +427,9 @@ def main() -> None:
         rows = [measure(m, DTYPES[d], repeats, inner, variants, warm=not (args.cold or args.smoke), clock=clock,
                         smoke=args.smoke, scale=args.scale) for m in models for d in dtypes]
     else:
-        rows = [in_processes(m, d, args.processes, args) for m in models for d in dtypes]
+        # a smoke runs one child: the plumbing of a pooled row, without a second compile of each variant
+        processes = 1 if args.smoke else args.processes
+        rows = [in_processes(m, d, processes, args) for m in models for d in dtypes]
     learned = None if args.smoke or args.no_learning else learning()
     header = ["model", "dtype", *(f"{v} us" for v in VARIANTS), "fused/ind", "tol/ind", "fused/gd", "fused/eager",
               "ind/eager", "tol/ind, fused/ind per process", "fused bitwise", "tol max abs", "tol max rel",
