@@ -202,6 +202,35 @@ def test_the_check_leaves_grad_the_rng_and_the_users_backward_alone():
     assert graph()["lowering_check"] == {"checked": 1, "status": "bitwise"}
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_hook_that_draws_gets_eagers_numbers_and_the_check_blames_no_one(cuda_graphs):
+    """A gradient-noise hook (`g + 1e-3 * randn_like(g)`) on a model with dropout: each
+    step's gradients, loss and the RNG after it are eager's, and the check finds the
+    lowering bitwise. Before, the hook drew from the user's stream inside the check's
+    backwards: the user's own backward drew other noise, and the check blamed eager
+    (`eager_nondeterministic`) or, the compiled forward drawing another dropout mask after
+    eager's backward, the lowering (`lowering_mismatch`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.25), nn.ReLU(), nn.Linear(16, 4)).train()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m[0].weight.register_hook(lambda g: g + 1e-3 * torch.randn_like(g))
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": cuda_graphs})
+    for i in range(5):
+        x = inputs(i)
+        state = torch.get_rng_state()
+        reference(x).square().sum().backward()
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        compiled(x).square().sum().backward()
+        assert torch.equal(torch.get_rng_state(), after), i
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), i
+            p.grad = q.grad = None
+    g = graph()
+    assert g["lowering_check"]["status"] == "bitwise" and g["lowering_check"]["checked"] >= 3, g["lowering_check"]
+
+
 def test_buffers_the_graph_writes_advance_once_per_call():
     """BatchNorm in training writes its running statistics: the check runs the graph twice
     on its calls, and the snapshot puts them back in between."""

@@ -12,7 +12,9 @@ matched, one backward runs on each side and their gradients are compared:
 - with respect to every input of the graph that requires grad (parameters by their names,
   other inputs by their access paths), through `torch.autograd.grad`, which never writes
   `.grad` nor runs the hooks that accumulating into it would (DDP's, post-accumulate
-  hooks); tensor hooks registered on the inputs do run, on both sides;
+  hooks); tensor hooks registered on the inputs do run, on both sides, and see the
+  check's cotangents, each backward from the global generators as they stood and putting
+  them back after (a hook's draws repeat on every run; the user's stream is untouched);
 - `retain_graph=True` on both sides: the user's own backward still runs on the outputs
   served (the compiled ones, or eager's when the check gives a verdict).
 
@@ -36,6 +38,7 @@ compare. Everything runs inside `contain`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -43,6 +46,7 @@ import torch
 
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.runtime.checks.draws import Start
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
 
@@ -65,12 +69,35 @@ class EagerGradients(NamedTuple):
     want: tuple[torch.Tensor, ...]  # eager's gradients
     failed: GradientVerdict | None  # the check could not be made
     raised: bool = False  # eager's own backward raised: nothing to compare
+    start: Start | None = None  # where the call's draws began (runtime/checks/draws.py), None: it draws nothing
 
 
 def _grads(outputs: Sequence[Any], want_diff: Sequence[int], wrt: Sequence[tuple[str, torch.Tensor]],
-           cots: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return torch.autograd.grad([outputs[i] for i in want_diff], [t for _, t in wrt], cots, retain_graph=True,
-                               allow_unused=True, materialize_grads=True)
+           cots: Sequence[torch.Tensor], start: Start | None = None) -> tuple[torch.Tensor, ...]:
+    """One backward of the check, from the global generators where the user's own backward
+    would find them, and putting them back after (`_draws_put_back`): the backward of
+    eager's outputs from where eager's forward left its private copies (`start`; the
+    reference), the others from where the compiled forward left the user's (it drew from
+    them)."""
+    differentiated = [outputs[i] for i in want_diff]
+    with _draws_put_back([*differentiated, *(t for _, t in wrt)]), \
+            start.where_eager_left() if start is not None else contextlib.nullcontext():
+        return torch.autograd.grad(differentiated, [t for _, t in wrt], cots, retain_graph=True,
+                                   allow_unused=True, materialize_grads=True)
+
+
+def _draws_put_back(tensors: Sequence[torch.Tensor]) -> Any:
+    """The global generators (the CPU's, and each CUDA device's among `tensors`) as they
+    were, once the backward ran. A tensor hook runs in the check's backwards too, and one
+    that draws (gradient noise: `g + 1e-3 * randn_like(g)`) drew there from the user's
+    stream: eager's second backward drew other numbers and looked nondeterministic, the
+    compiled forward after eager's backward drew another dropout mask (a mismatch blamed on
+    the lowering), and the user's own backward drew other noise than eager's would (a
+    trial, 2026-12-07). Put back, each backward of the check draws what the user's would,
+    and the user's stream is where the check found it (a draw another thread makes during
+    the check's backward is drawn again after it)."""
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    return torch.random.fork_rng(devices=devices)
 
 
 def _differentiable(t: Any) -> bool:
@@ -101,7 +128,7 @@ class GradientCheck:
         """The call records autograd history: its gradients are what the user gets too."""
         return torch.is_grad_enabled() and any(_differentiable(t) for t in (*self._lifted, *args))
 
-    def reference(self, args: Sequence[Any], expected: Sequence[Any]) -> EagerGradients:
+    def reference(self, args: Sequence[Any], expected: Sequence[Any], start: Start | None = None) -> EagerGradients:
         """Eager's gradients, taken right after eager's forward (`expected`, its flat
         outputs), before anything else runs: the check then puts back the inputs eager
         wrote (a batch norm's running statistics, which eager's backward saved) and runs
@@ -117,9 +144,9 @@ class GradientCheck:
         if exc is not None:
             return EagerGradients(wrt, want_diff, [], (), GradientVerdict(
                 Decline.CHECK_FAILED, f"making cotangents raised {type(exc).__name__}: {exc}"))
-        want, exc = self._contain(lambda: _grads(expected, want_diff, wrt, cots))
+        want, exc = self._contain(lambda: _grads(expected, want_diff, wrt, cots, start))
         # eager's own backward raises, on what eager's forward left: so would the user's; nothing to compare
-        return EagerGradients(wrt, want_diff, cots, want, None, raised=exc is not None)
+        return EagerGradients(wrt, want_diff, cots, want, None, raised=exc is not None, start=start)
 
     def judge(self, eager: EagerGradients, expected: Sequence[Any], got: Sequence[Any]) -> GradientVerdict | None:
         """The compiled graph's flat outputs against eager's, and their gradients against
@@ -149,7 +176,8 @@ class GradientCheck:
         if not differs:
             return None
         names = tuple(name for name, _ in differs)
-        again, exc = self._contain(lambda: _differ(wrt, eager.want, _grads(expected, eager.want_diff, wrt, eager.cots)))
+        again, exc = self._contain(lambda: _differ(wrt, eager.want, _grads(expected, eager.want_diff, wrt, eager.cots,
+                                                                           eager.start)))
         if exc is None and again:
             return GradientVerdict(Decline.EAGER_NONDETERMINISTIC, (
                 f"eager's backward disagrees with itself ({again[0][1].describe(again[0][0])}); the lowered backward's "

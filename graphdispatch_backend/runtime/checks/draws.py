@@ -23,8 +23,9 @@ module's lock, where another thread's draw would land in the private stream).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +79,22 @@ class Start:
         drawn otherwise (it differed)."""
         for device, state in {**self._states, **(self._end or {})}.items():
             _default(device).set_state(state)
+
+
+    @contextlib.contextmanager
+    def where_eager_left(self) -> Iterator[None]:
+        """The default generators where eager's run left its copies (as the call began on
+        a device it drew nothing from) for the block, then put back where they stood: the
+        check's backward of eager's outputs runs there, as the user's own backward of
+        eager's call would (a tensor hook that draws: runtime/checks/autograd_check.py).
+        A draw another thread makes inside the block is drawn again after it."""
+        before = {device: _default(device).get_state() for device in self._states}
+        self.settle()
+        try:
+            yield
+        finally:
+            for device, state in before.items():
+                _default(device).set_state(state)
 
 
 class _PrivateDraws(TorchDispatchMode):

@@ -219,7 +219,7 @@ class EagerCheck:
         lean = self._gradients is None and self._agreement is None and tolerance is None
         ref = Reference(raw, args, lean, self._contain, start, self._unwritten)
         # eager's gradients now, before its world is put back and the compiled forward writes it again
-        grads = self._gradients.reference(args, ref.outputs) \
+        grads = self._gradients.reference(args, ref.outputs, start) \
             if self._gradients is not None and self._gradients.needed(args) else None
         replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
         demoted = [s.demoted for s in self._record.substitutions]
