@@ -104,6 +104,37 @@ def test_dropouts_backward_uses_the_mask_its_forward_drew():
     assert g["cuda_graph"]["replays"] == 4 and g["backward"]["cuda_graph"]["replays"] > 0
 
 
+class Checkpointed(nn.Module):
+    """Attention under torch.utils.checkpoint: CPU attention is a seeded op (its dropout
+    argument), so aot's backward recomputes it from its saved RNG state (the higher-order
+    operator `run_with_rng_state`), dropout or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 4)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(1, 4, 2, 4).transpose(1, 2) for t in self.qkv(x).split(8, dim=-1))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.utils.checkpoint.checkpoint(self.attend, x, use_reentrant=False))
+
+
+def test_a_checkpointed_attention_is_refused_by_name_and_runs_bitwise(gd_log):
+    """The capture refuses the recomputation from a saved RNG state and says what it is
+    (torch's own refusal told the user to change graphdispatch's dispatch mode); every
+    step stays eager's bits."""
+    torch.manual_seed(0)
+    model = Checkpointed().train()
+    assert same(train(model, FAST, 4), train(model, None, 4))
+    declines = [g["cuda_graph"]["decline_details"] for g in report_graphs()]
+    said = " ".join(str(d) for d in declines) + gd_log.text
+    assert "run_and_save_rng_state (torch.utils.checkpoint's random op" in said, said
+    assert "run_with_rng_state (torch.utils.checkpoint's recomputation" in said, said
+    assert "supports_higher_order_operators" not in said
+
+
 def test_dynamic_shapes_save_sizes_for_backward_and_replay():
     """Under dynamic shapes aot compiles the backward at once (it saves sizes for it)."""
     torch.manual_seed(0)

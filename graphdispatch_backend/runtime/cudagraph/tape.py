@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._library.custom_ops import _maybe_get_opdef
+from torch._ops import HigherOrderOperator
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -135,6 +136,9 @@ class _HostReads(TorchFunctionMode):
 class Recorder(TorchDispatchMode):
     """Records a capture onto a Tape (module docstring). Use `record(fn, args)`."""
 
+    # a higher-order operator comes to __torch_dispatch__, refused there by name (refusals.py)
+    supports_higher_order_operators = True
+
     def __init__(self, held: set[int]) -> None:
         super().__init__()
         self._held = held  # the arguments' storages: not the computation's own memory
@@ -214,7 +218,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         why = refusal(func, args, kwargs)
         if why is not None:
-            self.refuse(str(func), why)
+            self.refuse(func.name() if isinstance(func, HigherOrderOperator) else str(func), why)
         opdef = _maybe_get_opdef(func) if func.namespace not in ("aten", "prims") else None
         if opdef is not None:  # a custom op's Python: entered, recorded op by op (frozen as a graph would)
             kernel = opdef._backend_fns.get(_device_type(args), opdef._backend_fns.get(None, opdef._init_fn))
