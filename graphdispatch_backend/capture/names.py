@@ -199,12 +199,33 @@ def _module_names(root: torch.nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in root.named_modules()}
 
 
+def _calls(gm: torch.fx.GraphModule) -> dict[tuple[str, str], str]:
+    """Per nn_module_stack (key, path) of `gm`: the key of that call of the module, `id` or
+    `id@k` for its k-th call (`instance_of`). Dynamo counts a module's calls through one
+    path (`mlp`, then `mlp` again: `id@1`) but gives one module reached through two paths
+    (one MLP in two ModuleList slots: `blocks.0.mlp`, `blocks.1.mlp`) the same key twice,
+    and both paths clean to its one name: its calls were one region (a trial, 2026-12-07).
+    Counted here in the order they come, per module."""
+    seen: dict[str, list[tuple[str, str]]] = {}
+    out: dict[tuple[str, str], str] = {}
+    for node in gm.graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            if (key, path) in out:
+                continue
+            base = key.rpartition("@")[0] if instance_of(key) else key
+            order = seen.setdefault(base, [])
+            out[(key, path)] = f"{base}@{len(order)}" if order else base
+            order.append((key, path))
+    return out
+
+
 def resolve_graph_names(gm: torch.fx.GraphModule, paths: Iterable[str] = (),
                         frame: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, tuple[str, str]]:
     """Clean (name, kind) of every nn_module_stack path of `gm` and of `paths` (parameter
     and buffer sources), and rewrite each node's nn_module_stack, in place, to the clean
-    names: lowering copies that meta onto the ATen nodes, so every later reader (regions,
-    region export, substitution) sees one spelling. Also sets `gm.meta["gd_model_modules"]`
+    names, one key per call of a module (`_calls`): lowering copies that meta onto the
+    ATen nodes, so every later reader (regions, region export, substitution) sees one
+    spelling. Also sets `gm.meta["gd_model_modules"]`
     to the root module's named_modules() names (None without a frame)."""
     frame = frame if frame is not None else current_frame()
     stack_paths = {path for node in gm.graph.nodes for path, _ in (node.meta.get("nn_module_stack") or {}).values()}
@@ -227,9 +248,10 @@ def resolve_graph_names(gm: torch.fx.GraphModule, paths: Iterable[str] = (),
             continue
         below, kind = _clean(walk.rest)
         resolved[path] = (".".join(p for p in (owner_name, below) if p), kind)
+    calls = _calls(gm)
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
-            node.meta["nn_module_stack"] = {k: (resolved[p][0], cls) for k, (p, cls) in stack.items()}
+            node.meta["nn_module_stack"] = {calls[(k, p)]: (resolved[p][0], cls) for k, (p, cls) in stack.items()}
     gm.meta["gd_model_modules"] = tuple(n for n in main.values() if n) if anchors else None
     return resolved

@@ -135,6 +135,34 @@ def test_a_module_called_twice_gives_two_instances(zoo):
     assert "shared#2" not in regions
 
 
+class Tied(nn.Module):
+    """One Block in two ModuleList slots, called once through each: Dynamo gives both calls
+    one stack key (it counts calls through one path only), and both paths clean to the one
+    name named_modules() has for it."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        block = Block(dim)
+        self.blocks = nn.ModuleList([block, block])
+        self.mix = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.mix(self.blocks[0](x)))
+
+
+def test_a_module_in_two_slots_gives_one_instance_per_call():
+    """Before, its two calls were one region: 2 outputs, not convex (the mix between them
+    inside), and an artifact for the block refused on its signature (a trial, 2026-12-07)."""
+    with torch.no_grad():
+        regions = testing.regions(testing.aten_graph(Tied().eval(), torch.randn(2, 4, 8)))
+    first, second = regions["blocks.0"], regions["blocks.0#1"]
+    assert (first.instance, second.instance) == (0, 1) and "blocks.1" not in regions
+    assert not set(first.nodes) & set(second.nodes)
+    assert first.input_names == second.input_names and len(first.outputs) == len(second.outputs) == 1
+    assert first.convex and second.convex
+    assert {"blocks.0.mlp.fc1", "blocks.0.mlp.fc1#1"} <= set(regions)
+
+
 def test_class_names(zoo):
     model, _, regions = zoo
     modules = dict(model.named_modules())
