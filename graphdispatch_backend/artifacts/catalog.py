@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.diagnostics.report_file import expand
+from graphdispatch_backend.errors import GraphKind
 from graphdispatch_backend.patterns import generalize, matches, suggest
 from graphdispatch_backend.table import table
 
@@ -91,10 +92,16 @@ def _first_index_open(name: str) -> str:
 
 
 def kinds(report: dict[str, Any]) -> list[Kind]:
-    """Every region kind of the report, in first-seen order (from the file's brief
-    entries too: `expand` gives each region its kind's detail)."""
+    """Every region kind of the report's inference graphs, in first-seen order (from the
+    file's brief entries too: `expand` gives each region its kind's detail). A training
+    graph's regions are not listed: artifacts never serve a graph that records autograd
+    history (manifests declare no backward), and the same modules' regions of a training
+    graph read as "compiled again, with other shapes" to a reader, whose scaffold then found
+    no graph for them (a trial, 2026-12-07)."""
     found: dict[tuple[Any, ...], Kind] = {}
     for graph in expand(report)["graphs"]:
+        if graph.get("kind") in _TRAINING:
+            continue
         for region in graph["regions"]:
             key = (region["class"], region["fingerprint"], tuple(i["name"] for i in region["inputs"]))
             kind = found.get(key)
@@ -102,6 +109,14 @@ def kinds(report: dict[str, Any]) -> list[Kind]:
                 kind = found[key] = Kind(region["class"], region["fingerprint"], [], region, graph["name"])
             kind.regions.append((graph["name"], region["name"]))
     return list(found.values())
+
+
+def training_regions(report: dict[str, Any]) -> int:
+    """The regions of the report's training graphs, which `kinds` leaves out."""
+    return sum(len(g.get("regions") or ()) for g in report.get("graphs", ()) if g.get("kind") in _TRAINING)
+
+
+_TRAINING = (GraphKind.AUTOGRAD.value, GraphKind.BACKWARD.value)
 
 
 def _dims(values: list[Any]) -> str:
@@ -168,8 +183,11 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
     every = kinds(report)
     shown = [k for k in every if any(matches(pattern, n.split("#", 1)[0]) for n in k.names)]
     total = sum(len(k.regions) for k in every)
+    trained = training_regions(report)
     title = (f"Regions of {source} by kind: {total} regions, {len(every)} kinds"
-             + (f"; {len(shown)} with a region `{pattern}` names" if pattern != "*" else ""))
+             + (f"; {len(shown)} with a region `{pattern}` names" if pattern != "*" else "")
+             + (f" ({trained} regions of training graphs not listed: artifacts serve graphs that record no "
+                "autograd history, under torch.no_grad() or inference_mode)" if trained else ""))
     if not shown:
         hint = suggest(pattern, [n for k in every for n in k.names])
         return "\n".join([title, f"  none: `{pattern}` names no region; {hint.text()}"])

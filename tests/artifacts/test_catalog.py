@@ -276,3 +276,29 @@ def test_the_same_modules_recompiled_with_other_shapes_are_no_reason_to_pin(tmp_
     out = listing(capsys, str(tmp_path / "gd"), "--regions", "mlp")
     assert out.count('"region": {"module": "mlp"}') == 2 and "keep the fingerprint" not in out, out
     assert "also names 1 region(s) of these modules in other graphs (Dynamo compiled them again" in out
+
+
+def test_a_training_graphs_regions_are_left_out_and_said(tmp_path, capsys):
+    """The same Net trained (grad on) and evaluated under no_grad: artifacts serve only the
+    inference graph, so only its kinds are listed, the training graph's regions are counted
+    as left out, no pattern reads as "compiled again, with other shapes", and the listed
+    pattern scaffolds (a trial's training-graph kind printed a scaffold command that failed)."""
+    from graphdispatch_backend.artifacts.scaffold import scaffold
+
+    torch.manual_seed(0)
+    model = Net()
+    compiled = torch.compile(model, backend="graphdispatch", options={"report_dir": str(tmp_path / "gd")})
+    compiled(torch.randn(2, 8)).sum().backward()
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    graphdispatch_backend.flush()
+    report = json.loads((tmp_path / "gd" / "dispatch.json").read_text())
+    assert sorted(g["kind"] for g in report["graphs"]) == ["autograd", "inference"]
+    every = kinds(report)
+    assert {graph for k in every for graph, _ in k.regions} == {
+        next(g["name"] for g in report["graphs"] if g["kind"] == "inference")}
+    out = listing(capsys, str(tmp_path / "gd"), "--regions")
+    assert "regions of training graphs not listed" in out, out
+    out = listing(capsys, str(tmp_path / "gd"), "--regions", "stack.blocks.*.fc1")
+    assert "other shapes" not in out, out
+    scaffold(report, "stack.blocks.*.fc1", tmp_path / "fc1")
