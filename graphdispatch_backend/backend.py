@@ -30,7 +30,15 @@ from graphdispatch_backend.codegen import deferred_forward, generated_forward
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.diagnostics.fusion_report import FusionReport
 from graphdispatch_backend.diagnostics.report import GraphRecord
-from graphdispatch_backend.errors import Contain, Decline, Engine, GraphDispatchError, OptionsError, StrictModeError
+from graphdispatch_backend.errors import (
+    Contain,
+    Decline,
+    Engine,
+    GraphDispatchError,
+    KernelExited,
+    OptionsError,
+    StrictModeError,
+)
 from graphdispatch_backend.fusion.recipe import recipe_for, with_inductor_keys
 from graphdispatch_backend.fusion.verdicts import device_identity
 from graphdispatch_backend.graph_artifacts import GraphArtifacts, call_target
@@ -57,10 +65,14 @@ _DYNAMO_CONTROL = tuple(
 )
 
 
-def make_contain(strict: bool) -> Contain:
+def make_contain(strict: bool, kernels: bool = False) -> Contain:
     """Run a thunk of third-party code (artifact, capture, export) and hand back what it
     raised instead of raising. Only StrictModeError (graphdispatch's own, under `strict`)
-    passes through; under `strict`, anything else raises StrictModeError too."""
+    passes through; under `strict`, anything else raises StrictModeError too. `kernels`:
+    the thunk runs an artifact's code only (its import, its calls), whose `sys.exit()` is
+    a raise of the kernel's (KernelExited), not the end of the user's process (a trial's
+    kernel exited on an input it did not support); the user's own code (a capture runs the
+    model) exits as it would."""
 
     def contain(thunk: Callable[[], Any]) -> tuple[Any, Exception | None]:
         try:
@@ -71,6 +83,10 @@ def make_contain(strict: bool) -> Contain:
             if strict:
                 raise StrictModeError(f"{type(exc).__name__}: {exc}") from exc
             return None, exc
+        except SystemExit as exc:
+            if not kernels:
+                raise
+            return None, KernelExited(f"the kernel called sys.exit({exc.code!r})")
 
     return contain
 

@@ -73,6 +73,11 @@ class CaptureRefused(RuntimeError):
     raises (runtime/cudagraph/refusals.py). A RuntimeError, as CUDA's own is."""
 
 
+class KernelExited(RuntimeError):
+    """An artifact's code called `sys.exit()` (raised SystemExit): contained as a raise, so
+    the kernel is demoted or its bundle fails to load; the user's process goes on."""
+
+
 class SnapshotRefused(GraphDispatchError):
     """What one call writes cannot be snapshotted within `max_snapshot_bytes` (runtime/checks/world.py):
     a check or capture that needs the snapshot does not run."""

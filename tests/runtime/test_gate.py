@@ -22,7 +22,7 @@ from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.errors import GraphDispatchError
 from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.parity import Mismatch, bitwise_equal, compare
-from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Block, Mlp, write_bundle
+from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, MLP_SOURCE, Block, Mlp, write_bundle
 
 # `{behaviour}` runs after the exact result is computed; CALLS[0] is this call's number (1-based).
 KERNEL = """
@@ -258,6 +258,28 @@ def test_artifact_raising_at_its_kth_call_is_demoted_then_and_the_run_goes_on(tm
     assert (sub["calls"], sub["native_calls"]) == (2, 3)  # served calls 1-2; native from call 3 on
     warnings = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING" and "demoted" in r.getMessage()]
     assert len(warnings) == 1 and "out of registers" in warnings[0]
+
+
+def test_a_kernel_calling_sys_exit_is_demoted_and_the_process_goes_on(tmp_path):
+    """SystemExit is no Exception: a kernel's `sys.exit()` (a helper refusing an input it
+    does not support) ended the user's process (a trial)."""
+    mlp_bundle(tmp_path, "import sys\nsys.exit('kernel: unsupported case')", k=3)
+    _, _, sub = run(tmp_path, calls=5)
+    assert (sub["demoted"], sub["reason"], sub["calls"], sub["native_calls"]) == (True, "raised", 2, 3), sub
+    assert sub["detail"].startswith("KernelExited: the kernel called sys.exit('kernel: unsupported case')"), sub
+
+
+def test_a_kernel_file_calling_sys_exit_at_import_fails_to_load_and_the_process_goes_on(tmp_path):
+    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, "import sys\nsys.exit(3)\n" + MLP_SOURCE)
+    torch.manual_seed(0)
+    model = Block().eval()
+    with torch.no_grad():
+        x = torch.randn(2, 8)
+        assert torch.equal(torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)})(x),
+                           model(x))
+    graph = graphdispatch_backend.latest_report()["graphs"][-1]
+    (rejection,) = next(r for r in graph["regions"] if r["name"] == "mlp")["rejections"]
+    assert rejection["reason"] == "load_failed" and "sys.exit(3)" in rejection["detail"], rejection
 
 
 @pytest.mark.parametrize("capturable", [True, False])
