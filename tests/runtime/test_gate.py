@@ -22,7 +22,7 @@ from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.errors import GraphDispatchError
 from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.parity import Mismatch, bitwise_equal, compare
-from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, MLP_SOURCE, Block, Mlp, write_bundle
+from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, MLP_SOURCE, Block, Mlp, Stack, write_bundle
 
 # `{behaviour}` runs after the exact result is computed; CALLS[0] is this call's number (1-based).
 KERNEL = """
@@ -258,6 +258,52 @@ def test_artifact_raising_at_its_kth_call_is_demoted_then_and_the_run_goes_on(tm
     assert (sub["calls"], sub["native_calls"]) == (2, 3)  # served calls 1-2; native from call 3 on
     warnings = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING" and "demoted" in r.getMessage()]
     assert len(warnings) == 1 and "out of registers" in warnings[0]
+
+
+KEPT_BUFFER = """
+import torch
+BUFFERS = {}
+def forward(w1, b1, x, w2, b2):
+    out = torch.addmm(b2, torch.relu(torch.addmm(b1, x, w1.t())), w2.t())
+    buf = BUFFERS.setdefault(tuple(out.shape), torch.empty_like(out))
+    return buf.copy_(out)  # the same memory on every call
+"""
+
+
+def test_a_kernel_returning_a_buffer_it_keeps_is_a_bad_output_when_it_returns_it_again(tmp_path, gd_log):
+    """Each call's values are right, but the output a caller kept from call 1 changes under
+    it at call 2 (a trial: the report said passed). Met at call 2, after the kernel wrote:
+    said, native from then on, every later kept output eager's."""
+    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, KEPT_BUFFER)
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path)})
+    with torch.no_grad():
+        xs = [torch.randn(2, 8) for _ in range(5)]
+        kept = [compiled(x) for x in xs]
+        eager = [model(x) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(kept[1:], eager[1:]))
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"], sub["calls"]) == (True, "bad_output", 1), sub
+    assert "in the memory of an earlier output it returned" in sub["detail"], sub["detail"]
+    assert "that holder now holds this call's values" in gd_log.text
+
+
+def test_one_kernel_keeping_one_buffer_for_two_regions_serves_no_wrong_output(tmp_path):
+    """Region blocks.1.mlp's run wrote into the memory region blocks.0.mlp's output is in
+    (34 of 40 outputs wrong in a trial): met at the second region's first call, a checked
+    call of the graph, whose eager values answer."""
+    write_bundle(tmp_path / "mlp", "mlp", "blocks.*.mlp", MLP_INPUTS, MLP_OUTPUTS, KEPT_BUFFER)
+    torch.manual_seed(0)
+    model = Stack(depth=2).eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path),
+                                                                      "cuda_graphs": False})
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(2, 8)
+            assert torch.equal(compiled(x), model(x)), i
+    subs = graphdispatch_backend.latest_report()["graphs"][-1]["substitutions"]
+    assert [(s["demoted"], s["reason"]) for s in subs] == [(True, "bad_output")] * 2, subs
 
 
 def test_a_kernel_calling_sys_exit_is_demoted_and_the_process_goes_on(tmp_path):

@@ -66,6 +66,7 @@ from graphdispatch_backend.runtime.gates.beside import Beside
 from graphdispatch_backend.runtime.gates.checked import CheckBook
 from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta, raised
 from graphdispatch_backend.runtime.gates.judge import GateJudge, as_tuple, meta
+from graphdispatch_backend.runtime.gates.reuse import memory_of, reused_detail
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
 # the fix a CUDA capture's refusal inside an artifact names: its own words say what the kernel
@@ -135,8 +136,10 @@ class ArtifactGate:
         speed = SpeedTrial(self._artifact, native, self._beside, contain, contain_artifact) if speed_gate else None
         self._demoter = Demoter(record, events, timing, strict, input_names)  # what a demotion records and says
         # what a judged call means: a demotion or a pass (runtime/gates/judge.py)
+        # the storages of the kernel's last outputs, shared by every region it serves (runtime/gates/reuse.py)
+        self._memory = memory_of(artifact)
         self._judge = GateJudge(self._artifact, self._run_native, record, parity, self._beside, speed, self._checks,
-                                contain, events, timing, self._demote)
+                                contain, events, timing, self._demote, self._memory)
         self._tolerant = self._judge.tolerant
         self._passed = self._judge.passed
 
@@ -220,6 +223,10 @@ class ArtifactGate:
         if meta(outs) != expected:
             self._demote(Demotion.BAD_OUTPUT, f"returned {describe(outs)}, expected {describe_meta(expected)}",
                          counted=False, inputs=inputs)
+            return None
+        reused = self._memory.reused(outs, inputs)
+        if reused is not None:
+            self._demote(Demotion.BAD_OUTPUT, reused_detail(reused), counted=False, inputs=inputs)
             return None
         return outs
 

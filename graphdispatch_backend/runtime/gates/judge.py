@@ -28,6 +28,7 @@ from graphdispatch_backend.runtime.cudagraph.engine import in_recording
 from graphdispatch_backend.runtime.gates.beside import Beside, Outcome
 from graphdispatch_backend.runtime.gates.checked import CheckBook
 from graphdispatch_backend.runtime.gates.demote import describe, describe_meta, raised
+from graphdispatch_backend.runtime.gates.reuse import OutputMemory, reused_detail
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
 # what a structural mismatch is (runtime/checks/parity.py `Mismatch.what`): a wrong output, not a parity
@@ -55,13 +56,15 @@ class GateJudge:
 
     def __init__(self, artifact: Callable[..., Any], run_native: Callable[[Sequence[Any]], Sequence[Any]],
                  record: SubstitutionRecord, parity: Any, beside: Beside, speed: SpeedTrial | None,
-                 checks: CheckBook, contain: Contain, events: Events, timing: Timing, demote: Demote) -> None:
+                 checks: CheckBook, contain: Contain, events: Events, timing: Timing, demote: Demote,
+                 memory: OutputMemory | None = None) -> None:
         self._artifact, self._run_native = artifact, run_native
         self._record, self._parity = record, parity
         self._beside, self._speed = beside, speed  # speed: with speed_gate only
         self._checks = checks
         self._contain, self._events, self._timing = contain, events, timing
         self._demote = demote
+        self._memory = memory if memory is not None else OutputMemory()  # the kernel's last outputs (reuse.py)
         self.passed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.tolerant = parity.mode != "bitwise"
 
@@ -104,6 +107,11 @@ class GateJudge:
         if self._speed is not None and not recheck and not self._faster(inputs):
             return native
         outs = as_tuple(o.result)
+        reused = self._memory.reused(outs, inputs)
+        if reused is not None:  # its values passed; the memory they are in is another output's
+            self._contain(o.keep_native)
+            self._demote(Demotion.BAD_OUTPUT, reused_detail(reused), None, cause=None, inputs=inputs)
+            return native
         self.passed[key] = meta(outs)
         if not recheck:  # a passed re-check is routine; a failed one is a demotion event
             self._events.decision("parity", {"region": self._record.region, "artifact": self._record.artifact,
