@@ -217,6 +217,18 @@ def test_an_allclose_kernel_whose_bits_change_between_runs_is_named_by_the_captu
         in detail, detail
 
 
+def test_an_allclose_artifact_demoted_at_its_first_check_leaves_the_graphs_checks_replaying(tmp_path):
+    """Once its allclose artifact is demoted a piece holds none that serves: the graph's
+    checks replay it again instead of running it eagerly (`checked_natively`: a trial's
+    demoted kernel kept 9 of 20 calls off their replays)."""
+    mlp_bundle(tmp_path, "out = out + 1.0", parity=ALLCLOSE)
+    run(tmp_path, calls=20, cuda_graphs="emulate")
+    sub = substitution()
+    assert (sub["demoted"], sub["reason"]) == (True, "parity"), sub
+    cuda = graphdispatch_backend.latest_report()["graphs"][-1]["cuda_graph"]
+    assert cuda["eager_by_reason"].get("checked_natively", 0) <= 1 and cuda["replays"] >= 16, cuda
+
+
 def test_allclose_fail_beyond_tolerance(tmp_path):
     mlp_bundle(tmp_path, "out = out.clone()\nout[0, 1] += 1e-2", parity=ALLCLOSE)
     _, _, sub = run(tmp_path)

@@ -255,8 +255,9 @@ class ArtifactGate:
 
     @property
     def tolerant(self) -> bool:
-        """Its parity is allclose: inside a graph's check against eager it answers natively."""
-        return self._tolerant
+        """Its parity is allclose and it serves: inside a graph's check against eager it
+        answers natively (demoted, it answers natively everywhere)."""
+        return self._tolerant and not self.demoted
 
     def replayed(self, native: bool = False) -> None:
         """The runner served one call of this region from a captured graph: one recorded

@@ -81,8 +81,9 @@ class Replayer:
         self._lookup = lookup  # an entry is kept hot only where one shape key serves every call (`keyless`)
         self._hot: Hot | None = None
         self.last_replayed: Entry | None = None  # what a checked call blames (runtime/checks/isolate.py)
-        # a piece holding an allclose artifact: the graph's checks take the slow path (runner.py)
-        self._tolerant = any(g.tolerant for g in self._gates)
+        # a piece holding an allclose artifact that serves: the graph's checks take the slow
+        # path (runner.py, which clears it once every such artifact is demoted)
+        self.tolerant = any(g.tolerant for g in self._gates)
 
     def forget(self) -> None:
         """No hot entry: the next call takes the full path (a verdict came from outside the call)."""
@@ -152,7 +153,7 @@ class Replayer:
         hot = self._hot
         if hot is None or Isolation.active:  # an isolation runs somewhere: the slow path decides
             return None
-        if self._tolerant and natively():  # a check of the graph: run eagerly (runner.py `__call__`)
+        if self.tolerant and natively():  # a check of the graph: run eagerly (runner.py `__call__`)
             return None
         entry, ptrs, pick, at, positions, nbytes = hot
         if at is None:  # CPU builds: the check inline, a call less (none at all without pinned inputs)
