@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from graphdispatch_backend.assemble import eager_checked, runner_for, watched_in_graph
 from graphdispatch_backend.capture.autocast import AutocastState
-from graphdispatch_backend.capture.lower import InputOrigin, input_origins, lower, mutated_inputs
+from graphdispatch_backend.capture.lower import STATE_KINDS, InputOrigin, input_origins, lower, mutated_inputs
 from graphdispatch_backend.capture.matmul_folds import unfolded_matmul
 from graphdispatch_backend.codegen import deferred_forward, generated_forward
 from graphdispatch_backend.diagnostics import record_fields
@@ -48,7 +48,7 @@ from graphdispatch_backend.passes.context import PieceInfo, PieceSpec
 from graphdispatch_backend.passes.locate_writes import WritePlan
 from graphdispatch_backend.passes.ops import collective_groups, unwritten_outputs
 from graphdispatch_backend.plan import GraphPlan, Role, Serve, Serving, plan_graph
-from graphdispatch_backend.runtime.call.contract import PlaceholderContract
+from graphdispatch_backend.runtime.call.contract import PlaceholderContract, WrittenApart
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreement_for
 from graphdispatch_backend.runtime.checks.novelty import watched_on
 from graphdispatch_backend.runtime.program.autograd import backward_fallback, without_history
@@ -163,6 +163,8 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     elif plan is not None and builder.mutated is not None:
         compiled = eager_checked(session, record, gm, generated_forward(gm), unwritten_outputs(gm), compiled,
                                  plan, builder, lifted, len(example_inputs))
+    if builder.mutated:
+        compiled = _kept_apart(compiled, gm, builder, origins, len(lifted), example_inputs)
     if session.exporter is None:
         return compiled
     observe = session.exporter.register(record, gm, origins, autocast, len(lifted))
@@ -171,6 +173,36 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
     def run(*args: Any) -> Any:
         observe(args)
         return checked(*args)
+
+    return run
+
+
+def _kept_apart(compiled: Callable[..., Any], gm: fx.GraphModule, builder: _Builder,
+                origins: tuple[InputOrigin, ...], lifted: int, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """`compiled`, for a graph that writes an input, behind the check that no call passes
+    that input overlapping another (runtime/call/contract.py WrittenApart): aot traced them
+    apart, and its graph and every replay compute as if so. A call that passes them
+    overlapping runs the Dynamo graph, whose in-place ops eager's order keeps, counted
+    `contract_mismatch` and said once. Positions are the Dynamo graph's (aot's less the
+    module state it lifted first)."""
+    record = builder.record
+    written = [p - lifted for p in builder.mutated or () if p >= lifted]
+    others = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)
+              and not (i + lifted < len(origins) and origins[i + lifted].kind in STATE_KINDS)]
+    if not written:
+        return compiled
+    names = [origins[i + lifted].name if i + lifted < len(origins) else "" for i in range(len(example_inputs))]
+    apart, dynamo_graph = WrittenApart(written, others, names), generated_forward(gm)
+
+    def run(*args: Any) -> Any:
+        overlap = apart.overlap(args)
+        if overlap is None:
+            return compiled(*args)
+        record_fields.contract_broken(record, overlap)
+        builder.contract_mismatch(record, overlap)
+        out = dynamo_graph(*args)
+        record.called(False, Decline.CONTRACT_MISMATCH.value)
+        return out
 
     return run
 
@@ -305,7 +337,7 @@ class _Builder:
         if role is not Role.BACKWARD:
             self.serving = serving
         return CompiledGraph(run, native, contract, record, self.session.timing, serving.decline,
-                             lambda detail: self._contract_mismatch(record, detail),
+                             lambda detail: self.contract_mismatch(record, detail),
                              guarded=self.guarded and role is not Role.BACKWARD)
 
     def _input_name(self, position: int, placeholders: list[fx.Node]) -> str:
@@ -336,7 +368,7 @@ class _Builder:
             self.runners.append(runner)
         return call_target(runner, f"gd_piece_{info.index}")
 
-    def _contract_mismatch(self, record: GraphRecord, detail: str) -> None:
+    def contract_mismatch(self, record: GraphRecord, detail: str) -> None:
         self.session.events.warn_once(f"contract:{record.name}",
                                       "graphdispatch: %s ran eager: inputs break its contract: %s",
                                       record.name, detail)

@@ -3,6 +3,8 @@
 - PlaceholderContract: what the lowered graph was traced for (tensor dtype, device, rank
   and static sizes; scalar types; None for effect tokens). A mismatch runs the original
   graph eagerly, counted.
+- WrittenApart: that an input the graph writes shares no memory with another of its
+  tensor inputs, as none did where it was traced.
 - LayoutIdentity: that the tensors at some positions are exactly the ones recorded
   (data_ptr, shape, stride, dtype, device); what a captured graph relies on for pinned
   inputs and parameters. data_ptr alone misses a restrided view of the same block. Each
@@ -127,6 +129,58 @@ class PlaceholderContract:
                 self._guards.check_verbose(*self._tensors(args), tensor_check_names=names)
             )
         return None
+
+
+class WrittenApart:
+    """The inputs a graph writes (`written`, aot positions), against its other tensor inputs
+    that are no parameter or buffer (`others`): aot traced them apart, so its graph, and a
+    replay that reads each input from its own copy or address, compute as if a write into
+    one never reached another, where eager's write is seen through an overlapping view (a
+    trial: `a.add_(1)` on one of two overlapping views of one tensor, 24 replays off). A call
+    passing overlapping ones runs the Dynamo graph (`contract_mismatch`). Views of one
+    storage that do not overlap (a cache's K and V planes of one buffer) stay apart: their
+    byte ranges are compared only where two share a storage. Memory shared by two storages
+    (a tensor made from another's pointer: DLPack, `from_blob`) is not seen. About 0.2 us an
+    input per call, for graphs that write an input only."""
+
+    def __init__(self, written: Sequence[int], others: Sequence[int], names: Sequence[str] = ()) -> None:
+        self._written = tuple(written)
+        self._all = tuple(dict.fromkeys((*written, *others)))
+        self._names = tuple(names)  # per position, what the message calls the input
+
+    def overlap(self, args: Sequence[Any]) -> str | None:
+        """Which written input overlaps which other input on this call, or None."""
+        storages: dict[int, list[int]] = {}
+        for p in self._all:
+            t = args[p]
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel():
+                storages.setdefault(t.untyped_storage().data_ptr(), []).append(p)
+        for shared in storages.values():
+            if len(shared) < 2:
+                continue
+            for w in shared:
+                if w not in self._written:
+                    continue
+                lo, hi = _span(args[w])
+                for o in shared:
+                    if o != w:
+                        olo, ohi = _span(args[o])
+                        if lo < ohi and olo < hi:
+                            return (f"{self._name(w)}, which the graph writes, overlaps {self._name(o)} in memory "
+                                    "(traced apart: the graph and its replays would not see the write through it)")
+        return None
+
+
+    def _name(self, position: int) -> str:
+        name = self._names[position] if position < len(self._names) else ""
+        return f"input {position} ({name})" if name else f"input {position}"
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `t` reaches: [first, last + 1) (non-negative strides, as torch's)."""
+    first = t.data_ptr()
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1)
+    return first, first + (reach + 1) * t.element_size()
 
 
 class LayoutIdentity:
