@@ -7,30 +7,47 @@ are one compile identity: they share a session (report, registry, static buffers
 Frameworks pass `torch.compile` arguments meant for Inductor to whatever backend they are
 given (FastVideo's regional compile always adds `emulate_precision_casts` to `options`):
 a key of Inductor's config (`torch._inductor.config`, dotted keys included) is accepted
-and kept apart (`Options.inductor`, typed as Inductor types it); the fusion compile applies
-it unless the eager-numerics recipe sets the key (fusion/recipe.py `with_inductor_keys`).
+and kept apart (`Options.inductor`), its value of the type the config declares for it,
+generic types included (`inductor_type_fits`); the fusion compile applies it unless the
+eager-numerics recipe sets the key (fusion/recipe.py `with_inductor_keys`).
 `mode` maps torch.compile's modes onto graphdispatch's own options (MODES).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 import math
 import os
+import types
 from collections.abc import Iterable, Mapping
-from typing import Any, get_origin
+from numbers import Integral
+from typing import Any, Literal, Union, get_args, get_origin
 
 from graphdispatch_backend.errors import OptionsError, did_you_mean
 
 ENV_PREFIX = "GRAPHDISPATCH_"
+# String choices are matched ignoring case and kept lowercase ("EVERY" is "every", one
+# compile identity): the environment's words were read so already (TRUE, Off), and
+# cuda_graphs took "EMULATE", so this is the one rule that refuses nothing taken before.
 CUDA_GRAPH_MODES = ("auto", "emulate", True, False)
-RECHECK_MODES = ("doubling", "dense", "every")  # and an integer N >= 1 (runtime/checks/schedule.py)
+RECHECK_MODES = ("doubling", "dense", "every")  # and an integer N, 1 to RECHECK_MAX (runtime/checks/schedule.py)
+# The sparsest integer schedule: a check every RECHECK_MAX calls, the interval "doubling"
+# settles at (schedule.py CAP; not imported: this module imports no torch, and
+# tests/test_options.py holds the two equal). The checks never stop (docs/guarantees.md):
+# an N past it leaves them stopped in practice (10**30: never a second check), and saves
+# less than 0.1% of a call, where "doubling" already costs within 1% (bench/recheck.py).
+RECHECK_MAX = 1024
 
 
 def is_recheck_mode(value: object) -> bool:
     """A value `recheck` and `artifact_recheck` take: a named schedule, or every Nth call."""
-    return value in RECHECK_MODES or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    if isinstance(value, str):
+        return value in RECHECK_MODES
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= RECHECK_MAX
+
+
 TIMING_MODES = ("off", "host", "sync", "shadow")
 # torch.compile's modes (torch._inductor.list_mode_options()) and what each means here: the
 # options it sets (an explicit option wins) and the Inductor settings it hands the fusion
@@ -58,6 +75,7 @@ class FuseTolerance:
 
 
 _FALSE = ("0", "false", "no", "off")
+_OFF = (*_FALSE, "never", "none")  # `recheck` values that ask for the checks off
 
 
 class InductorKeys:
@@ -94,9 +112,10 @@ def reported(value: Any) -> Any:
 
 
 def inductor_keys(given: dict[str, Any], own: tuple[str, ...]) -> dict[str, Any]:
-    """Take the keys of Inductor's config out of `given` (not graphdispatch's own), checked
-    as torch.compile checks them for Inductor (`-` read as `_`, the value's type as the
-    config types it); any other key stays in `given`, for the unknown-key error."""
+    """Take the keys of Inductor's config out of `given` (not graphdispatch's own), `-` read
+    as `_` as torch.compile reads them, each value checked against the type the config
+    declares for its key (`inductor_type_fits`); any other key stays in `given`, for the
+    unknown-key error. Reads the config, never sets it."""
     candidates = [k for k in given if k not in own and isinstance(k, str)]
     if not candidates:
         return {}
@@ -110,10 +129,88 @@ def inductor_keys(given: dict[str, Any], own: tuple[str, ...]) -> dict[str, Any]
             continue
         value = given.pop(key)
         kind = config.get_type(name)  # type: ignore[attr-defined]
-        if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
-            raise OptionsError(f"Inductor option {key!r} must be of type {kind.__name__}, got {value!r}")
+        fits = inductor_type_fits(value, kind)
+        if fits is None and known[name] is not None:  # a type written as text: its default's type
+            kind = type(known[name])
+            fits = inductor_type_fits(value, kind)
+        if fits is False:
+            choices = [a for a in _literals(kind) if isinstance(a, str)]
+            near = did_you_mean(value, choices) if isinstance(value, str) else ""
+            raise OptionsError(f"Inductor option {key!r} must be {_type_text(kind)}, got {value!r} "
+                               f"({type(value).__name__}){near}")
         taken[name] = value
     return taken
+
+
+def inductor_type_fits(value: Any, kind: Any) -> bool | None:
+    """Whether `value` is of `kind`, a type Inductor's config declares: plain types as
+    isinstance says (but a bool is no int), unions, Optional, Literal, containers with their
+    elements, callables. torch.compile checks plain types only, so a generic one took
+    anything (`cpp.simdlen`, `int | None`, took "x" and reported it applied, where
+    `max_autotune`, `bool`, refused "yes"). None where it cannot be told (a type written as
+    text, a type variable)."""
+    if kind is Any:
+        return True
+    if kind is None or kind is type(None):
+        return value is None
+    origin, args = get_origin(kind), get_args(kind)
+    if origin is None:
+        if not isinstance(kind, type):
+            return None
+        return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)
+    if origin is Literal:  # by type too: 1 is not '1', True is not 1
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin is Union or origin is types.UnionType:
+        return _all_or_any([inductor_type_fits(value, a) for a in args], all_of=False)
+    if origin is collections.abc.Callable:
+        return callable(value)
+    if origin is type:
+        return isinstance(value, type)
+    if not isinstance(origin, type):
+        return None
+    if not isinstance(value, origin):
+        return False
+    if origin is tuple:
+        # tuple[int, ...], and tuple[X] as torch writes it for a tuple of any length
+        # (triton.cudagraph_capture_sizes: (1, 2, 4) is what it takes)
+        if len(args) == 2 and args[1] is Ellipsis or len(args) == 1:
+            parts = [(v, args[0]) for v in value]
+        elif len(args) == len(value):
+            parts = list(zip(value, args))
+        else:
+            return False
+    elif issubclass(origin, Mapping) and len(args) == 2:
+        parts = [(k, args[0]) for k in value] + [(v, args[1]) for v in value.values()]
+    elif len(args) == 1:  # list[str], set[int]
+        parts = [(v, args[0]) for v in value]
+    else:
+        return True
+    return _all_or_any([inductor_type_fits(v, k) for v, k in parts], all_of=True)
+
+
+def _all_or_any(fits: list[bool | None], all_of: bool) -> bool | None:
+    """Combine verdicts that may be None (cannot be told): all of them, or any of them."""
+    if all_of:
+        return False if False in fits else None if None in fits else True
+    return True if True in fits else None if None in fits else False
+
+
+def _literals(kind: Any) -> list[Any]:
+    """The values a Literal type (or an Optional one) allows: for a near miss's "did you mean"."""
+    if get_origin(kind) is Literal:
+        return list(get_args(kind))
+    if get_origin(kind) in (Union, types.UnionType):
+        return [v for a in get_args(kind) for v in _literals(a)]
+    return []
+
+
+def _type_text(kind: Any) -> str:
+    """An Inductor setting's type as an error says it: "of type int | None", "one of 'a', 'b'"."""
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(map(repr, get_args(kind)))
+    if isinstance(kind, type) and get_origin(kind) is None:
+        return f"of type {kind.__name__}"
+    return "of type " + str(kind).replace("typing.", "").replace("collections.abc.", "").replace("NoneType", "None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +232,7 @@ class Options:
     strict: raise GraphDispatchError instead of falling back.
     recheck: the calls checked against eager for the graph's whole life (runtime/checks/schedule.py):
         "doubling" (1st, 2nd, 4th, ... call of each shape key, then every ~1024, jittered),
-        "dense", an integer N (every Nth call) or "every".
+        "dense", an integer N from 1 to RECHECK_MAX (the first call, then every Nth) or "every".
     artifact_recheck: the calls on which each artifact is checked beside its native region,
         its own schedule (runtime/checks/schedule.py), denser than the lowering's by default: "dense"
         (1st, 2nd, 4th, 8th, then twice per doubling: 12, 16, 24, 32, ..., 1024, then every
@@ -189,7 +286,16 @@ class Options:
         environ: Mapping[str, str] | None = None,
     ) -> Options:
         """Copy, merge with the environment, validate and freeze."""
+        if options is not None and not isinstance(options, Mapping):  # dict() would take "ab" or pairs
+            raise OptionsError(f"options must be a dict of option names (strings) to values, as "
+                               f"options={{'cuda_graphs': 'emulate'}}; got {options!r} ({type(options).__name__})")
         given = dict(options or {})  # a copy: torch.compile mutates the caller's dict
+        for key in given:
+            if not isinstance(key, str):  # else len() or .lower() on it raised a TypeError in here
+                guess = _key_text(key)
+                near = did_you_mean(guess, cls.names()) if guess is not None else ""
+                raise OptionsError(f"option names are strings, got the key {key!r} ({type(key).__name__}){near}; "
+                                   f"valid keys: {', '.join(cls.names())}")
         inductor = inductor_keys(given, cls.names())
         unknown = sorted(k for k in given if k not in cls.names())
         if unknown:
@@ -214,9 +320,11 @@ class Options:
                 raise OptionsError(f"{name}={text!r}: {exc}") from None
         written = list(inductor)
         if mode is not None:
-            if mode not in MODES:
-                raise OptionsError(f"mode {mode!r} is not one of torch.compile's: {', '.join(map(repr, MODES))}")
-            own, settings = MODES[mode]
+            found = mode.lower() if isinstance(mode, str) else None  # ignoring case, as every string choice
+            if found not in MODES:
+                near = did_you_mean(mode.lower(), MODES) if isinstance(mode, str) else ""
+                raise OptionsError(f"mode {mode!r}{near} is not one of torch.compile's: {', '.join(map(repr, MODES))}")
+            own, settings = MODES[found]
             merged.update(own)
             inductor = {**settings, **inductor}
         merged.update(given)
@@ -250,7 +358,10 @@ def _from_env(key: str, text: str) -> Any:
     if key == "artifacts":
         return [p for p in text.split(os.pathsep) if p]
     if kind == "recheck":
-        return int(text) if text.isdigit() else text
+        try:  # "-1" and "10000" as numbers, so the error says what range an integer has
+            return int(text)
+        except ValueError:
+            return text
     if key == "enable":
         return text
     if key == "cache_dir" and text.lower() in _FALSE:
@@ -276,6 +387,26 @@ _KINDS = {
     "fuse": "bool",
     "cache_dir": "path",
 }
+
+
+def _key_text(key: Any) -> str | None:
+    """What a key that is no string may have meant, for "did you mean": ('warmup',) or b'warmup'."""
+    if isinstance(key, (tuple, list)) and len(key) == 1:
+        key = key[0]
+    if isinstance(key, bytes):
+        key = key.decode("utf-8", "replace")
+    return key if isinstance(key, str) else None
+
+
+def _named(key: str, value: Any, names: tuple[str, ...], others: str = "") -> str:
+    """`value` as one of the string choices `names`, matched ignoring case (the module's rule,
+    at CUDA_GRAPH_MODES); else an OptionsError naming what is allowed (`others`: what else
+    the option takes) and, for a near miss, the choice meant."""
+    if isinstance(value, str) and value.lower() in names:
+        return value.lower()
+    near = did_you_mean(value.lower(), names) if isinstance(value, str) else ""
+    allowed = ", ".join(map(repr, names)) + (f" or {others}" if others else "")
+    raise OptionsError(f"option {key!r} must be one of {allowed}, got {value!r}{near}")
 
 
 def _tolerance_text(text: str) -> Any:
@@ -329,24 +460,32 @@ def _validate(key: str, value: Any) -> Any:
             raise OptionsError(f"option {key!r} must be True or False, got {value!r}")
         return value
     if kind == "int":
+        # No upper bound: a large warmup, verify_inputs or max_captures costs speed or memory,
+        # never a check (the report counts each eager call's reason), and max_snapshot_bytes
+        # is the user's memory to give. An Integral (numpy's int64) is kept as an int; a bool
+        # or a float is refused, not read as a count.
         low = 1 if key in ("warmup", "verify_inputs", "max_captures") else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
             raise OptionsError(f"option {key!r} must be an integer >= {low}, got {value!r}")
-        return value
+        return int(value)
     if key == "cuda_graphs":
-        if isinstance(value, str) and value.lower() in ("auto", "emulate"):
-            return value.lower()
         if isinstance(value, bool):
             return value
-        raise OptionsError(f"option 'cuda_graphs' must be one of {CUDA_GRAPH_MODES}, got {value!r}")
+        return _named(key, value, ("auto", "emulate"), "True or False")
     if kind == "recheck":  # recheck, artifact_recheck: runtime/checks/schedule.py
-        if is_recheck_mode(value):
-            return value
-        raise OptionsError(f"option {key!r} must be one of {RECHECK_MODES} or an integer >= 1, got {value!r}")
+        every = f"an integer N from 1 to {RECHECK_MAX} (the first call, then every Nth)"
+        integer = isinstance(value, Integral) and not isinstance(value, bool)
+        if integer and is_recheck_mode(int(value)):
+            return int(value)
+        # 0, 10**30 and "never" ask for the checks off: say why not and what comes nearest
+        # ("never" is not a near miss of "every")
+        if integer or value is None or value is False or (isinstance(value, str) and value.lower() in _OFF):
+            raise OptionsError(f"option {key!r} must be one of {', '.join(map(repr, RECHECK_MODES))} or {every}, "
+                               f"got {value!r}: the checks never stop, and {RECHECK_MAX}, the interval 'doubling' "
+                               f"settles at, is the sparsest they go ({key}={RECHECK_MAX} for the fewest)")
+        return _named(key, value, RECHECK_MODES, every)
     if key == "timing":
-        if value not in TIMING_MODES:
-            raise OptionsError(f"option 'timing' must be one of {TIMING_MODES}, got {value!r}")
-        return value
+        return _named(key, value, TIMING_MODES)
     if key == "cache_dir":
         if value is None or value is False:
             return value

@@ -107,12 +107,15 @@ BAD_VALUES = [
     ("report_dir", "", "a path"),
     ("export_regions", "true", "True or False"),
     ("strict", None, "True or False"),
-    ("recheck", 0, "an integer >= 1"),
-    ("recheck", -1, "an integer >= 1"),
-    ("recheck", True, "an integer >= 1"),
+    ("recheck", 0, "an integer N from 1 to 1024"),
+    ("recheck", -1, "an integer N from 1 to 1024"),
+    ("recheck", True, "an integer N from 1 to 1024"),
+    ("recheck", 2.5, "an integer N from 1 to 1024"),
+    ("recheck", 10**30, "an integer N from 1 to 1024"),
     ("recheck", "sometimes", "'doubling'"),
-    ("artifact_recheck", 0, "an integer >= 1"),
-    ("artifact_recheck", False, "an integer >= 1"),
+    ("artifact_recheck", 0, "an integer N from 1 to 1024"),
+    ("artifact_recheck", False, "an integer N from 1 to 1024"),
+    ("artifact_recheck", 1025, "an integer N from 1 to 1024"),
     ("artifact_recheck", "often", "'dense'"),
     ("artifact_recheck", "doubling|dense", "'every'"),  # a union is the graph's own, never an option
     ("fuse", "yes", "True, False or a tolerance"),
@@ -147,10 +150,113 @@ def test_recheck_accepts_its_values(key, value):
 
 
 def test_artifact_recheck_is_its_own_schedule_denser_than_the_lowerings():
-    o = Options.resolve({"recheck": 10**9}, environ={})
-    assert (o.recheck, o.artifact_recheck) == (10**9, "dense")  # one does not set the other
+    o = Options.resolve({"recheck": 1024}, environ={})
+    assert (o.recheck, o.artifact_recheck) == (1024, "dense")  # one does not set the other
     with pytest.raises(OptionsError, match="GRAPHDISPATCH_ARTIFACT_RECHECK='sometimes'"):
         Options.resolve(environ={"GRAPHDISPATCH_ARTIFACT_RECHECK": "sometimes"})
+
+
+@pytest.mark.parametrize("key", ["recheck", "artifact_recheck"])
+@pytest.mark.parametrize("value", [1025, 10**9, 10**30, 0, -1, "never", "off", None])
+def test_recheck_never_turns_the_checks_off(key, value):
+    """docs/guarantees.md: the checks never stop. An integer N is the first call, then every
+    Nth, up to the interval "doubling" settles at (1024); 10**30 was taken and meant no
+    second check ever. A value asking for the checks off is told why not and the fewest."""
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({key: value}, environ={})
+    message = str(info.value)
+    assert "an integer N from 1 to 1024" in message and "never stop" in message, message
+    assert f"{key}=1024 for the fewest" in message and "did you mean" not in message, message  # not 'every'
+    if isinstance(value, int):
+        with pytest.raises(OptionsError, match=f"GRAPHDISPATCH_{key.upper()}='{value}'"):
+            Options.resolve(environ={f"GRAPHDISPATCH_{key.upper()}": str(value)})
+    assert getattr(Options.resolve({key: 1024}, environ={}), key) == 1024
+
+
+def test_the_recheck_bound_is_the_interval_doubling_settles_at():
+    """RECHECK_MAX is schedule.py's CAP (options.py imports no torch, so it is written twice):
+    an integer schedule is never sparser than the default's steady state."""
+    from graphdispatch_backend.options import RECHECK_MAX, is_recheck_mode
+    from graphdispatch_backend.runtime.checks.schedule import CAP
+
+    assert RECHECK_MAX == CAP
+    assert is_recheck_mode(CAP) and not is_recheck_mode(CAP + 1) and not is_recheck_mode(True)
+
+
+# every string choice, with another case and with a near miss: (key, written, kept, meant)
+CHOICES = [
+    ("cuda_graphs", "EMULATE", "emulate", "emulate"),
+    ("cuda_graphs", "Auto", "auto", "auto"),
+    ("recheck", "EVERY", "every", "every"),
+    ("recheck", "Doubling", "doubling", "doubling"),
+    ("artifact_recheck", "DENSE", "dense", "dense"),
+    ("timing", "Shadow", "shadow", "shadow"),
+    ("timing", "HOST", "host", "host"),
+]
+
+
+@pytest.mark.parametrize(("key", "written", "kept", "meant"), CHOICES, ids=[f"{k}={w}" for k, w, _, _ in CHOICES])
+def test_string_choices_are_matched_ignoring_case_everywhere(key, written, kept, meant):
+    """One rule for every string choice (README "Options"): case ignored, kept lowercase, so
+    a spelling is one compile identity; cuda_graphs took "EMULATE" while recheck refused
+    "EVERY". A near miss names the choice meant, in any case."""
+    resolved = Options.resolve({key: written}, environ={})
+    assert getattr(resolved, key) == kept
+    assert resolved == Options.resolve({key: kept}, environ={})
+    assert getattr(Options.resolve(environ={f"GRAPHDISPATCH_{key.upper()}": written}), key) == kept
+    typo = written[:-1] + written[-1] * 2 + "x"  # "EMULATEEx": near, not equal
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({key: typo}, environ={})
+    assert f"got {typo!r} (did you mean {meant!r}?)" in str(info.value), str(info.value)
+
+
+def test_mode_follows_the_same_rule():
+    assert Options.resolve(mode="Max-Autotune", environ={}) == Options.resolve(mode="max-autotune", environ={})
+    with pytest.raises(OptionsError, match=re.escape("mode 'max_autotune' (did you mean 'max-autotune'?)")):
+        Options.resolve(mode="max_autotune", environ={})
+
+
+@pytest.mark.parametrize("key", ["warmup", "max_captures", "verify_inputs", "max_snapshot_bytes"])
+def test_integer_options_take_integers_only(key):
+    """Zero or negative where a count must be positive, a bool, a float or a string are
+    refused; any Integral (numpy's int64) is taken and kept as an int (one identity)."""
+    import numpy
+
+    low = 0 if key == "max_snapshot_bytes" else 1
+    for bad in (low - 1, True, float(low + 1), str(low + 1), None):
+        with pytest.raises(OptionsError, match=re.escape(f"option {key!r} must be an integer >= {low}")):
+            Options.resolve({key: bad}, environ={})
+    taken = getattr(Options.resolve({key: numpy.int64(3)}, environ={}), key)
+    assert taken == 3 and type(taken) is int
+    assert Options.resolve({"recheck": numpy.int64(3)}, environ={}).recheck == 3
+
+
+# options that are no dict of names: (options, what the message names)
+NOT_NAMES = [
+    ("abc", "options must be a dict of option names (strings) to values"),
+    ([("warmup", 2)], "options must be a dict of option names (strings) to values"),
+    ({1: 2}, "option names are strings, got the key 1 (int)"),
+    ({None: True}, "option names are strings, got the key None (NoneType)"),
+    ({("cuda_graphs",): True}, "got the key ('cuda_graphs',) (tuple) (did you mean 'cuda_graphs'?)"),
+    ({b"warmup": 2, "strict": True}, "got the key b'warmup' (bytes) (did you mean 'warmup'?)"),
+]
+
+
+@pytest.mark.parametrize(("options", "said"), NOT_NAMES, ids=[repr(o) for o, _ in NOT_NAMES])
+def test_options_that_are_not_a_dict_of_names_are_an_options_error(options, said):
+    """`{1: 2}` raised TypeError (len of an int), a tuple key AttributeError (.lower), "abc"
+    dict()'s own ValueError: each an OptionsError saying what options are."""
+    with pytest.raises(OptionsError) as info:
+        Options.resolve(options, environ={})
+    assert said in str(info.value), str(info.value)
+
+
+def test_a_key_that_is_no_string_through_torch_compile_is_an_options_error():
+    model, x = _linear()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", options={1: 2})(x)
+    assert isinstance(info.value.inner_exception, OptionsError), info.value.inner_exception
+    assert "option names are strings" in str(info.value.inner_exception)
 
 
 def test_cache_dir_is_a_path_none_or_false(tmp_path):
@@ -424,6 +530,56 @@ def test_a_key_neither_ours_nor_inductors_still_raises_naming_the_valid_keys():
 def test_an_inductor_key_of_the_wrong_type_says_what_inductor_takes():
     with pytest.raises(OptionsError, match="Inductor option 'emulate_precision_casts' must be of type bool"):
         Options.resolve({"emulate_precision_casts": "yes"}, environ={})
+
+
+# Inductor settings whose declared type is generic (torch.compile checks plain types only):
+# (key, a value of the wrong type, what the message says it must be)
+INDUCTOR_WRONG = [
+    ("cpp.simdlen", "x", "of type int | None"),
+    ("cpp.simdlen", True, "of type int | None"),  # a bool is no int
+    ("compile_threads", 2.0, "of type int | None"),
+    ("triton.multi_kernel", "1", "one of 0, 1, 2, 3"),
+    ("cpu_backend", "tritn", "one of 'cpp', 'triton'"),
+    ("rocm.arch", ["gfx90a", 1], "of type list[str]"),
+    ("aot_inductor.metadata", {"a": 1}, "of type dict[str, str]"),
+    ("cpp.cxx", ("g++",), "of type tuple[None, str]"),
+    ("trace.upload_tar", "upload", "of type Callable[[str], None] | None"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "kind"), INDUCTOR_WRONG, ids=[f"{k}={v!r}" for k, v, _ in INDUCTOR_WRONG])
+def test_an_inductor_key_of_a_generic_type_is_checked_too(key, value, kind):
+    """`"cpp.simdlen": "x"` was taken and reported `applied` while `max_autotune: "yes"` was
+    refused: every Inductor setting's value is held to the type its config declares."""
+    from torch._inductor import config
+
+    before = config.get_config_copy()[key]
+    with pytest.raises(OptionsError) as info:
+        Options.resolve({key: value}, environ={})
+    message = str(info.value)
+    assert f"Inductor option {key!r} must be {kind}" in message and f"got {value!r}" in message, message
+    assert config.get_config_copy()[key] == before  # checked, never set
+    if key == "cpu_backend":
+        assert "(did you mean 'triton'?)" in message
+
+
+@pytest.mark.parametrize(("key", "value"), [("cpp.simdlen", 8), ("cpp.simdlen", None), ("compile_threads", 4),
+                                            ("triton.multi_kernel", 2), ("cpu_backend", "triton"),
+                                            ("triton.cudagraph_capture_sizes", (1, 2, 4)),
+                                            ("aot_inductor.metadata", {"a": "b"}), ("trace.upload_tar", print)])
+def test_an_inductor_key_of_its_declared_type_is_taken(key, value):
+    assert dict(Options.resolve({key: value}, environ={}).inductor.items) == {key: value}
+
+
+def test_every_inductor_default_is_of_its_declared_type():
+    """The check refuses no value Inductor itself holds: each key's default fits its declared
+    type (or the type cannot be told: one written as text)."""
+    from torch._inductor import config
+
+    from graphdispatch_backend.options import inductor_type_fits
+
+    known = config.get_config_copy()
+    assert not [k for k in known if inductor_type_fits(known[k], config.get_type(k)) is False]
 
 
 def test_inductor_keys_are_part_of_the_compile_identity():

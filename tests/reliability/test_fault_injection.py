@@ -655,9 +655,9 @@ DEMOTIONS = {
     "bad_output": ({}, kernel("return out[:2]", 3), ()),
     "mutated_input": ({}, kernel("input0.mul_(2)"), ()),
     "recheck_on_an_eager_call": ({"cuda_graphs": False}, kernel("return out + 1e-3", 2), ()),
-    "graph_check_on_an_eager_call": ({"cuda_graphs": False, "recheck": "every", "artifact_recheck": 10**9},
+    "graph_check_on_an_eager_call": ({"cuda_graphs": False, "recheck": "every", "artifact_recheck": 1024},
                                      kernel(LARGE_WRONG), (13,)),
-    "graph_check_on_a_replayed_call": ({"recheck": 10**9}, kernel(LARGE_WRONG), (11,)),  # dense: call 12
+    "graph_check_on_a_replayed_call": ({"recheck": 1024}, kernel(LARGE_WRONG), (11,)),  # dense: call 12
     "speed_gate": ({"speed_gate": True}, kernel("time.sleep(0.02)"), ()),
 }
 
