@@ -281,6 +281,13 @@ class BundleRejection(str, enum.Enum):
     MISSING_ROOT = "missing_root"  # a root (not a bundle) that is not a folder
     UNREADABLE_ROOT = "unreadable_root"  # a root whose folder cannot be listed
     NO_BUNDLES = "no_bundles"  # a root with no artifact.json in it or its subfolders
+    # the manifest's `torch` range excludes the torch this process runs: it could serve nothing
+    TORCH_VERSION = "torch_version"
+    # no statement at the entry file's top level binds entry_point.symbol (read with `ast`, never
+    # run): refused before any of its code executes (bundle.entry_tree)
+    MISSING_SYMBOL = "missing_symbol"
+    # the entry file does not parse (`artifacts verify`; a compile says the SyntaxError itself)
+    ENTRY_SYNTAX = "entry_syntax"
 
 
 class BundleRejected(GraphDispatchError):

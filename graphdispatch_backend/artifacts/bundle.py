@@ -3,12 +3,14 @@
 A bundle is accepted only when its manifest parses, every declared file exists with the
 declared size and sha256, and nothing else is in the folder (no undeclared file, no
 symlink, no `__pycache__`). A rejected bundle's code is never executed. At load the entry
-file is read once, hashed again, and those same bytes are compiled and executed: no
+file is read once, hashed again, and those same bytes are parsed, checked to bind the entry
+symbol at their top level (`entry_tree`, which runs nothing), compiled and executed: no
 import machinery, no `.pyc`, nothing read from outside the bundle folder.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from graphdispatch_backend.artifacts.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from graphdispatch_backend.errors import BundleRejected, BundleRejection, ManifestError
+from graphdispatch_backend.errors import BundleRejected, BundleRejection, ManifestError, did_you_mean
 
 MAX_MANIFEST_BYTES = 1 << 20
 _CHUNK = 1 << 20
@@ -158,17 +160,93 @@ def _read_verified(bundle: VerifiedBundle, rel: str) -> bytes:
     return data
 
 
+# The blocks of a compound statement (if, try, with, for, while) run at import, as the top level does.
+_BLOCKS = ("body", "orelse", "finalbody")
+_ASYNC = "async def"
+
+
+def _top_level_bindings(tree: ast.Module) -> dict[str, set[str]] | None:
+    """Each name a statement at the module's top level binds, to how ("def", "class",
+    "import", "assignment", "async def"), the blocks of its compound statements included;
+    None where a star import binds names no reader can list. Function and class bodies are
+    not read: they bind when called, or in their own namespace. The walk over a statement's
+    own expressions also counts a comprehension's variable: it errs toward accepting, and
+    load_entry's check after the import still refuses what is not there."""
+    bound: dict[str, set[str]] = {}
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            how = "class" if isinstance(node, ast.ClassDef) else "def" if isinstance(node, ast.FunctionDef) else _ASYNC
+            bound.setdefault(node.name, set()).add(how)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                bound.setdefault(alias.asname or alias.name.split(".")[0], set()).add("import")
+            continue
+        if isinstance(node, ast.AnnAssign) and node.value is None:
+            continue  # `forward: Callable` annotates a name, binds none
+        for field in _BLOCKS:
+            pending += getattr(node, field, None) or []
+        for handler in getattr(node, "handlers", None) or []:  # its `as name` is unbound when it ends
+            pending += handler.body
+        for case in getattr(node, "cases", None) or []:  # match: `case ... as name` binds
+            pending += case.body
+            for p in ast.walk(case.pattern):
+                for name in (getattr(p, "name", None), getattr(p, "rest", None)):
+                    if name:
+                        bound.setdefault(name, set()).add("assignment")
+        # the statement's own expressions: assignment, for and with targets, `:=`
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+                continue
+            for n in ast.walk(child):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    bound.setdefault(n.id, set()).add("assignment")
+    return bound
+
+
+def entry_tree(source: bytes, filename: str, manifest: Manifest) -> ast.Module:
+    """The entry file parsed, never executed: raises SyntaxError where it does not parse (as
+    compiling it would), and BundleRejected(MISSING_SYMBOL) where no statement at its top
+    level binds entry_point.symbol: a `def`, a `class`, an assignment's target (an annotated
+    one with a value), an `import ... as name` or `from ... import name`, also inside the
+    blocks of an `if`, `try`, `with`, `for`, `while` or `match` there (they run at import).
+    A name bound only by `async def` is refused too: the entry point is called, not awaited,
+    and a coroutine is never a tensor. A star import may bind anything: trusted. So a typo in
+    entry_point.symbol runs none of the file's code (design.md section 3)."""
+    tree = compile(source, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+    bound = _top_level_bindings(tree)
+    if bound is None:
+        return tree
+    symbol, where = manifest.entry_symbol, manifest.entry_file
+    how = bound.get(symbol, set())
+    if how == {_ASYNC}:
+        raise _reject(BundleRejection.MISSING_SYMBOL, f"{where} binds {symbol!r} only as an async def "
+                      "(entry_point.symbol): the entry point is called, not awaited, and returns no tensor")
+    if not how:
+        near = did_you_mean(symbol, sorted(b for b in bound if not b.startswith("_")))
+        raise _reject(BundleRejection.MISSING_SYMBOL,
+                      f"{where} defines no {symbol!r} at its top level (entry_point.symbol){near}")
+    return tree
+
+
 def load_entry(bundle: VerifiedBundle) -> Callable[..., Any]:
     """Execute the entry file from bytes hashed at this moment; return its entry symbol.
 
-    Raises BundleRejected(TAMPERED) if the file changed since verification (its code is
-    then not executed), or whatever the artifact's own module code raises.
+    Raises BundleRejected(TAMPERED) if the file changed since verification, SyntaxError or
+    BundleRejected(MISSING_SYMBOL) where it does not parse or binds no entry symbol at its
+    top level (`entry_tree`: its code is then not executed), AttributeError where the
+    executed module holds no callable by that name, or whatever the module code raises.
     """
     manifest = bundle.manifest
     source = _read_verified(bundle, manifest.entry_file)
     entry = manifest.file(manifest.entry_file)
     filename = f"<graphdispatch artifact {manifest.id}:{manifest.entry_file}>"
-    code = compile(source, filename, "exec", dont_inherit=True)
+    # Parsed and checked before any of it runs: a rejected bundle's code is never executed.
+    code = compile(entry_tree(source, filename, manifest), filename, "exec", dont_inherit=True)
     # Tracebacks show the verified source without reading the file again.
     text = source.decode("utf-8", errors="replace")
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
@@ -176,6 +254,7 @@ def load_entry(bundle: VerifiedBundle) -> Callable[..., Any]:
     module = types.ModuleType(f"graphdispatch_artifacts.{safe}_{entry.sha256[:16]}")
     module.__dict__["read_bundle_file"] = lambda rel: _read_verified(bundle, rel)
     exec(code, module.__dict__)
+    # Bound at the top level is not bound at the end: `del forward`, `forward = None`.
     fn = getattr(module, manifest.entry_symbol, None)
     if not callable(fn):
         raise AttributeError(f"entry symbol {manifest.entry_symbol!r} is not a callable in {manifest.entry_file}")

@@ -1,21 +1,30 @@
 """`artifacts verify ROOT... [--report DIR]` and `artifacts hash BUNDLE`: the registry's
-verdicts, as a table; with a report, each verified manifest is also matched against the
-regions of that report (pattern, fingerprint, signature, inputs written in place), so a
-wrong dtype or a missing `mutates` shows before a compile. No torch is imported."""
+verdicts, as a table, as a compile on this machine would judge each bundle (roots read
+once however spelled, the entry symbol, the installed torch against the `torch` range, the
+devices); with a report, each verified manifest is also matched against the regions of
+that report (pattern, fingerprint, signature, inputs written in place), so a wrong dtype or
+a missing `mutates` shows before a compile. No torch is imported, but to ask whether this
+machine has a CUDA device for a bundle whose `devices` omit cpu."""
 
 from __future__ import annotations
 
-import ast
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from graphdispatch_backend.artifacts.bundle import claimed_id, hash_bundle, verify_bundle
+from graphdispatch_backend.artifacts.bundle import claimed_id, entry_tree, hash_bundle, verify_bundle
 from graphdispatch_backend.artifacts.manifest import Manifest
-from graphdispatch_backend.artifacts.registry import discover
+from graphdispatch_backend.artifacts.registry import (
+    Read,
+    devices_miss,
+    discover,
+    machine_devices,
+    running_torch_version,
+    torch_range_miss,
+)
 from graphdispatch_backend.artifacts.signature import manifest_miss
-from graphdispatch_backend.errors import BundleRejected, ManifestError, did_you_mean
+from graphdispatch_backend.errors import BundleRejected, BundleRejection, ManifestError
 from graphdispatch_backend.patterns import matches, suggest
 from graphdispatch_backend.table import table
 
@@ -34,8 +43,11 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
             return 2
         regions = [r for g in report["graphs"] if g.get("kind") == "inference" for r in g.get("regions", [])]
     rows: list[list[str]] = []
+    read, torch_version, devices = Read(), running_torch_version(), None
     for root in roots:
         path = Path(root)
+        if not read.new_root(root):
+            continue
         if not path.is_dir():
             rows.append(["-", "rejected", f"missing_root: {root} is not a folder", root])
             continue
@@ -47,6 +59,8 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
         if not folders:  # an empty root is a mistake in CI, not an "ok" with nothing checked
             rows.append(["-", "rejected", f"no_bundles: no artifact.json in {root} or its subfolders", root])
         for folder in folders:
+            if not read.new_folder(folder):
+                continue
             try:
                 bundle = verify_bundle(folder)
             except BundleRejected as exc:
@@ -55,13 +69,19 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
                 m = bundle.manifest
                 files = f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}"
                 fit = _fit(m, regions) if regions is not None else None
-                missing = _entry_missing(folder / m.entry_file, m.entry_symbol)
-                if missing is not None:
+                missing = _entry_missing(folder, m)
+                if (miss := torch_range_miss(m, torch_version)) is not None:
+                    rows.append([m.id, "rejected", f"{BundleRejection.TORCH_VERSION.value}: {miss}", str(folder)])
+                elif missing is not None:
                     rows.append([m.id, "rejected", missing, str(folder)])
                 elif fit is not None and not fit[0]:
                     rows.append([m.id, "rejected", fit[1], str(folder)])
                 else:
                     said = f"{m.module} ({files}, parity {m.parity.mode})" + (f"; {fit[1]}" if fit else "")
+                    if "cpu" not in m.devices:  # not a rejection (registry.Registry._note_idle): said
+                        devices = devices or machine_devices()
+                        if (idle := devices_miss(m, devices)) is not None:
+                            said += f"; {idle}"
                     rows.append([m.id, "ok", said, str(folder)])
     ids = [r[0] for r in rows if r[1] == "ok"]
     for row in rows:
@@ -71,33 +91,18 @@ def verify_command(roots: Sequence[str], report_dir: str | None = None) -> int:
     return 0 if rows and all(r[1] == "ok" for r in rows) else 1
 
 
-def _entry_missing(path: Path, symbol: str) -> str | None:
-    """Why the entry file cannot give its symbol, read without running it (no torch here):
-    it does not parse, or nothing at its top level binds the name (a compile would only warn
-    that the artifact did not load). None where it may: a star import can bind anything."""
+def _entry_missing(folder: Path, manifest: Manifest) -> str | None:
+    """Why the entry file cannot give its symbol, read without running it, by the rule a
+    compile applies before executing it (bundle.entry_tree): it does not parse, or nothing
+    at its top level binds the name. None where it may."""
+    path = folder / manifest.entry_file
     try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
+        entry_tree(path.read_bytes(), str(path), manifest)
     except SyntaxError as exc:
-        return f"entry_syntax: {path.name} line {exc.lineno}: {exc.msg}"
-    bound: set[str] = set()
-    blocks = [tree.body]
-    while blocks:
-        for node in blocks.pop():
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bound.add(node.name)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                if any(a.name == "*" for a in node.names):
-                    return None
-                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
-                blocks += [getattr(node, f) for f in ("body", "orelse", "finalbody") if getattr(node, f, None)]
-                blocks += [h.body for h in getattr(node, "handlers", [])]
-            else:
-                bound.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
-    if symbol in bound:
-        return None
-    near = did_you_mean(symbol, sorted(b for b in bound if not b.startswith("_")))
-    return f"missing_symbol: {path.name} defines no {symbol!r} at its top level (entry_point.symbol){near}"
+        return f"{BundleRejection.ENTRY_SYNTAX.value}: {manifest.entry_file} line {exc.lineno}: {exc.msg}"
+    except BundleRejected as exc:
+        return f"{exc.reason.value}: {exc.detail}"
+    return None
 
 
 def _fit(manifest: Manifest, regions: list[dict[str, Any]]) -> tuple[bool, str]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import graphdispatch_backend
-from graphdispatch_backend.artifacts.bundle import hash_bundle, load_entry, verify_bundle
+from graphdispatch_backend.artifacts.bundle import entry_tree, hash_bundle, load_entry, verify_bundle
 from graphdispatch_backend.artifacts.registry import Registry
 from graphdispatch_backend.errors import BundleRejected, BundleRejection, ManifestError
 from graphdispatch_backend.testing import MLP_INPUTS, MLP_OUTPUTS, Stack, write_bundle
@@ -303,10 +303,88 @@ def test_load_entry_executes_verified_bytes_without_writing_bytecode(tmp_path, m
     verify_bundle(folder)  # still a valid bundle after loading
 
 
-def test_missing_entry_symbol_raises_at_load(tmp_path):
-    folder = marked_bundle(tmp_path / "mlp", tmp_path / "marker", symbol="not_there")
-    with pytest.raises(AttributeError, match="not_there"):
+def test_missing_entry_symbol_is_refused_before_its_code_runs(tmp_path):
+    """A trial: the entry file was executed, then found to hold no `forward` (design.md
+    section 3: a rejected bundle's code is never executed). It is read with `ast` first."""
+    marker = tmp_path / "marker"
+    folder = marked_bundle(tmp_path / "mlp", marker, symbol="not_there")
+    with pytest.raises(BundleRejected) as info:
         load_entry(verify_bundle(folder))
+    assert info.value.reason is BundleRejection.MISSING_SYMBOL
+    assert info.value.detail == "kernel.py defines no 'not_there' at its top level (entry_point.symbol)"
+    assert not marker.exists()
+
+
+def test_missing_entry_symbol_through_the_backend_is_load_failed_and_not_run(tmp_path, gd_log):
+    marker = tmp_path / "marker"
+    source = KERNEL.format(marker=str(marker)).replace("def forward", "def forwrd")
+    write_bundle(tmp_path / "root" / "mlp", "mlp", "blocks.*.mlp", MLP_INPUTS, MLP_OUTPUTS, source)
+    report = compile_and_run(tmp_path / "root")
+    assert not marker.exists()
+    graph = report["graphs"][0]
+    assert graph["substitutions"] == []
+    regions = {r["name"]: r for r in graph["regions"]}
+    (rejection,) = regions["blocks.0.mlp"]["rejections"]
+    assert rejection["reason"] == "load_failed"
+    assert rejection["detail"].startswith("missing_symbol: kernel.py defines no 'forward'")
+    assert "(did you mean 'forwrd'?)" in rejection["detail"]
+    said = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING"]
+    assert [w for w in said if "artifact mlp did not load: missing_symbol" in w], said
+
+
+MARK = "open({marker!r}, 'w').write('ran')\n"
+
+
+@pytest.mark.parametrize("source", [
+    "def forward(*a):\n    pass\n",
+    "class forward:\n    pass\n",
+    "def impl(*a):\n    pass\nforward = impl\n",
+    "def impl(*a):\n    pass\nforward: object = impl\n",
+    "def impl(*a):\n    pass\nimpl2, forward = impl, impl\n",
+    "from os.path import join as forward\n",
+    "from os.path import forward\n",  # bound statically; the import itself fails when run
+    "import os as forward\n",
+    "import sys\nif sys:\n    def forward(*a):\n        pass\nelse:\n    forward = None\n",
+    "try:\n    from triton_kernels import forward\nexcept ImportError:\n    def forward(*a):\n        pass\n",
+    "for forward in [print]:\n    pass\n",
+    "import contextlib\nwith contextlib.nullcontext(print) as forward:\n    pass\n",
+    "if (forward := print):\n    pass\n",
+    "async def forward(*a):\n    pass\nforward = print\n",  # an async def rebound at the top level
+    "match print:\n    case forward:\n        pass\n",
+    "from os.path import *\n",  # a star import may bind anything: trusted
+])
+def test_entry_symbol_bound_at_the_top_level_passes_the_static_check(tmp_path, source):
+    manifest = verify_bundle(write_bundle(tmp_path / "b", "b", "m", [], MLP_OUTPUTS, source)).manifest
+    entry_tree(source.encode(), "kernel.py", manifest)
+
+
+@pytest.mark.parametrize("source, detail", [
+    ("def forwrd(*a):\n    pass\n", "defines no 'forward' at its top level (entry_point.symbol) "
+                                      "(did you mean 'forwrd'?)"),
+    ("forward: object\n", "defines no 'forward'"),  # annotated, never bound
+    ("def make():\n    global forward\n    forward = print\n", "defines no 'forward'"),  # bound only if called
+    ("class K:\n    forward = print\n", "defines no 'forward'"),  # K.forward, not the module's
+    ("globals()['forward'] = print\n", "defines no 'forward'"),  # nothing a reader can see
+    ("try:\n    pass\nexcept Exception as forward:\n    pass\n", "defines no 'forward'"),  # unbound at its end
+    ("async def forward(*a):\n    pass\n", "binds 'forward' only as an async def"),
+])
+def test_entry_symbol_not_bound_at_the_top_level_is_refused_and_not_run(tmp_path, source, detail):
+    marker = tmp_path / "marker"
+    folder = write_bundle(tmp_path / "b", "b", "m", [], MLP_OUTPUTS, MARK.format(marker=str(marker)) + source)
+    with pytest.raises(BundleRejected) as info:
+        load_entry(verify_bundle(folder))
+    assert info.value.reason is BundleRejection.MISSING_SYMBOL and detail in info.value.detail, info.value.detail
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("source", ["def forward(*a):\n    pass\ndel forward\n", "forward = 1\n"])
+def test_entry_symbol_gone_or_not_callable_after_running_is_still_refused(tmp_path, source):
+    """Bound at the top level is not bound at the end: the check after the import stays."""
+    marker = tmp_path / "marker"
+    folder = write_bundle(tmp_path / "b", "b", "m", [], MLP_OUTPUTS, MARK.format(marker=str(marker)) + source)
+    with pytest.raises(AttributeError, match="entry symbol 'forward' is not a callable in kernel.py"):
+        load_entry(verify_bundle(folder))
+    assert marker.read_text() == "ran"  # the static check passed it: this is the check after the import
 
 
 READER = """

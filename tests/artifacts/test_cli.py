@@ -137,6 +137,40 @@ def test_verify_duplicate_ids(tmp_path, capsys):
     assert all(r[2].startswith("duplicate_id") for r in rows[:2])
 
 
+def test_verify_a_root_given_twice_reads_it_once(tmp_path, capsys):
+    """A trial: `root` and `root/` made each bundle a duplicate of itself; a compile reads a
+    root once by its real path (registry.Read), and so does verify."""
+    root = tmp_path / "root"
+    folder = bundle(root / "a", "a")
+    code, rows = verify(capsys, root, f"{root}/", folder)
+    assert code == 0 and [r[:2] for r in rows] == [["a", "ok"]]
+
+
+def test_verify_says_a_torch_range_that_excludes_the_installed_torch(tmp_path, capsys, monkeypatch):
+    """A trial: such a bundle verified `ok` and then served nothing, silently."""
+    from graphdispatch_backend.artifacts import cli
+
+    monkeypatch.setattr(cli, "running_torch_version", lambda: "2.13.0+cpu")
+    write_bundle(tmp_path / "root" / "a", "a", "blocks.*.mlp", [], OUT, SOURCE, torch={"min": "2.14"})
+    write_bundle(tmp_path / "root" / "b", "b", "blocks.*.mlp", [], OUT, SOURCE, torch={"min": "2.13"})
+    code, rows = verify(capsys, tmp_path / "root")
+    assert code == 1 and [r[:2] for r in rows] == [["a", "rejected"], ["b", "ok"]]
+    assert rows[0][2].startswith("torch_version: the manifest's torch range (>= 2.14) excludes torch 2.13.0+cpu")
+
+
+@pytest.mark.parametrize("here, said", [(("cpu",), "; devices ['cuda'], this machine has cpu only: it serves no "
+                                                   "region here"), (("cpu", "cuda"), "")])
+def test_verify_says_a_bundle_serves_nothing_on_a_machine_without_its_devices(tmp_path, capsys, monkeypatch,
+                                                                             here, said):
+    """Not a rejection (exit 0: a bundle set shipped to CPU and GPU hosts alike), but said."""
+    from graphdispatch_backend.artifacts import cli
+
+    monkeypatch.setattr(cli, "machine_devices", lambda: here)
+    write_bundle(tmp_path / "root" / "a", "a", "blocks.*.mlp", [], OUT, SOURCE, devices=["cuda"])
+    code, rows = verify(capsys, tmp_path / "root")
+    assert code == 0 and rows[0][:3] == ["a", "ok", "blocks.*.mlp (1 file, parity bitwise)" + said]
+
+
 def test_verify_missing_root(tmp_path, capsys):
     bundle(tmp_path / "root" / "a", "a")
     code, rows = verify(capsys, tmp_path / "nope", tmp_path / "root")

@@ -12,7 +12,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import graphdispatch_backend
 from graphdispatch_backend.artifacts.registry import ArtifactLoadError, Registry
-from graphdispatch_backend.errors import RegistryError
+from graphdispatch_backend.errors import RegistryError, StrictModeError
 from graphdispatch_backend.testing import MLP_SOURCE, Block, mlp_inputs, write_bundle
 
 OUT = [{"shape": [2, 8], "dtype": "float32"}]
@@ -117,6 +117,30 @@ def test_a_root_one_level_too_high_names_the_folders_to_give(tmp_path):
     assert f"bundles are two levels down: give {tmp_path / 'kernels' / 'team'}" in error["message"]
 
 
+@pytest.mark.parametrize("spelling", ["{root}/", "{root}", "{root}/../root", "{link}"])
+def test_a_root_given_twice_is_read_once(tmp_path, spelling):
+    """A trial: `[root, root + "/"]` made every bundle a duplicate of itself ("provided by
+    X and X; neither is used"). Roots are one folder by their real path."""
+    root = tmp_path / "root"
+    bundle(root / "a", "a")
+    (tmp_path / "link").symlink_to(root, target_is_directory=True)
+    reg = Registry.load([str(root), spelling.format(root=root, link=tmp_path / "link")])
+    assert list(reg.artifacts) == ["a"] and reg.errors == []
+
+
+def test_a_bundle_that_is_also_a_root_is_read_once(tmp_path):
+    root = tmp_path / "root"
+    folder = bundle(root / "a", "a")
+    for roots in ([root, folder], [folder, root]):
+        reg = Registry.load([str(r) for r in roots])
+        assert list(reg.artifacts) == ["a"] and reg.errors == [], roots
+
+
+def test_a_missing_root_given_twice_is_one_error(tmp_path):
+    reg = Registry.load([str(tmp_path / "nope"), str(tmp_path / "nope") + "/"])
+    assert [e["reason"] for e in reg.errors] == ["missing_root"]
+
+
 # -- duplicate ids --------------------------------------------------------------------------------
 
 
@@ -137,6 +161,96 @@ def test_duplicate_ids_across_roots(tmp_path):
     bundle(tmp_path / "r2" / "x", "dup")
     reg = Registry.load([str(tmp_path / "r1"), str(tmp_path / "r2")])
     assert reg.artifacts == {} and [e["reason"] for e in reg.errors] == ["duplicate_id"]
+
+
+def test_a_root_given_twice_keeps_two_folders_with_one_id_a_duplicate(tmp_path):
+    root = tmp_path / "root"
+    bundle(root / "one", "dup")
+    bundle(root / "two", "dup")
+    reg = Registry.load([str(root), str(root) + "/"])
+    (error,) = reg.errors
+    assert error["reason"] == "duplicate_id" and error["bundle"] == f"{root / 'one'} and {root / 'two'}"
+
+
+# -- what this process runs: the torch range, the devices ------------------------------------------
+
+
+def this_minor() -> str:
+    return ".".join(str(torch.__version__).split(".")[:2])
+
+
+def test_a_torch_range_that_excludes_the_running_torch_rejects_the_bundle_saying_both(tmp_path):
+    """A trial: such a bundle was dropped region by region and said nowhere but the
+    report's counts: no WARNING, nothing under strict, `artifacts verify` ok."""
+    bundle(tmp_path / "root" / "old", "old", torch={"max_exclusive": this_minor()})
+    bundle(tmp_path / "root" / "ok", "ok", torch={"min": this_minor()})
+    reg = Registry.load([str(tmp_path / "root")])
+    assert list(reg.artifacts) == ["ok"]
+    (error,) = reg.errors
+    assert (error["bundle"], error["reason"]) == (str(tmp_path / "root" / "old"), "torch_version")
+    assert error["message"].startswith(f"the manifest's torch range (< {this_minor()}) excludes torch "
+                                       f"{torch.__version__}, which runs here")
+
+
+@pytest.mark.parametrize("version, miss", [("2.13.0+cpu", None), ("2.12.9", ">= 2.13, < 2.14"),
+                                           ("2.14.0", ">= 2.13, < 2.14"), ("2.14.0a0+git1", ">= 2.13, < 2.14")])
+def test_the_torch_range_is_judged_against_the_version_given(tmp_path, version, miss):
+    folder = bundle(tmp_path / "a", "a", torch={"min": "2.13", "max_exclusive": "2.14"})
+    reg = Registry.load([str(folder)], torch_version=version)
+    if miss is None:
+        assert list(reg.artifacts) == ["a"] and reg.errors == []
+    else:
+        assert reg.artifacts == {} and f"torch range ({miss}) excludes torch {version}" in reg.errors[0]["message"]
+
+
+def test_one_folder_per_torch_version_for_one_id_serves_the_one_in_range(tmp_path):
+    root = tmp_path / "root"
+    bundle(root / "k-2.12", "k", torch={"min": "2.12", "max_exclusive": "2.13"})
+    bundle(root / "k-2.13", "k", torch={"min": "2.13", "max_exclusive": "2.14"})
+    reg = Registry.load([str(root)], torch_version="2.13.1")
+    assert reg.artifacts["k"].bundle.folder == root / "k-2.13"
+    assert [(e["bundle"], e["reason"]) for e in reg.errors] == [(str(root / "k-2.12"), "torch_version")]
+
+
+def test_enable_naming_a_bundle_out_of_the_torch_range_is_its_rejection(tmp_path):
+    bundle(tmp_path / "root" / "a", "a", torch={"min": "2.14"})
+    reg = Registry.load([str(tmp_path / "root")], enable=["a"], torch_version="2.13.0")
+    (error,) = reg.errors
+    assert error["reason"] == "torch_version"
+    assert error["message"].endswith("; enable names 'a': the run goes on without it")
+
+
+def test_no_torch_installed_judges_no_torch_range(monkeypatch, tmp_path):
+    """`artifacts verify` reads the installed torch's version without importing it; where
+    there is none, no range is judged (the range only says which torch to run)."""
+    import importlib.metadata
+
+    from graphdispatch_backend.artifacts import registry
+
+    def absent(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    with monkeypatch.context() as patch:  # torch put back before anything could import it again
+        patch.delitem(registry.sys.modules, "torch")
+        assert registry.running_torch_version() == importlib.metadata.version("torch")
+        patch.setattr(importlib.metadata, "version", absent)
+        assert registry.running_torch_version() is None
+    monkeypatch.setattr(registry, "running_torch_version", lambda: None)
+    folder = bundle(tmp_path / "a", "a", torch={"min": "99.0"})
+    assert list(Registry.load([str(folder)]).artifacts) == ["a"]
+
+
+def test_a_bundle_for_devices_this_machine_lacks_is_said_at_info_and_not_rejected(tmp_path, gd_log):
+    cuda_only = bundle(tmp_path / "root" / "gpu", "gpu", devices=["cuda"])
+    bundle(tmp_path / "root" / "any", "any")
+    reg = Registry.load([str(tmp_path / "root")], devices=["cpu"])
+    assert sorted(reg.artifacts) == ["any", "gpu"] and reg.errors == []
+    said = [(r.levelname, r.getMessage()) for r in gd_log.records]
+    assert said == [("INFO", f"graphdispatch: artifacts: gpu ({cuda_only}): devices ['cuda'], this machine has "
+                              "cpu only: it serves no region here")], said
+    gd_log.clear()
+    Registry.load([str(tmp_path / "root")], devices=["cpu", "cuda"])
+    assert gd_log.records == []
 
 
 # -- enable -----------------------------------------------------------------------------------------
@@ -319,3 +433,48 @@ def test_enable_naming_a_tampered_bundle_warns_its_fix_and_the_run_goes_on(tmp_p
     with pytest.raises(BackendCompilerFailed) as info:
         torch.compile(model, backend="graphdispatch", options={**options, "strict": True})(x)
     assert "size_mismatch" in str(info.value.inner_exception)
+
+
+def test_a_torch_range_that_excludes_the_running_torch_warns_and_strict_raises(tmp_path, gd_log):
+    """The trial's `torch_range_excludes_this_torch`: a WARNING with the range and the
+    version, the report's registry errors (its authoring failures), StrictModeError under strict."""
+    write_bundle(tmp_path / "root" / "mlp", "mlp", "mlp", MLP_INPUTS, OUT, MLP_SOURCE,
+                 torch={"max_exclusive": this_minor()})
+    options = {"artifacts": str(tmp_path / "root"), "cuda_graphs": False}
+    model, x = Block().eval(), torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend="graphdispatch", options=options)(x), model(x))
+    said = [r.getMessage() for r in gd_log.records if r.levelname == "WARNING"]
+    assert [w for w in said if "rejected (torch_version)" in w and f"excludes torch {torch.__version__}" in w], said
+    report = graphdispatch_backend.latest_report()
+    assert [e["reason"] for e in report["registry"]["errors"]] == ["torch_version"]
+    assert report["graphs"][0]["substitutions"] == []
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed) as info:
+        torch.compile(model, backend="graphdispatch", options={**options, "strict": True})(x)
+    assert isinstance(info.value.inner_exception, StrictModeError)
+    assert "(torch_version)" in str(info.value.inner_exception)
+
+
+def test_a_cuda_only_bundle_on_a_cpu_machine_is_no_authoring_failure(tmp_path, gd_log, monkeypatch):
+    """The trial's `devices_cuda_only_on_cpu`: one bundle set shipped to CPU and GPU hosts is
+    no author's mistake (registry.Registry._note_idle): an INFO line at load, the region's
+    `device` rejection in the report, no WARNING, nothing raised under strict."""
+    from graphdispatch_backend.artifacts import registry
+
+    monkeypatch.setattr(registry, "machine_devices", lambda: ("cpu",))
+    write_bundle(tmp_path / "root" / "mlp", "mlp", "mlp", MLP_INPUTS, OUT, MLP_SOURCE, devices=["cuda"])
+    options = {"artifacts": str(tmp_path / "root"), "cuda_graphs": False, "strict": True}
+    model, x = Block().eval(), torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend="graphdispatch", options=options)(x), model(x))
+    assert [r.getMessage() for r in gd_log.records if r.levelname == "WARNING"] == []
+    assert [r.getMessage() for r in gd_log.records if "it serves no region here" in r.getMessage()] == [
+        f"graphdispatch: artifacts: mlp ({tmp_path / 'root' / 'mlp'}): devices ['cuda'], this machine has cpu only: "
+        "it serves no region here"]
+    report = graphdispatch_backend.latest_report()
+    assert report["registry"]["errors"] == [] and report["authoring"] == []
+    (region,) = [r for r in report["graphs"][0]["regions"] if r["name"] == "mlp"]
+    assert region["rejections"] == [{"artifact": "mlp", "reason": "device",
+                                     "detail": "region on cpu, artifact supports ['cuda']"}]
