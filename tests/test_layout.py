@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "graphdispatch_backend"
 
 # lowest first: what everyone may use, then the pipeline's stages in order, then its entry points
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "table", "region", "codegen", "options", "patterns"),
+    ("errors", "table", "region", "codegen", "options", "inductor_options", "patterns"),
     ("diagnostics",),
     ("artifacts",),
     ("capture",),

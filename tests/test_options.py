@@ -576,7 +576,7 @@ def test_every_inductor_default_is_of_its_declared_type():
     type (or the type cannot be told: one written as text)."""
     from torch._inductor import config
 
-    from graphdispatch_backend.options import inductor_type_fits
+    from graphdispatch_backend.inductor_options import inductor_type_fits
 
     known = config.get_config_copy()
     assert not [k for k in known if inductor_type_fits(known[k], config.get_type(k)) is False]

@@ -12,7 +12,7 @@ from typing import Any
 
 from graphdispatch_backend.diagnostics.report import GraphRecord
 from graphdispatch_backend.errors import FusionStatus
-from graphdispatch_backend.options import reported
+from graphdispatch_backend.inductor_options import reported
 
 
 class FusionReport:
