@@ -262,6 +262,7 @@ class Demotion(str, enum.Enum):
     MUTATED_INPUT = "mutated_input"
     SLOWER = "slower"  # speed_gate: not faster than native
     DREW = "drew"  # drew from torch's default generator, which its region does not
+    CHANGED_SETTINGS = "changed_settings"  # changed a process-wide torch setting (the default dtype, flush-denormal)
 
 
 class BundleRejection(str, enum.Enum):

@@ -318,6 +318,25 @@ def test_one_kernel_keeping_one_buffer_for_two_regions_serves_no_wrong_output(tm
     assert [(s["demoted"], s["reason"]) for s in subs] == [(True, "bad_output")] * 2, subs
 
 
+@pytest.mark.parametrize("change, setting", [
+    ("torch.set_default_dtype(torch.float64)", "the default dtype from torch.float32 to torch.float64"),
+    ("torch.set_flush_denormal(True)", "flush-denormal from False to True"),
+])
+def test_a_kernel_changing_a_process_wide_setting_is_demoted_and_it_is_put_back(tmp_path, change, setting):
+    """The user's own code after the call computed otherwise (`torch.zeros(1)` float64, a
+    subnormal flushed to 0), the artifact reported serving (a trial). Met at its judged first
+    call: put back, demoted."""
+    mlp_bundle(tmp_path, change)
+    try:
+        _, _, sub = run(tmp_path, calls=3)
+        assert torch.zeros(1).dtype == torch.float32 and (torch.tensor([1e-39]) * 1.0).item() != 0.0
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_flush_denormal(False)
+    assert (sub["demoted"], sub["reason"], sub["calls"]) == (True, "changed_settings", 0), sub["detail"]
+    assert setting in sub["detail"], sub["detail"]
+
+
 def test_a_kernel_calling_sys_exit_is_demoted_and_the_process_goes_on(tmp_path):
     """SystemExit is no Exception: a kernel's `sys.exit()` (a helper refusing an input it
     does not support) ended the user's process (a trial)."""

@@ -47,6 +47,7 @@ from graphdispatch_backend.runtime.checks.draws import undrawn
 from graphdispatch_backend.runtime.checks.parity import Mismatch, compare
 from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, by_parity, held
 from graphdispatch_backend.runtime.checks.world import Writes
+from graphdispatch_backend.runtime.gates.settings import unchanged
 
 
 @dataclasses.dataclass
@@ -87,6 +88,7 @@ class Outcome:
     copied: list[Guard] = dataclasses.field(default_factory=list)  # declared inputs copied whole
     copying: bool = True  # whole copies were asked for (not at a re-check)
     drew: bool = False  # the artifact drew from a default generator (put back)
+    changed: str | None = None  # the process-wide settings the artifact changed (put back), said
 
     def keep_native(self) -> None:
         """Leave the declared inputs as the native run wrote them (wherever the artifact
@@ -126,7 +128,9 @@ class Beside:
             return Outcome(native_out, unjudged=_failed("snapshotting the native run's writes", exc))
         # the generators as native's run left them: the kernel may not move them (a draw of
         # its own would shift every later draw of the caller's), and they are put back
-        (result, raised), drew = undrawn(lambda: self._contain_artifact(lambda: artifact(*inputs)))
+        # ... nor torch's process-wide settings (runtime/gates/settings.py), put back too
+        ((result, raised), drew), changed = unchanged(
+            lambda: undrawn(lambda: self._contain_artifact(lambda: artifact(*inputs))))
         judged, exc = self._contain(lambda: self._judge(declared, guards, side, parity))
         if exc is not None:
             outcome = Outcome(native_out, side=side, copied=copied,
@@ -135,7 +139,7 @@ class Beside:
             return outcome
         touched, undone, writes, outside = judged
         return Outcome(native_out, result, raised, touched, undone, writes, outside,
-                       not outside or len(copied) == len(declared), None, side, copied, whole, drew)
+                       not outside or len(copied) == len(declared), None, side, copied, whole, drew, changed)
 
     def _judge(self, declared: list[int], guards: list[Guard], side: SideBySide,
                parity: Any) -> tuple[list[int], bool, Any, bool]:

@@ -158,6 +158,9 @@ class GateJudge:
             return Demotion.DREW, ("drew from torch's default generator, which its region does not (put back: "
                                    "the caller's later draws are eager's); a kernel's randomness needs a generator "
                                    "of its own"), None
+        if o.changed:
+            return Demotion.CHANGED_SETTINGS, (f"changed torch's process-wide settings: {o.changed} (put back: the "
+                                               "rest of the process runs as it would without the kernel)"), None
         outs = as_tuple(o.result)
         if recheck and meta(outs) != self.passed.get(key, meta(outs)):  # what a later call would call bad
             expected = describe_meta(self.passed[key])
