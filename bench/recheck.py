@@ -16,7 +16,8 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
 2. `steady`: the cost of the checks in steady state: 4,096 calls of one batch size after
    the first 64 (the capture, verification and the first, dense checks), timed per call
    for `recheck="doubling"` (the default: the interval doubles up to 1024 calls, jittered),
-   `recheck=10**9` (no re-check after the first call: the baseline) and `recheck="every"`
+   `recheck=10**9` (no re-check after the first call: the baseline, past the 1024 a user
+   may set, the bound raised in this process only) and `recheck="every"`
    (stated): the three compiled side by side anew per repeat, timed in windows of 256
    calls whose order rotates window by window. Figures: the timed ratio doubling /
    baseline (median of paired ratios), and the same cost from its parts, measured in the

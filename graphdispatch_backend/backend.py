@@ -185,12 +185,12 @@ def _kept_apart(compiled: Callable[..., Any], gm: fx.GraphModule, builder: _Buil
     overlapping runs the Dynamo graph, whose in-place ops eager's order keeps, counted
     `contract_mismatch` and said once. Positions are the Dynamo graph's (aot's less the
     module state it lifted first)."""
-    record = builder.record
     written = [p - lifted for p in builder.mutated or () if p >= lifted]
-    others = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)
-              and not (i + lifted < len(origins) and origins[i + lifted].kind in STATE_KINDS)]
     if not written:
         return compiled
+    record = builder.record
+    others = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)
+              and not (i + lifted < len(origins) and origins[i + lifted].kind in STATE_KINDS)]
     names = [origins[i + lifted].name if i + lifted < len(origins) else "" for i in range(len(example_inputs))]
     apart, dynamo_graph = WrittenApart(written, others, names), generated_forward(gm)
 

@@ -132,8 +132,8 @@ class PlaceholderContract:
 
 
 class WrittenApart:
-    """The inputs a graph writes (`written`, aot positions), against its other tensor inputs
-    that are no parameter or buffer (`others`): aot traced them apart, so its graph, and a
+    """The inputs a graph writes (`written`, positions of the call's arguments), against its
+    other tensor inputs that are no parameter or buffer (`others`): aot traced them apart, so its graph, and a
     replay that reads each input from its own copy or address, compute as if a write into
     one never reached another, where eager's write is seen through an overlapping view (a
     trial: `a.add_(1)` on one of two overlapping views of one tensor, 24 replays off). A call
@@ -169,7 +169,6 @@ class WrittenApart:
                             return (f"{self._name(w)}, which the graph writes, overlaps {self._name(o)} in memory "
                                     "(traced apart: the graph and its replays would not see the write through it)")
         return None
-
 
     def _name(self, position: int) -> str:
         name = self._names[position] if position < len(self._names) else ""

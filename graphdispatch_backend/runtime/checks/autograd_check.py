@@ -38,7 +38,6 @@ compare. Everything runs inside `contain`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -75,13 +74,12 @@ class EagerGradients(NamedTuple):
 def _grads(outputs: Sequence[Any], want_diff: Sequence[int], wrt: Sequence[tuple[str, torch.Tensor]],
            cots: Sequence[torch.Tensor], start: Start | None = None) -> tuple[torch.Tensor, ...]:
     """One backward of the check, from the global generators where the user's own backward
-    would find them, and putting them back after (`_draws_put_back`): the backward of
-    eager's outputs from where eager's forward left its private copies (`start`; the
-    reference), the others from where the compiled forward left the user's (it drew from
-    them)."""
+    would find them, putting them back after: the backward of eager's outputs from where
+    eager's forward left its private copies (`start.where_eager_left`, for a graph that
+    draws), the others from where the compiled forward left the user's (it drew from them;
+    `_draws_put_back`)."""
     differentiated = [outputs[i] for i in want_diff]
-    with _draws_put_back([*differentiated, *(t for _, t in wrt)]), \
-            start.where_eager_left() if start is not None else contextlib.nullcontext():
+    with start.where_eager_left() if start is not None else _draws_put_back([*differentiated, *(t for _, t in wrt)]):
         return torch.autograd.grad(differentiated, [t for _, t in wrt], cots, retain_graph=True,
                                    allow_unused=True, materialize_grads=True)
 

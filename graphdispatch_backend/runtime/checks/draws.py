@@ -80,7 +80,6 @@ class Start:
         for device, state in {**self._states, **(self._end or {})}.items():
             _default(device).set_state(state)
 
-
     @contextlib.contextmanager
     def where_eager_left(self) -> Iterator[None]:
         """The default generators where eager's run left its copies (as the call began on

@@ -38,20 +38,20 @@ class OutputMemory:
     __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+        self._held: dict[int, weakref.ref[torch.Tensor]] = {}  # storage address -> the output in it
 
     def reused(self, outs: Sequence[Any], inputs: Sequence[Any]) -> int | None:
         """The first of `outs` in memory an earlier output still holds (None: none), then
         `outs` remembered as the last outputs. About 0.3 us an output."""
-        held, found, fresh = self._held, None, []
+        held, found, fresh = self._held, None, {}
         for i, out in enumerate(outs):
             if type(out) is not torch.Tensor and not isinstance(out, torch.Tensor):
                 continue
             ptr = out.untyped_storage().data_ptr()
-            if found is None and ptr and any(p == ptr and r() is not None for p, r in held) \
-                    and not _in_inputs(ptr, inputs):
+            earlier = held.get(ptr) if ptr else None
+            if found is None and earlier is not None and earlier() is not None and not _in_inputs(ptr, inputs):
                 found = i
-            fresh.append((ptr, weakref.ref(out)))
+            fresh[ptr] = weakref.ref(out)
         self._held = fresh
         return found
 
