@@ -53,7 +53,11 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    noise), beside the same from its parts: the sites' statistics per call (`observe` timed
    alone on the stack's input in the same run, times the sites a call passes; alone it
    runs faster than inside a call) plus the novelty checks made in the window times what
-   a check costs, over the window's time. Target: <= 1.02.
+   a check costs, over the window's time. Target: <= 1.02. Beside them, the floor: the
+   stack run by plain PyTorch, with and without one `aminmax` per site (the eager artifact
+   mode's 9), timed the same way (`eager_floor`): what a statistic per region costs inside
+   a model's kernels, whatever takes it (2026-12-07, dim 512: about 15 us a site, 5-9% of
+   a call of these 4-op blocks; the eager artifact mode's sites cost about that).
 
 Flags: `--only server,steady,artifact,novelty` runs those parts (default: all); `--dim N`
 and `--batch B` size the stack's hidden state (default 64 and 4: a toy, where a call is so
@@ -290,13 +294,56 @@ def observe_us(repeats: int = 5, calls: int = 20000) -> float:
     return best
 
 
+def eager_floor(repeats: int) -> dict[str, Any]:
+    """The floor of any per-site statistic, without graphdispatch: the bench stack run by
+    plain PyTorch, with and without one `aminmax` of each block's input (and of the stack's
+    input: the sites of the eager artifact mode, one per block and the graph's), timed as in
+    2 (windows of CHUNK calls, the two alternating): us per call and the ratio, the median of
+    paired ratios. What it shows: one more pass over a small activation costs, inside the
+    model's own kernels, several times what it costs alone; a statistic per region costs at
+    least this, whatever takes it."""
+    model = block_stack(depth=DEPTH, dim=DIM)
+    blocks = list(model.blocks)
+    outs = (torch.empty(()), torch.empty(()))
+
+    def with_statistic(x: torch.Tensor) -> torch.Tensor:
+        torch.aminmax(x, out=outs)
+        for block in blocks:
+            torch.aminmax(x, out=outs)
+            x = block(x)
+        return x
+
+    xs = [torch.randn(BATCH, DIM) for _ in range(8)]
+    fns = {"plain": model, "statistic": with_statistic}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(repeats):
+            spent = dict.fromkeys(fns, 0.0)
+            for fn in fns.values():  # warm
+                for i in range(STEADY_AFTER):
+                    fn(xs[i % 8])
+            for chunk in range(STEADY_CALLS // CHUNK):
+                order = list(fns) if chunk % 2 == 0 else list(reversed(fns))
+                for name in order:
+                    fn = fns[name]
+                    start = CLOCK[0]()
+                    for i in range(CHUNK):
+                        fn(xs[i % 8])
+                    spent[name] += CLOCK[0]() - start
+            for name in fns:
+                samples[name].append(spent[name] / STEADY_CALLS * 1e6)
+    ratio = statistics.median(s / p for s, p in zip(samples["statistic"], samples["plain"]))
+    per_site = statistics.median(s - p for s, p in zip(samples["statistic"], samples["plain"])) / (DEPTH + 1)
+    return {"steady_us": samples, "sites_per_call": DEPTH + 1, "ratio": ratio, "per_site_us": per_site}
+
+
 def novelty_steady(root: str, repeats: int) -> dict[str, Any]:
     """Part 4, per place the checks run: us per call with the novelty checks (the default)
     and without, side by side; the checks they made in the window; the cost from its parts:
     the sites' statistics per call (the graph's check, and each gate on an eager call) plus
     the novelty checks in the window at the cost of a check, over the window's time."""
     per_observe = observe_us(1 if SMOKE_RUN else 5, 2000 if SMOKE_RUN else 20000)
-    out: dict[str, Any] = {"observe_us": per_observe}
+    out: dict[str, Any] = {"observe_us": per_observe, "eager_floor": eager_floor(repeats)}
     for mode, options in NOVELTY_MODES.items():
         options = {**options, **({"artifacts": root} if "artifact" in mode else {})}
         # a session of its own for the variant compiled without them (cache_dir is read by fuse only)
@@ -465,6 +512,18 @@ def _novelty_part(watched: dict[str, Any], repeats: int, payload: dict[str, Any]
             got["timed_ratio"] <= NOVELTY_MAX,
             "judged on the timed ratio; `observe` alone runs its reduction from warm caches, inside a call the "
             "model's kernels have evicted its code path (a site costs 3-9x its time alone)"))
+    floor = watched["eager_floor"]
+    for name in ("plain", "statistic"):
+        samples_ = floor["steady_us"][name]
+        novelty_rows.append(["plain PyTorch, no graphdispatch (the floor)",
+                             f"one aminmax a site: {name == 'statistic'}",
+                             f"{statistics.median(samples_):.1f}",
+                             f"{statistics.median(a / b for a, b in zip(samples_, floor['steady_us']['plain'])):.3f}",
+                             "-"])
+    targets.append(Target(
+        f"novelty floor: plain PyTorch with one aminmax per site ({floor['sites_per_call']} a call) / without",
+        "(info)", f"{floor['ratio']:.3f}x ({floor['per_site_us']:.1f} us a site in a call)", None,
+        "what a statistic per region costs whatever takes it: the eager artifact mode's sites cannot cost less"))
     payload["novelty"] = watched
     return (f"novelty checks: us per call over {STEADY_CALLS} calls after the first {STEADY_AFTER}, with the "
             f"statistics (watched, the default) and without ({repeats} repeats; x: median of paired ratios; "
