@@ -132,13 +132,15 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                         and all(every[p] is not t for t in found)]
 
     unwritten_reads = [p for p in reads if p not in mutated]  # those the graph writes are in its world already
+    writing = any(s.mutates for s in record.substitutions)  # a kernel serving here writes its inputs
 
     def kept(args: Sequence[Any]) -> list[torch.Tensor]:
-        """The inputs artifacts read and nothing writes, copied while the copies fit
-        max_snapshot_bytes: a write into one is undone (runtime/checks/side_by_side.py)."""
+        """The `whole` inputs copied while the copies fit max_snapshot_bytes (together): the
+        written ones where a kernel that writes its inputs serves (a write beyond its rows),
+        then those artifacts read and nothing writes; such a write is put back
+        (runtime/checks/side_by_side.py)."""
         every, out, total = [*lifted, *args], [], 0
-        for p in unwritten_reads:
-            t = every[p]
+        for t in [*(writes.located(every) if writing else ()), *(every[p] for p in unwritten_reads)]:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
                 if total > session.options.max_snapshot_bytes:
@@ -182,6 +184,5 @@ def eager_checked(session: Session, record: GraphRecord, gm: fx.GraphModule, eag
                       watched=watched,
                       # a kernel that writes its inputs may write beyond the rows: where it replays (no
                       # gate runs), those inputs are read whole; an eager call's gate reads them itself
-                      whole=located if plan.engine is not Engine.OFF and (reads or any(
-                          s.mutates for s in record.substitutions)) else None,
-                      kept=kept if plan.engine is not Engine.OFF and unwritten_reads else None)
+                      whole=located if plan.engine is not Engine.OFF and (reads or writing) else None,
+                      kept=kept if plan.engine is not Engine.OFF and (unwritten_reads or writing) else None)

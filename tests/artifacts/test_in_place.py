@@ -66,6 +66,8 @@ WRITES = {  # (the write, what it does after computing its output)
     # from position 25 (the 6th call) on, a past row as well: an off-by-one met only later
     "late_extra_row": (RIGHT, 'a["cache"][0] += (a["input1"] >= 25).float()'),
     "scribble": (RIGHT, 'a["proj.weight"].add_(1.0)'),
+    # the same from position 25 on, but before it reads the cache: that call's output is off too
+    "late_past_row_read": (RIGHT + '; a["cache"][0] += (a["input1"] >= 25).float()', "pass"),
 }
 
 
@@ -206,6 +208,42 @@ def test_a_kernel_that_writes_a_past_row_only_later_is_caught_at_a_recheck(tmp_p
     if cuda_graphs is False:
         assert "not undone: a re-check keeps no whole copy" in sub["detail"], sub
         assert sub["caught_at_call"] is not None and sub["caught_at_call"] >= 6, sub
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_past_row_written_before_the_read_is_blamed_on_the_kernel_not_on_eager(tmp_path, cuda_graphs):
+    """The kernel above, writing the past row before it reads the cache: from call 6 on, the
+    served output differs too. A check that compared the outputs first, and ran eager again
+    from the rows it put back, met a cache the kernel had changed beyond them: eager
+    disagreed with itself, the graph was declined as `eager_nondeterministic` (no replay for
+    the rest of the process), the artifact stayed `passed` and the check answered with
+    eager's second, wrong run (a trial's static-cache Llama, 2026-12-07). Now the cache is
+    fingerprinted with eager's rows in place when the rows differ too: the write beyond them
+    is found, the kernel demoted, and the checked call answers eager's first run, its values
+    bit for bit with eager's."""
+    _bundle(tmp_path, "late_past_row_read")
+    graphdispatch_backend.reset()
+    torch._dynamo.reset()
+    model, ref = _make(), _make()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path),
+                                                                      "cuda_graphs": cuda_graphs})
+    wrong = []
+    with torch.no_grad():
+        for i in range(24):
+            # eager from the cache as it stands (not undone: what the kernel wrote stays)
+            ref.attn.cache.copy_(model.attn.cache)
+            want = ref(*_args(i))
+            if not torch.equal(compiled(*_args(i)), want):
+                wrong.append(i)
+    (graph,) = accounted_graphs()
+    (sub,) = graph["substitutions"]
+    assert (sub["demoted"], sub["reason"]) == (True, "parity"), sub
+    assert graph["lowering_check"]["status"] != "eager_nondeterministic", graph["lowering_check"]
+    assert sub["calls"] + sub["replays"] + sub["native_calls"] == 24, sub  # every call of the region, once
+    caught = sub["caught_at_call"]
+    assert caught is not None and caught >= 6, sub
+    # every call from the catch on answers eager's values (the calls served unchecked before it may not)
+    assert all(i < caught - 1 for i in wrong), (wrong, caught)
 
 
 def test_an_undeclared_write_is_a_signature_rejection_that_says_what_to_declare(tmp_path):

@@ -23,18 +23,21 @@ a mismatch `again` runs the reference once more from the world before: a referen
 disagrees with itself is `NONDETERMINISTIC` (its message written here once), with the op
 whose bits differed named (runtime/checks/suspects.py).
 
-The world holds the rows a call writes, not the caches around them; what a party writes
-beyond those rows is neither kept nor put back. Where an artifact that writes its inputs
-serves inside the candidate (a hand-written attention writing its KV cache rows), the
-judge also names those inputs `whole`: each is fingerprinted whole (runtime/checks/digest.py:
-a read, no copy) once the reference ran and again once the candidate did, and where the
-rows agree bit for bit and a fingerprint does not, the candidate wrote beyond them
-(`beyond`): a mismatch (a kernel that wrote a past row only from some position on, caught at
-the first check after, where comparing the rows alone passed it on every call). The inputs
-such kernels read and do not declare writing (a weight) are named `whole` too, and copied
-before either party runs where the copies fit (`kept`): neither party writes them, so one
-that changed was written by the candidate, and its copy puts it back (a kernel that added
-to a bias on one replayed call, 2026-12-07).
+The world holds the rows a call writes, not the caches around them. Where an artifact that
+writes its inputs serves inside the candidate (a hand-written attention writing its KV cache
+rows), the judge also names those inputs `whole`: each is fingerprinted whole
+(runtime/checks/digest.py: a read, no copy) once the reference ran and again once the
+candidate did, with the reference's rows in place, and where a fingerprint differs the
+candidate wrote beyond the rows (`beyond`): a mismatch, said before whatever else differs (a
+kernel that wrote a past row only from some position on, caught at the first check after,
+where comparing the rows alone passed it on every call; one that wrote it before reading the
+cache made its own output differ too, and eager run again on the cache it left disagreed
+with itself: 2026-12-07). The inputs such kernels read and do not declare writing (a
+weight) are named `whole` too. Those inputs are copied before either party runs where the
+copies fit (`kept`, max_snapshot_bytes in all): a write beyond the rows is put back, and
+every world put back after it starts from the copies (the eager runs that tell who wrote it
+run on the world before, and the cache is left as eager left it). Where they do not fit, the
+write stays (said: not undone).
 
 A result is a `Compared`: equal; a mismatch with its detail; the reference nondeterministic;
 raised (a party, or graphdispatch's own step); the snapshot refused.
@@ -121,7 +124,7 @@ def held(regions: Sequence[Region]) -> Callable[[], None]:
 class SideBySide:
     """One comparison's world: the world before, and each party's once it ran."""
 
-    __slots__ = ("_contain", "_kept", "_prints", "_whole", "_worlds")
+    __slots__ = ("_contain", "_kept", "_moved", "_prints", "_whole", "_worlds")
 
     def __init__(self, before: World, contain: Contain, whole: Sequence[Any] = (),
                  kept: Sequence[Any] = ()) -> None:
@@ -129,8 +132,10 @@ class SideBySide:
         self._worlds: dict[str, World] = {BEFORE: before}
         self._whole = tuple(whole)  # inputs fingerprinted whole after each party (module docstring)
         self._prints: dict[str, list[Any]] = {}
-        # inputs no party may write, each with its copy from before (module docstring)
+        # `whole` inputs with their copies from before (module docstring): put back where a
+        # party wrote one beyond the rows, and from then on under every world put back (`_moved`)
         self._kept = [(t, t.clone()) for t in kept]
+        self._moved = False
 
     @classmethod
     def take(cls, regions: Sequence[Region], contain: Contain, whole: Sequence[Any] = (),
@@ -175,7 +180,11 @@ class SideBySide:
         return not self._worlds[BEFORE].empty
 
     def back(self, party: str = BEFORE) -> None:
-        """The world put back as it was before, or as `party` left it."""
+        """The world put back as it was before, or as `party` left it (after a write beyond
+        the rows, the copies first: the rows a party wrote go onto the inputs as they were)."""
+        if self._moved:
+            for t, copy in self._kept:
+                t.copy_(copy)
         self._worlds[party].restore()
 
     def pairs(self) -> tuple[list[Any], list[Any]]:
@@ -189,24 +198,46 @@ class SideBySide:
 
     def beyond(self) -> Mismatch | None:
         """The candidate, as it left the world now, wrote a `whole` input beyond the rows the
-        reference wrote (their rows equal bit for bit, the fingerprints not; module docstring)."""
+        reference wrote: with the reference's rows in place, a fingerprint differs from the
+        reference's (module docstring). Where the candidate's rows differ too, the reference's
+        are put in place for the fingerprints and the candidate's back after them."""
         before = self._prints.get(REFERENCE)
-        if before is None or bitwise(*self.pairs()) is not None:
+        if before is None:
             return None
+        if bitwise(*self.pairs()) is None:
+            now = [digest(t) for t in self._whole]
+        else:
+            candidate = self._worlds[REFERENCE].swap()  # the candidate's rows kept, the reference's in place
+            try:
+                now = [digest(t) for t in self._whole]
+            finally:
+                candidate.restore()
         found = None
-        for t, printed in zip(self._whole, before):
-            if not torch.equal(digest(t), printed):
+        for t, printed, printed_now in zip(self._whole, before, now):
+            if not torch.equal(printed_now, printed):
                 copy = next((c for k, c in self._kept if k is t), None)
-                if copy is not None:
-                    t.copy_(copy)  # no party writes it: as it was before, as eager left it
+                if copy is not None:  # as it was before either party ran: the rows go back onto it
+                    t.copy_(copy)
+                    self._moved = True
                 found = found or Mismatch(-1, BEYOND, f"{list(t.shape)} {t.dtype} differs beyond the rows the graph "
                                           "writes: the served call wrote where eager does not "
                                           f"({'undone' if copy is not None else 'not undone'})")
         return found
 
     def compare(self, outputs: Callable[[], Mismatch | None], judge: Judge = bitwise) -> Compared:
-        """The candidate's outputs (`outputs` compares them with the reference's), then its writes."""
-        mismatch, exc = self._contain(lambda: outputs() or self.writes(judge) or self.beyond())
+        """The candidate's outputs (`outputs` compares them with the reference's), then its
+        writes, and whether it wrote beyond the rows (`beyond`), whatever the outputs and rows
+        said: a write beyond them moved the world the reference would run on again (a kernel
+        that writes a past row before it reads the cache makes its own output differ too),
+        so it is said first, and the judge runs no reference again on a world it cannot put back."""
+        def judged() -> Mismatch | None:
+            found = outputs() or self.writes(judge)
+            wide = self.beyond() if self._whole else None
+            if wide is None or found is None:
+                return wide or found
+            return dataclasses.replace(wide, detail=f"{wide.detail}; and {found}")
+
+        mismatch, exc = self._contain(judged)
         if exc is not None:
             return Compared(Kind.RAISED, f"{type(exc).__name__}: {exc}", error=exc, party=OWN)
         return EQUAL if mismatch is None else Compared(Kind.MISMATCH, str(mismatch), mismatch)

@@ -209,7 +209,8 @@ class ArtifactGate:
                    if in_recording() else "on a call served unchecked")
             self._demote(Demotion.MUTATED_INPUT,
                          f"wrote into {names} {run} (torch counted the write; not undone: "
-                         "such a run keeps no copy, so those inputs may hold what it wrote)",
+                         "such a run keeps no copy, so those inputs may hold what it wrote, but where the graph's "
+                         "check against eager made the run and copied them: it puts them back)",
                          counted=False, inputs=inputs)
             return None
         if exc is not None and in_recording() and refused_by_capture(exc):
