@@ -79,6 +79,15 @@ def contract_broken(record: GraphRecord, detail: str) -> None:
         record.contract_detail = record.contract_detail or detail
 
 
+def answered_natively(record: GraphRecord) -> None:
+    """The Dynamo graph answered a call (a declined lowering, a broken contract, a snapshot
+    short of memory): each region an artifact was substituted into ran its own code once,
+    natively, so that calls + replays + native_calls stays every call of the region."""
+    for sub in record.substitutions:
+        with sub.lock:
+            sub.native_calls += 1
+
+
 def piece_added(record: GraphRecord, stats: CudaGraphStats) -> CudaGraphStats:
     """A capturable piece's counters, owned by the graph's record (assemble.py)."""
     record.piece_stats.append(stats)

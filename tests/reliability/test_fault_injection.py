@@ -33,7 +33,7 @@ from torch import nn
 
 import graphdispatch_backend
 from graphdispatch_backend.diagnostics.render import render
-from graphdispatch_backend.errors import GraphDispatchError, RegistryError
+from graphdispatch_backend.errors import Decline, GraphDispatchError, RegistryError
 from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.testing import write_bundle
@@ -679,6 +679,32 @@ def test_every_region_call_is_counted_once_after_every_kind_of_demotion(tmp_path
     assert report["artifacts"]["fault"]["calls"] + report["artifacts"]["fault"]["replays"] \
         + report["artifacts"]["fault"]["native_calls"] == 20, report["artifacts"]["fault"]
     counts["injected_faults"] += 1
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_every_region_call_is_counted_once_after_the_graph_is_declined(tmp_path, cuda_graphs):
+    """The graph itself declined (a lowering verdict, forced here before its 3rd call) while
+    an exact artifact is substituted: the Dynamo graph answers every later call, and the
+    region's own code runs in each. Those calls were counted nowhere (a trial's static-cache
+    Llama: calls + replays + native 8 of 21 region calls); now each is a native call."""
+    import gc
+
+    from graphdispatch_backend import session
+    from graphdispatch_backend.runtime.checks.lowering import Lowering
+
+    def decline(i: int) -> None:
+        if i == 2:  # this test's graph's lowering (the session's only graph)
+            (record,) = [g for s in session._SESSIONS.values() for g in s.report.graphs]
+            (lowering,) = [o for o in gc.get_objects() if type(o) is Lowering and o._record is record]
+            lowering.give_up(Decline.LOWERING_MISMATCH, "forced by the test")
+
+    report = run(make(), {"cuda_graphs": cuda_graphs, "warmup": 1, "verify_inputs": 2,
+                          "artifacts": str(bundle(tmp_path, kernel()))}, calls=12, before=decline)
+    (graph,) = report["graphs"]
+    assert graph["lowering_check"]["status"] == "lowering_mismatch", graph["lowering_check"]
+    sub = substitution(report)
+    assert sub["calls"] + sub["replays"] + sub["native_calls"] == 12, sub
+    assert sub["native_calls"] == 10, sub  # the calls after the verdict: the Dynamo graph's
 
 
 # -- a kernel wrong only for some inputs, at calls no schedule names ---------------------------

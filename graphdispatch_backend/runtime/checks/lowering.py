@@ -42,6 +42,7 @@ class Lowering:
         caller's error, the call is counted `raised` as it leaves the check: eager_check.py)."""
         out = self._eager(*args)
         self._record.called(False, reason.value)
+        record_fields.answered_natively(self._record)
         return out
 
     def verdict(self, reason: Decline, detail: str, answer: Any, gradients: Sequence[str] = ()) -> Any:
@@ -99,6 +100,7 @@ class Lowering:
         """The compiled graph raised on a call that was not checked: if eager answers the
         same inputs, the lowering is at fault; else the error is the user's own."""
         out = self._eager(*args)  # raises the user's own error if there is one
+        record_fields.answered_natively(self._record)
         if is_out_of_memory(exc):  # memory was short this once: no verdict on the lowering
             self._record.called(False, Decline.OUT_OF_MEMORY.value)
             return out

@@ -117,6 +117,7 @@ class CompiledGraph:
         self._on_mismatch(detail)
         out = self._native(*args)
         self._record.called(False, Decline.CONTRACT_MISMATCH.value)
+        record_fields.answered_natively(self._record)
         return out
 
     def _timed_call(self, args: list[Any]) -> Sequence[Any]:
