@@ -165,15 +165,36 @@ def signature(entry: dict[str, Any]) -> dict[str, list[Any]]:
 
 
 def named_elsewhere(every: list[Kind], kind: Kind, pattern: str) -> tuple[int, int]:
-    """The regions `pattern` names outside `kind`: (those of its own modules in other graphs,
-    those of other modules). The first are no other kind to a reader (Dynamo compiled the same
-    modules again, with other shapes): a pin would keep the kernel from them (a trial followed
-    "keep the fingerprint" there, and its kernel served 25 of 40 calls)."""
+    """The regions `pattern` names outside `kind`: (those of its own modules in other graphs
+    with its layout, those of other modules or of another layout). The first are no other
+    kind to a reader (Dynamo compiled the same modules again, with other shapes): a pin would
+    keep the kernel from them (a trial followed "keep the fingerprint" there, and its kernel
+    served 25 of 40 calls). Its own modules in another graph with another layout (other
+    inputs, dtypes or writes: a static-cache Llama's prefill attention takes 11 inputs, its
+    decode step 9) are no sizes its kernel could serve: each is a `signature` rejection, and
+    under `strict` the scaffolded bundle failed the compile (a trial, 2026-12-07), so they
+    count with the other kinds, and the fingerprint is kept."""
     mine = {n.split("#", 1)[0] for n in kind.names}
-    named = [n.split("#", 1)[0] for o in every if (o.fingerprint, o.names) != (kind.fingerprint, kind.names)
-             for n in o.names if matches(pattern, n.split("#", 1)[0])]
-    again = sum(1 for n in named if n in mine)
-    return again, len(named) - again
+    layout = _layout(kind.entry)
+    again = others = 0
+    for o in every:
+        if (o.fingerprint, o.names) == (kind.fingerprint, kind.names):
+            continue
+        for n in o.names:
+            base = n.split("#", 1)[0]
+            if matches(pattern, base):
+                if base in mine and _layout(o.entry) == layout:
+                    again += 1
+                else:
+                    others += 1
+    return again, others
+
+
+def _layout(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What a region's signature holds besides its sizes: its inputs' names and dtypes, its
+    outputs' dtypes, the inputs it writes."""
+    return (tuple((i["name"], i["dtype"]) for i in entry["inputs"]), tuple(o["dtype"] for o in entry["outputs"]),
+            tuple(entry.get("mutates") or ()))
 
 
 def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.json",
@@ -222,8 +243,9 @@ def render(report: dict[str, Any], pattern: str = "*", source: str = "dispatch.j
                        "signature fits (write null for a size that varies)")
         if others:
             alone = ", ".join(f"`{p}`" for p, fp in k.own_choices(every) if fp is None)
-            out.append(f"  `{pattern}` also names {others} region(s) of other kinds: keep the fingerprint (as the "
-                       "scaffold command below does)" + (f", or name this kind alone: {alone}" if alone else ""))
+            out.append(f"  `{pattern}` also names {others} region(s) of other kinds (other modules, or these with "
+                       "other inputs, dtypes or writes): keep the fingerprint (as the scaffold command below does)"
+                       + (f", or name this kind alone: {alone}" if alone else ""))
         # a fingerprint only where it must pick this kind among other modules: a pin fits no
         # other size (scaffold.py); the scaffold command takes one to pick the kind either way
         region = {"module": pattern, **({"fingerprint": k.fingerprint} if others else {})}
