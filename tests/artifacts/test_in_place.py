@@ -210,8 +210,9 @@ def test_a_kernel_that_writes_a_past_row_only_later_is_caught_at_a_recheck(tmp_p
         assert sub["caught_at_call"] is not None and sub["caught_at_call"] >= 6, sub
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
-def test_a_past_row_written_before_the_read_is_blamed_on_the_kernel_not_on_eager(tmp_path, cuda_graphs):
+@pytest.mark.parametrize(("cuda_graphs", "limit"), [(False, None), ("emulate", None), ("emulate", 64)],
+                         ids=["eager", "emulate", "emulate-no-copy"])
+def test_a_past_row_written_before_the_read_is_blamed_on_the_kernel_not_on_eager(tmp_path, cuda_graphs, limit):
     """The kernel above, writing the past row before it reads the cache: from call 6 on, the
     served output differs too. A check that compared the outputs first, and ran eager again
     from the rows it put back, met a cache the kernel had changed beyond them: eager
@@ -220,13 +221,15 @@ def test_a_past_row_written_before_the_read_is_blamed_on_the_kernel_not_on_eager
     eager's second, wrong run (a trial's static-cache Llama, 2026-12-07). Now the cache is
     fingerprinted with eager's rows in place when the rows differ too: the write beyond them
     is found, the kernel demoted, and the checked call answers eager's first run, its values
-    bit for bit with eager's."""
+    bit for bit with eager's: from the cache put back where its copy fits (`limit`: none
+    does), else from eager's first run kept whole."""
     _bundle(tmp_path, "late_past_row_read")
     graphdispatch_backend.reset()
     torch._dynamo.reset()
     model, ref = _make(), _make()
-    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path),
-                                                                      "cuda_graphs": cuda_graphs})
+    compiled = torch.compile(model, backend="graphdispatch", options={
+        "artifacts": str(tmp_path), "cuda_graphs": cuda_graphs,
+        **({"max_snapshot_bytes": limit} if limit is not None else {})})
     wrong = []
     with torch.no_grad():
         for i in range(24):

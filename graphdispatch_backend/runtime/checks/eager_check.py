@@ -215,10 +215,12 @@ class EagerCheck:
         # call's outputs at a time (runtime/checks/prints.py). Not where the gradient check needs
         # their history, nor where ranks must run every eager run in step (collectives), nor
         # where values are judged within a tolerance (a print says equal or not), nor where an
-        # artifact writing its inputs serves inside (`whole`): one that wrote beyond its rows
-        # moved a world no snapshot puts back, and only eager's first run, kept, answers right.
+        # artifact writing its inputs serves inside (`whole`) and they are too large to copy:
+        # one that wrote beyond its rows moved a world no snapshot puts back, and only eager's
+        # first run, kept, answers right (with the copies, eager run again from them does).
         # Printed now, before the world goes back: an output may be a view of a written input.
-        lean = self._gradients is None and self._agreement is None and tolerance is None and whole is None
+        lean = (self._gradients is None and self._agreement is None and tolerance is None
+                and (whole is None or side.restorable))
         ref = Reference(raw, args, lean, self._contain, start, self._unwritten)
         # eager's gradients now, before its world is put back and the compiled forward writes it again
         grads = self._gradients.reference(args, ref.outputs, start) \

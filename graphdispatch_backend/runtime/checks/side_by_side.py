@@ -175,6 +175,13 @@ class SideBySide:
         self._worlds[party] = self._worlds[back].swap()
 
     @property
+    def restorable(self) -> bool:
+        """Every `whole` input has its copy: a write beyond the rows is put back, and a
+        reference run again from the world before sees what the first saw."""
+        copied = {id(t) for t, _ in self._kept}
+        return all(id(t) in copied for t in self._whole)
+
+    @property
     def writes_inputs(self) -> bool:
         """The graph writes some of its inputs: putting a world back writes them in place."""
         return not self._worlds[BEFORE].empty
