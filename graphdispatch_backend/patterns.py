@@ -63,8 +63,8 @@ def suggest(pattern: str, names: Iterable[str], closest: int = 3) -> Suggestion:
     candidates = [f"*.{pattern}"] + [t for t in tails if not t.startswith(("*", "?", "["))]
     for candidate in candidates:
         hits = [n for n in pool if matches(candidate, n)]
-        if hits:
-            return Suggestion(candidate, len(hits), near or tuple(hits[:closest]))
+        if hits:  # the names it would match (the text's nearest may be none of them: `ff` by `attn.norm_k`)
+            return Suggestion(candidate, len(hits), tuple(hits[:closest]))
     kinds = Counter(generalize(n) for n in pool)
     if not kinds:
         return Suggestion(None, 0, near)
@@ -72,5 +72,6 @@ def suggest(pattern: str, names: Iterable[str], closest: int = 3) -> Suggestion:
     best = max(kinds, key=lambda k: (ratio[k], kinds[k], k))
     if ratio[best] < MIN_RATIO:  # nothing alike: a guess would mislead
         return Suggestion(None, 0, near)
-    return Suggestion(best, kinds[best], near)
+    return Suggestion(best, kinds[best], tuple(n for n in near if generalize(n) == best)
+                      or tuple(n for n in pool if generalize(n) == best)[:closest])
 

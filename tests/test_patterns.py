@@ -36,6 +36,17 @@ def test_a_pattern_for_the_inner_model_suggests_the_prefix():
     assert hint.text().startswith("did you mean `*.layers.*.mlp`: 28 regions")
 
 
+def test_the_closest_names_are_names_the_suggestion_matches():
+    """A trial's `ff` (a diffusers block's feed-forward, compiled inside the transformer): the
+    hint said "did you mean `*.ff`", then "closest names: attn.norm_k, attn.norm_q,
+    norm1.silu", the names nearest `ff` as text and none of them an `ff`."""
+    parts = ("attn.norm_k", "attn.norm_q", "ff", "norm1.silu")
+    names = [f"transformer_blocks.{i}.{m}" for i in range(2) for m in parts]
+    hint = suggest("ff", names)
+    assert (hint.pattern, hint.count) == ("*.ff", 2)
+    assert hint.closest == ("transformer_blocks.0.ff", "transformer_blocks.1.ff"), hint.closest
+
+
 def test_a_pattern_for_the_wrapper_suggests_dropping_its_prefix():
     names = [n.removeprefix("model.") for n in LLAMA]
     assert suggest("model.layers.*.mlp", names).pattern == "layers.*.mlp"
