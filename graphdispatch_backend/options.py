@@ -104,7 +104,9 @@ class Options:
         follows it (a replay runs no gate).
     max_snapshot_bytes: the largest whole copy of an input one check may take where the graph
         writes it at places graphdispatch cannot locate (runtime/checks/world.py); located writes
-        (a KV cache's rows) are snapshotted row by row, whatever this says.
+        (a KV cache's rows) are snapshotted row by row, whatever this says. Where a kernel serves
+        from replays, its graph's check also copies the inputs kernels write or read whole while
+        the copies fit this, together, to put back a write beyond its rows (runtime/checks/side_by_side.py).
     fuse: lower each inference graph (each captured piece) through Inductor (runtime/program/fused.py).
         True: under the device's eager-numerics recipe, checked against eager bit for bit
         like any lowering, op by op. A FuseTolerance (given as {"rtol": r, "atol": a}):
