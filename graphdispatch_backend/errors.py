@@ -263,6 +263,7 @@ class Demotion(str, enum.Enum):
     SLOWER = "slower"  # speed_gate: not faster than native
     DREW = "drew"  # drew from torch's default generator, which its region does not
     CHANGED_SETTINGS = "changed_settings"  # changed a process-wide torch setting (the default dtype, flush-denormal)
+    DEMOTED_ELSEWHERE = "demoted_elsewhere"  # its kernel demoted at another region of this kind (gates/kin.py)
 
 
 class BundleRejection(str, enum.Enum):

@@ -45,6 +45,7 @@ from graphdispatch_backend.region import Region
 from graphdispatch_backend.runtime.checks.novelty import Arrival
 from graphdispatch_backend.runtime.checks.world import Writes
 from graphdispatch_backend.runtime.gates.gate import ArtifactGate
+from graphdispatch_backend.runtime.gates.kin import Kin
 from graphdispatch_backend.session import Session
 
 
@@ -112,7 +113,8 @@ class GraphArtifacts:
                             snapshot_limit=session.options.max_snapshot_bytes, input_names=region.input_names,
                             recheck=session.options.artifact_recheck,
                             # under emulate, a region's statistics come a call late, as a GPU's would
-                            novelty=Arrival.NEXT_CALL if session.options.cuda_graphs == "emulate" else Arrival.NOW)
+                            novelty=Arrival.NEXT_CALL if session.options.cuda_graphs == "emulate" else Arrival.NOW,
+                            kin=session.kin.setdefault((artifact.id, region.fingerprint), Kin()))
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return call_target(gate, f"gd_artifact_{artifact.id}")

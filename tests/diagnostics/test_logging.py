@@ -46,13 +46,14 @@ def _ours(caplog, text):
 
 
 def test_a_demotion_warns_once_per_region(net, make_bundle, gd_log):
-    root = make_bundle("mlp-off", "off")  # fails parity on blocks.0.mlp and on blocks.1.mlp
+    root = make_bundle("mlp-off", "off")  # fails parity on blocks.0.mlp, and so demoted on blocks.1.mlp
     report = _run(net, {**EMULATE, "artifacts": str(root)})
-    assert [s["reason"] for s in report["graphs"][0]["substitutions"]] == ["parity", "parity"]
+    assert [s["reason"] for s in report["graphs"][0]["substitutions"]] == ["parity", "demoted_elsewhere"]
     records = _ours(gd_log, "demoted to native")
     assert [r.levelno for r in records] == [logging.WARNING, logging.WARNING]  # every demoted region is named
-    assert "blocks.0.mlp" in records[0].getMessage() and "(parity)" in records[0].getMessage()
-    assert "blocks.1.mlp" in records[1].getMessage()
+    messages = sorted(r.getMessage() for r in records)
+    assert "blocks.0.mlp (parity)" in messages[0], messages
+    assert "blocks.1.mlp (demoted_elsewhere): its kernel was demoted at region blocks.0.mlp (parity)" in messages[1]
 
 
 def test_each_demotion_reason_gets_its_own_warning(net, make_bundle, gd_log):

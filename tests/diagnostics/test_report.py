@@ -300,10 +300,13 @@ def test_parity_demotion_is_counted_named_and_the_graph_still_replays(net, make_
     accounted(report)
     graph = _graph(report)
     assert graph["cuda_graph"]["replays"] == 2  # a demoted artifact does not cost the graph its capture
-    for sub in graph["substitutions"]:
-        assert sub["demoted"] and sub["reason"] == "parity" and sub["parity"] == "failed"
-        assert sub["max_abs_diff"] > 0 and sub["first_mismatch_index"] is not None
-        assert "bits differ" in sub["detail"]
+    caught, kin = graph["substitutions"]  # the kernel caught at blocks.0.mlp, so demoted at blocks.1.mlp
+    assert caught["demoted"] and caught["reason"] == "parity" and caught["parity"] == "failed"
+    assert caught["max_abs_diff"] > 0 and caught["first_mismatch_index"] is not None
+    assert "bits differ" in caught["detail"]
+    assert kin["demoted"] and kin["reason"] == "demoted_elsewhere"
+    assert kin["detail"].startswith("its kernel was demoted at region blocks.0.mlp (parity): ")
+    for sub in (caught, kin):
         assert sub["calls"] == 0 and sub["native_calls"] > 0
 
 

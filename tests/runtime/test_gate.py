@@ -315,7 +315,9 @@ def test_one_kernel_keeping_one_buffer_for_two_regions_serves_no_wrong_output(tm
             x = torch.randn(2, 8)
             assert torch.equal(compiled(x), model(x)), i
     subs = graphdispatch_backend.latest_report()["graphs"][-1]["substitutions"]
-    assert [(s["demoted"], s["reason"]) for s in subs] == [(True, "bad_output")] * 2, subs
+    # one caught, the other demoted with it (runtime/gates/kin.py)
+    assert sorted((s["demoted"], s["reason"]) for s in subs) == [(True, "bad_output"),
+                                                                 (True, "demoted_elsewhere")], subs
 
 
 @pytest.mark.parametrize("change, setting", [
@@ -997,3 +999,34 @@ def test_outputs_sharing_memory_natives_do_not_are_bad_output(tmp_path, kind, cu
     assert wrong == 0
     assert (sub["demoted"], sub["reason"], sub["parity"]) == (True, "bad_output", "failed"), sub
     assert detail in sub["detail"], sub["detail"]
+
+
+def test_a_kernel_caught_at_one_block_is_demoted_at_every_block_of_its_kind(tmp_path):
+    """A trial's kernel, one ulp high above a magnitude, was caught at one block of a model
+    compiled whole and kept serving the other block, which it served a wrong value at an
+    unchecked call; compiled block by block (one gate) the same catch demoted it everywhere.
+    The gates of one kernel over one kind of region are kin: a fault met at one demotes the
+    rest (`demoted_elsewhere`, naming the region and what was found there), and from the
+    catch on every call is eager's."""
+    body = "        return torch.nextafter(out, torch.full_like(out, float('inf')))"
+    write_bundle(tmp_path / "mlp", "mlp", "blocks.*.mlp", MLP_INPUTS, MLP_OUTPUTS, KERNEL.format(k=3, behaviour=body))
+    torch.manual_seed(0)
+    model = Stack(depth=2).eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={"artifacts": str(tmp_path),
+                                                                      "cuda_graphs": False})
+    wrong = []
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(2, 8)
+            if not torch.equal(compiled(x), model(x)):
+                wrong.append(i)
+    subs = {s["region"]: s for s in graphdispatch_backend.latest_report()["graphs"][-1]["substitutions"]}
+    assert set(subs) == {"blocks.0.mlp", "blocks.1.mlp"}, subs
+    assert all(s["demoted"] for s in subs.values()), subs
+    reasons = sorted(s["reason"] for s in subs.values())
+    assert reasons == ["demoted_elsewhere", "parity"], reasons
+    (caught,) = [r for r, s in subs.items() if s["reason"] == "parity"]
+    (other,) = [s for s in subs.values() if s["reason"] == "demoted_elsewhere"]
+    assert other["detail"].startswith(f"its kernel was demoted at region {caught} (parity): "), other["detail"]
+    assert all(s["calls"] + s["replays"] + s["native_calls"] == 12 for s in subs.values()), subs
+    assert wrong == [], wrong  # the kernel's 3rd run is the 2nd call's first region's: a checked call

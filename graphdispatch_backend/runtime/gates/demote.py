@@ -62,6 +62,22 @@ class Demoter:
         self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}",
                                "graphdispatch: %s; the run goes on", message)
 
+    def elsewhere(self, region: str, reason: Demotion, detail: str) -> None:
+        """The same kernel was demoted at `region`, another region of this kind, for `reason`
+        (runtime/gates/kin.py): recorded and said here too; never raised (under strict, the
+        region that met the fault raises)."""
+        record = self._record
+        said = f"its kernel was demoted at region {region} ({reason.value}): {detail}"
+        with record.lock:
+            record_fields.demotion(record, Demotion.DEMOTED_ELSEWHERE.value, said, False, None)
+        message = f"artifact {record.artifact} demoted to native for region {record.region} " \
+                  f"({Demotion.DEMOTED_ELSEWHERE.value}): {said}"
+        self._timing.note(message)
+        self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
+                                           "reason": Demotion.DEMOTED_ELSEWHERE.value, "detail": said})
+        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{Demotion.DEMOTED_ELSEWHERE.value}",
+                               "graphdispatch: %s; the run goes on", message)
+
     def inputs(self, inputs: Sequence[Any]) -> str:
         """The call's tensor inputs that are no parameters: name, shape, dtype, max |x|."""
         said = []
