@@ -206,7 +206,10 @@ def test_a_bitwise_artifact_inside_a_tolerant_graph_is_judged_bit_for_bit(tmp_pa
     assert off == []
     (graph,) = accounted_graphs()
     demoted = [s for s in graph["substitutions"] if s["demoted"]]
-    assert demoted and all(s["reason"] == "parity" and "caught at call 10" in s["detail"] for s in demoted), demoted
+    # caught at one block, and so demoted at the other of its kind (runtime/gates/kin.py)
+    assert "parity" in {s["reason"] for s in demoted}, demoted
+    assert all(s["reason"] in ("parity", "demoted_elsewhere") and "caught at call 10" in s["detail"]
+               for s in demoted), demoted
 
 
 @pytest.mark.cuda
