@@ -205,20 +205,16 @@ class SideBySide:
 
     def beyond(self) -> Mismatch | None:
         """The candidate, as it left the world now, wrote a `whole` input beyond the rows the
-        reference wrote: with the reference's rows in place, a fingerprint differs from the
-        reference's (module docstring). Where the candidate's rows differ too, the reference's
-        are put in place for the fingerprints and the candidate's back after them."""
+        reference wrote: with the reference's rows in place (the candidate's kept and put back
+        after), a fingerprint differs from the reference's (module docstring)."""
         before = self._prints.get(REFERENCE)
         if before is None:
             return None
-        if bitwise(*self.pairs()) is None:
+        candidate = self._worlds[REFERENCE].swap()
+        try:
             now = [digest(t) for t in self._whole]
-        else:
-            candidate = self._worlds[REFERENCE].swap()  # the candidate's rows kept, the reference's in place
-            try:
-                now = [digest(t) for t in self._whole]
-            finally:
-                candidate.restore()
+        finally:
+            candidate.restore()
         found = None
         for t, printed, printed_now in zip(self._whole, before, now):
             if not torch.equal(printed_now, printed):

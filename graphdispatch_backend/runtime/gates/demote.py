@@ -49,34 +49,36 @@ class Demoter:
         if at is None:  # the inputs' values are not read inside a capture (a host sync)
             at = self._at(counted) + (f" (inputs {self.inputs(inputs)})" if inputs is not None
                                       and not in_recording() else "")
-        with record.lock:
-            record_fields.demotion(record, reason.value, detail, reason in (Demotion.PARITY, Demotion.MUTATED_INPUT),
-                                   (mismatch.max_abs_diff, mismatch.first_index) if mismatch is not None else None)
-        where = f"for region {record.region} ({reason.value}){' ' + at if at else ''}"
-        message = f"artifact {record.artifact} demoted to native {where}: {detail}"
-        self._timing.note(message)
-        self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
-                                           "reason": reason.value, "detail": detail})
+        where = self._recorded(reason, detail, mismatch, at)
         if self._strict:
             raise ArtifactDemoted(f"strict: artifact {record.artifact} failed {where}: {detail}") from cause
-        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}",
-                               "graphdispatch: %s; the run goes on", message)
+        self._said(reason, where, detail)
 
     def elsewhere(self, region: str, reason: Demotion, detail: str) -> None:
         """The same kernel was demoted at `region`, another region of this kind, for `reason`
         (runtime/gates/kin.py): recorded and said here too; never raised (under strict, the
         region that met the fault raises)."""
-        record = self._record
         said = f"its kernel was demoted at region {region} ({reason.value}): {detail}"
+        self._said(Demotion.DEMOTED_ELSEWHERE, self._recorded(Demotion.DEMOTED_ELSEWHERE, said, None, ""), said)
+
+    def _recorded(self, reason: Demotion, detail: str, mismatch: Mismatch | None, at: str) -> str:
+        """The demotion in the record, the timing notes and the trace; returns where it was."""
+        record = self._record
         with record.lock:
-            record_fields.demotion(record, Demotion.DEMOTED_ELSEWHERE.value, said, False, None)
-        message = f"artifact {record.artifact} demoted to native for region {record.region} " \
-                  f"({Demotion.DEMOTED_ELSEWHERE.value}): {said}"
-        self._timing.note(message)
+            record_fields.demotion(record, reason.value, detail, reason in (Demotion.PARITY, Demotion.MUTATED_INPUT),
+                                   (mismatch.max_abs_diff, mismatch.first_index) if mismatch is not None else None)
+        where = f"for region {record.region} ({reason.value}){' ' + at if at else ''}"
+        self._timing.note(f"artifact {record.artifact} demoted to native {where}: {detail}")
         self._events.decision("demotion", {"region": record.region, "artifact": record.artifact,
-                                           "reason": Demotion.DEMOTED_ELSEWHERE.value, "detail": said})
-        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{Demotion.DEMOTED_ELSEWHERE.value}",
-                               "graphdispatch: %s; the run goes on", message)
+                                           "reason": reason.value, "detail": detail})
+        return where
+
+    def _said(self, reason: Demotion, where: str, detail: str) -> None:
+        """The WARNING, once per artifact, region and reason."""
+        record = self._record
+        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}",
+                               "graphdispatch: %s; the run goes on",
+                               f"artifact {record.artifact} demoted to native {where}: {detail}")
 
     def inputs(self, inputs: Sequence[Any]) -> str:
         """The call's tensor inputs that are no parameters: name, shape, dtype, max |x|."""
