@@ -1,8 +1,5 @@
 """Helpers for tests (ours and artifact authors'): graphs to golden-test, bundles to write.
 
-A little over 400 lines: every helper here may import from every layer of the package
-(tests/test_layout.py), and a second module of helpers would only split that one role.
-
 - `aten_graph(fn, *args)`: the lowered ATen inference graph graphdispatch's passes see,
   with the input origins, through Dynamo and aot (no passes run).
 - `regions(lowered)`: `tag_regions` run on it, as {region name: Region}.
@@ -38,10 +35,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -306,44 +300,6 @@ def linear_stack(depth: int = 2, dim: int = 8, seed: int = 0) -> nn.Sequential:
     """`depth` LinearBlocks in an nn.Sequential (children `0`, `1`, ...), seeded, in eval mode."""
     torch.manual_seed(seed)
     return nn.Sequential(*[LinearBlock(dim) for _ in range(depth)]).eval()
-
-
-@dataclasses.dataclass
-class RankRun:
-    """One worker process of `run_ranks`: its exit status, the tail of its output, and the
-    file it was told to write its results to."""
-
-    returncode: int
-    log: str
-    out: Path
-
-
-def run_ranks(script: Path, folder: Path, mode: str, world: int = 2, timeout_s: float = 900) -> list[RankRun]:
-    """Run `python script RANK WORLD RENDEZVOUS OUT MODE` once per rank, each a process with
-    one torch thread and no GRAPHDISPATCH_* variable (RANK, WORLD_SIZE and MASTER_ADDR set
-    for torch.distributed); the rendezvous file and each rank's OUT live in `folder`. A rank
-    still running after `timeout_s` (collectives out of step) kills them all and fails: a
-    hang guard far above a run's seconds, which a loaded machine multiplies (a 2-rank test
-    of 10-18 s quiet ran 8x slower at load 14), not a time limit."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAPHDISPATCH_")}
-    env.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    procs = []
-    for rank in range(world):
-        out = folder / f"rank{rank}.json"
-        procs.append((subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(world), str(folder / "rendezvous"), str(out), mode],
-            env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=folder), out))
-    runs = []
-    for proc, out in procs:
-        try:
-            log, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            raise AssertionError(f"{mode}: a rank did not finish in {timeout_s} s (collectives out of step?)") from None
-        runs.append(RankRun(proc.returncode, log[-4000:], out))
-    return runs
 
 
 def serve_patches(fn: Callable[..., Any]) -> tuple[tuple[Any, str, Any], ...]:
