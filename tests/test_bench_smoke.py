@@ -12,20 +12,20 @@ share them (the set in one test held one worker for 3 minutes); `scale.py`, the 
 (76-120 s on 2 cores, most of it its `server` section), one test per section (its own
 `--only`), so that it is not one long tail at the end of the suite. Each script is run as
 run.py runs it (its smoke flag, `--table-only`), not through run.py, whose own process
-imports torch for its summary (2.5 s of CPU per script); one test runs run.py itself.
-"""
+imports torch for its summary (2.5 s of CPU per script); one test runs run.py itself. Each
+is forked from a server that imported torch (tests/forked.py; the file's 21 tests took 148 s
+on 2 workers started as new processes, 119 s forked, 2026-12-07)."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,12 +69,12 @@ def _commands() -> list[Any]:
     return out
 
 
-def _run(command: list[str]) -> None:
-    proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    output = (proc.stdout + proc.stderr).strip().splitlines()
-    tail = "\n".join(output[-TAIL_LINES:])
-    assert proc.returncode == 0, f"{' '.join(command)} exited {proc.returncode}; last lines:\n{tail}"
+def _run(command: list[str], log: Path) -> None:
+    """The script run as `python *command` would run it, forked from a server that imported
+    torch (tests/forked.py: 3 s of CPU less a script; its children start as they always do)."""
+    code, output = forked.run_script(command, ROOT, {**os.environ, "PYTHONWARNINGS": "ignore"}, log, HANG_GUARD_S)
+    tail = "\n".join(output.strip().splitlines()[-TAIL_LINES:])
+    assert code == 0, f"{' '.join(command)} exited {code}; last lines:\n{tail}"
 
 
 def test_the_set_is_every_script_of_bench() -> None:
@@ -84,29 +84,29 @@ def test_the_set_is_every_script_of_bench() -> None:
 
 
 @pytest.mark.parametrize(("command", "written"), _commands())
-def test_each_bench_runs_in_smoke_mode(command: list[str], written: str) -> None:
+def test_each_bench_runs_in_smoke_mode(command: list[str], written: str, tmp_path: Path) -> None:
     """One script (or one section of a SPLIT script) per test: xdist spreads them. It exits
     0 and writes its JSON (sections of one script write the same file: written since the
     test started)."""
     result = ROOT / "bench" / "results" / "smoke" / written
     start = time.time()
-    _run(command)
+    _run(command, tmp_path / "log")
     assert result.exists() and result.stat().st_mtime >= start - 1, f"{' '.join(command)} wrote no {written}"
 
 
-def test_run_py_runs_a_script_and_summarises_it() -> None:
+def test_run_py_runs_a_script_and_summarises_it(tmp_path: Path) -> None:
     """run.py's own plumbing (its subprocess, the JSON it reads back, the summary), on the
     cheapest script."""
-    _run(["bench/run.py", "--smoke", "--only", "emulate"])
+    _run(["bench/run.py", "--smoke", "--only", "emulate"], tmp_path / "log")
     summary = json.loads((ROOT / "bench" / "results" / "smoke" / "run.json").read_text("utf-8"))
     assert list(summary["durations_s"]) == ["emulate"] and not summary["failures"], summary
 
 
-def test_fusions_frame_count_runs_and_counts_every_variant() -> None:
+def test_fusions_frame_count_runs_and_counts_every_variant(tmp_path: Path) -> None:
     """bench/fusion.py --frames (the Python frames a steady call enters), on the demo: each
     variant counted, none at zero (the demo's own Python is in every call)."""
     start = time.time()
-    _run(["bench/fusion.py", "--frames", "--smoke", "--table-only"])
+    _run(["bench/fusion.py", "--frames", "--smoke", "--table-only"], tmp_path / "log")
     result = ROOT / "bench" / "results" / "smoke" / "fusion_frames.json"
     assert result.stat().st_mtime >= start - 1
     (row,) = json.loads(result.read_text("utf-8"))["rows"]

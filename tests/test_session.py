@@ -9,8 +9,8 @@ import logging
 import textwrap
 from pathlib import Path
 
+import forked
 import pytest
-import spawn_ranks
 import torch
 
 import graphdispatch_backend
@@ -141,7 +141,7 @@ def test_two_gloo_ranks_sharing_a_report_dir_each_keep_their_report(tmp_path, ca
     script.write_text(WORKER)
     report_dir = tmp_path / "gd"
     # run_ranks passes MODE last: here it is the shared report_dir
-    runs = spawn_ranks.run_ranks(script, tmp_path, str(report_dir), world=2, timeout_s=900)
+    runs = forked.run_ranks(script, tmp_path, str(report_dir), world=2, timeout_s=900)
     for run in runs:
         assert run.returncode == 0, run.log
     assert sorted(p.name for p in report_dir.iterdir()) == [

@@ -26,13 +26,13 @@ import json
 import textwrap
 from pathlib import Path
 
+import forked
 import pytest
-import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-TIMEOUT_S = 900  # a hang guard (spawn_ranks.run_ranks), not a time limit
+TIMEOUT_S = 900  # a hang guard (forked.run_ranks), not a time limit
 
 WORKER = textwrap.dedent('''
     import copy, json, logging, os, sys
@@ -82,7 +82,7 @@ def run_ranks(tmp_path: Path, mode: str) -> list[dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     results = []
-    for run in spawn_ranks.run_ranks(script, tmp_path, mode, WORLD, TIMEOUT_S):
+    for run in forked.run_ranks(script, tmp_path, mode, WORLD, TIMEOUT_S):
         assert run.returncode == 0, run.log
         results.append(json.loads(run.out.read_text()))
     return results

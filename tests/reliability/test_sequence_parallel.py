@@ -11,7 +11,7 @@ same verdict for every graph, reason included. Every rank runs under
 that compared it would fail every time, not by the allocator's chance. Two scenarios
 remove the rules (the buffer placed with the piece that fills it; a buffer returned
 unwritten not compared) and see the old failure, named for the op whose bits differed.
-A hang fails: each run is bounded (`spawn_ranks.run_ranks`).
+A hang fails: each run is bounded (`forked.run_ranks`).
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
-import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-TIMEOUT_S = 900  # a hang guard (spawn_ranks.run_ranks), not a time limit
+TIMEOUT_S = 900  # a hang guard (forked.run_ranks), not a time limit
 BLOCKS, CALLS = 3, 8
 WORKER = Path(__file__).with_name("sp_worker.py")
 
 
 def run_ranks(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
     results = []
-    for run in spawn_ranks.run_ranks(WORKER, tmp_path, scenario, WORLD, TIMEOUT_S):
+    for run in forked.run_ranks(WORKER, tmp_path, scenario, WORLD, TIMEOUT_S):
         assert run.returncode == 0, run.log
         results.append(json.loads(run.out.read_text()))
     return results
@@ -197,7 +197,7 @@ def test_a_gloo_group_on_a_gpu_splits_the_pieces(tmp_path, counts):
 
 
 def _runs(tmp_path: Path, scenario: str) -> list[Any]:
-    runs = spawn_ranks.run_ranks(WORKER, tmp_path, scenario, _gpus(), TIMEOUT_S)
+    runs = forked.run_ranks(WORKER, tmp_path, scenario, _gpus(), TIMEOUT_S)
     for run in runs:
         assert run.returncode == 0, run.log
     return runs

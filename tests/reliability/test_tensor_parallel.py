@@ -20,19 +20,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
-import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-TIMEOUT_S = 900  # a hang guard (spawn_ranks.run_ranks), not a time limit
+TIMEOUT_S = 900  # a hang guard (forked.run_ranks), not a time limit
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
 def run_ranks(tmp_path: Path, scenario: str, strict: bool = True) -> list[dict[str, Any]]:
     results = []
-    for run in spawn_ranks.run_ranks(WORKER, tmp_path, scenario, WORLD, TIMEOUT_S):
+    for run in forked.run_ranks(WORKER, tmp_path, scenario, WORLD, TIMEOUT_S):
         if strict:
             assert run.returncode == 0, run.log
         results.append(json.loads(run.out.read_text()) if run.returncode == 0 and run.out.exists() else
