@@ -50,7 +50,6 @@ class _Server:
     exits when this process closes its stdin (at this process's exit)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
         self.proc = subprocess.Popen([sys.executable, str(SERVER)], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
 
