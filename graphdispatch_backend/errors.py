@@ -247,6 +247,9 @@ class Rejection(str, enum.Enum):
     NOT_ENABLED = "not_enabled"
     NOT_CONVEX = "not_convex"
     NONDETERMINISTIC = "nondeterministic"  # the region draws random numbers
+    # the region holds collectives: a check runs it beside the kernel, and a verdict one rank
+    # reached alone (a check for its own new inputs, a demotion) would put the ranks out of step
+    COLLECTIVE = "collective"
     NOT_SELECTED = "not_selected"  # another artifact won the region
     OVERLAP = "overlap"  # an enclosing or earlier region was already substituted
     LOAD_FAILED = "load_failed"  # entry code would not load (or was tampered with)

@@ -94,6 +94,7 @@ class Region:
     ops: dict[str, int] = dataclasses.field(default_factory=dict)
     convex: bool = True
     deterministic: bool = True
+    collective: bool = False  # holds a collective (an all-reduce, an all-gather, their waits)
     # kernel inputs the region writes in place (a KV cache's rows, after passes/reinplace.py)
     mutates: list[str] = dataclasses.field(default_factory=list)
     # per size input (by position): its expression and where each symbol is a tensor input's dim

@@ -137,13 +137,15 @@ def _first_miss(m: Manifest, region: Region, torch_version: str) -> tuple[Reject
         return Rejection.NOT_CONVEX, "a path leaves the region and re-enters it"
     if not region.deterministic:
         return Rejection.NONDETERMINISTIC, "the region draws random numbers"
+    if region.collective:
+        return Rejection.COLLECTIVE, COLLECTIVE_DETAIL
     return None
 
 
 # Rejections made once the fingerprint check passed (or added after matching: substitution's
 # `overlap`, a kernel that would not load): where the artifact got one, its pin fit the region.
 PAST_FINGERPRINT = frozenset({Rejection.SIGNATURE, Rejection.NOT_CONVEX, Rejection.NONDETERMINISTIC,
-                              Rejection.NOT_SELECTED, Rejection.OVERLAP, Rejection.LOAD_FAILED})
+                              Rejection.COLLECTIVE, Rejection.NOT_SELECTED, Rejection.OVERLAP, Rejection.LOAD_FAILED})
 
 
 def pin_fits(entry: dict[str, Any], artifact: str) -> bool:
@@ -154,6 +156,15 @@ def pin_fits(entry: dict[str, Any], artifact: str) -> bool:
     return any(r["artifact"] == artifact and Rejection(r["reason"]) in PAST_FINGERPRINT
                for r in entry.get("rejections") or ())
 
+
+# Each rank's gate decides on its own which calls it checks (its schedule, and new inputs: a
+# tensor-parallel region's inputs differ per rank) and when it demotes the kernel; a check
+# runs the region beside the kernel, so a region holding collectives would run them twice on
+# one rank and once on another (a trial: gloo's size mismatch and an abort, or wrong values
+# on one rank and then a hang). Until the gates agree over the ranks, it runs native.
+COLLECTIVE_DETAIL = ("the region holds collectives (an all-reduce or all-gather): each rank's checks and "
+                     "demotions are its own, and would put the ranks' collectives out of step; write the kernel "
+                     "for a region that holds none (a column-parallel projection, the activation between)")
 
 AUTOGRAD_DETAIL = ("the graph needs autograd and the manifest declares no backward (artifacts are "
                    "inference-only): the region runs native")

@@ -38,7 +38,7 @@ from torch.utils._sympy.printers import PythonPrinter
 from graphdispatch_backend.artifacts.fingerprint import fingerprint, node_key
 from graphdispatch_backend.capture.names import clean_module_name, instance_of, region_name
 from graphdispatch_backend.passes.context import PassContext
-from graphdispatch_backend.passes.ops import alias_root, draws_random, is_view, writes
+from graphdispatch_backend.passes.ops import alias_root, draws_random, is_collective, is_view, writes
 from graphdispatch_backend.passes.subgraph import boundary
 from graphdispatch_backend.region import Region, TensorSpec
 
@@ -182,6 +182,7 @@ def _describe(
     )
     region.convex = is_convex(region.nodes, order, position)
     region.deterministic = not any(draws_random(n) for n in region.nodes)
+    region.collective = any(is_collective(n) for n in region.nodes)
     written = {_region_input(w, region.inputs) for n in region.nodes for w in writes(n)}
     region.mutates = [name for node, name in zip(region.inputs, region.input_names) if node in written]
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import graphdispatch_backend
@@ -52,6 +53,28 @@ class WithJitter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.jitter(x) * 2
+
+
+class RowParallel(nn.Module):
+    """A row-parallel projection as tensor parallelism writes it: the local matmul, then the
+    all-reduce of the partial sums (functional collectives, as DTensor's are traced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.all_reduce(self.proj(x), "sum", dist.group.WORLD.group_name))
+
+
+class WithRowParallel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = RowParallel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(x) + x
 
 
 def regions(model: nn.Module, *args: Any, edit=None) -> dict[str, Region]:
@@ -295,6 +318,31 @@ def test_rand_is_nondeterministic():
     assert "aten::rand_like.default" in region.ops
     detail = only_rejection(match_region(region, [artifact(region)], [], TORCH), Rejection.NONDETERMINISTIC)
     assert "random" in detail
+
+
+@pytest.fixture
+def two_fake_ranks():
+    """A process group of 2 ranks that communicates nothing (torch's fake backend): enough
+    to trace a collective, in this process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_region_holding_a_collective_runs_native_and_the_matmul_before_it_matches(two_fake_ranks):
+    """Each rank's gate checks and demotes on its own (a tensor-parallel region's inputs
+    differ per rank); a region whose check would run its all-reduce twice on one rank is
+    not substituted. The sharded matmul inside it, without the collective, is."""
+    found = regions(WithRowParallel(), torch.randn(2, 8))
+    down, proj = found["down"], found["down.proj"]
+    assert down.collective and "_c10d_functional::all_reduce.default" in down.ops and not proj.collective
+    detail = only_rejection(match_region(down, [artifact(down)], [], TORCH), Rejection.COLLECTIVE)
+    assert "out of step" in detail and "holds none" in detail
+    assert match_region(proj, [artifact(proj)], [], TORCH).selected is not None
 
 
 # -- several artifacts ------------------------------------------------------------------------------------
