@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from graphdispatch_backend.assemble import eager_checked, runner_for, watched_in_graph
 from graphdispatch_backend.capture.autocast import AutocastState
@@ -154,6 +155,14 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                                         "cuda_graph_reason": record.cuda_graph_reason,
                                         "autocast": autocast.to_dict()})
     plan, serving = builder.plan, builder.serving
+    if builder.mutated and any(is_traceable_wrapper_subclass(x) for x in example_inputs):
+        # a trial: a DTensor Llama's decode graph, which writes its static cache, put the
+        # cache's position on a sharded weight; its checks and the contract read the wrong
+        # inputs, and the contract's read of the weight's storage raised in the user's call
+        record_fields.not_lowered(record, "the graph writes an input and takes a tensor subclass (a DTensor): aot "
+                                          "flattens the subclass, and the written inputs' positions would not be the "
+                                          "call's: the Dynamo graph runs, as eager")
+        return _as_traced(generated_forward(gm), record, Decline.SUBCLASS_WRITES)
     if plan is not None and serving is not None and plan.serves_nothing(serving, bool(record.substitutions)):
         # no piece to capture, no artifact, nothing fused: the lowering would serve nothing
         # and cost its checks (a second prefill on the calls of its schedule): eager runs

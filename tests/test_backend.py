@@ -50,3 +50,49 @@ def test_demo_model_is_bitwise_equal_to_eager_and_accounted():
     (graph,) = report["graphs"]
     assert graph["calls"] == 3 == graph["cuda_graph"]["eager_calls"]
     assert graph["cuda_graph"]["eager_by_reason"] == {"not_cuda": 3}
+
+
+class _ShardedWithCache(torch.nn.Module):
+    """A replicated DTensor weight and a plain cache the forward writes in place, as a
+    tensor-parallel model's decode step writes its static KV cache."""
+
+    def __init__(self, mesh: object) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]), requires_grad=False)
+        self.register_buffer("cache", torch.zeros(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache[0].copy_(x[0])
+        return (self.w * 2).to_local() + self.cache.sum()
+
+
+def test_a_graph_writing_an_input_beside_a_dtensor_runs_as_eager_and_says_why():
+    """aot flattens a tensor subclass, and the written input's position, taken from aot's,
+    was a sharded weight's in a trial (a DTensor Llama generating with a static cache): the
+    contract's read of its storage raised in the user's call. A graph that writes an input
+    and takes a subclass runs as Dynamo's, whether or not the positions happen to agree (in
+    this toy they do): forced here on purpose, on a fake process group of 2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = _ShardedWithCache(mesh)
+        torch.manual_seed(0)
+        twin = _ShardedWithCache(mesh)
+        compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+        for i in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(compiled(x), twin(x)), i
+        assert torch.equal(model.cache, twin.cache)
+        (graph,) = graphdispatch_backend.latest_report()["graphs"]
+        cg, lowering = graph["cuda_graph"], graph["lowering_check"]
+        assert lowering["status"] == "not_lowered" and "tensor subclass" in lowering["detail"]
+        assert cg["eager_by_reason"] == {"subclass_writes": 4} and graph["calls"] == 4 == cg["eager_calls"]
+    finally:
+        dist.destroy_process_group()
