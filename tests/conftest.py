@@ -48,6 +48,20 @@ def _fresh_state():
 
 
 @pytest.fixture
+def two_fake_ranks():
+    """A process group of 2 ranks that communicates nothing (torch's fake backend), in this
+    process: enough to trace collectives and build DTensors."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def gd_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     caplog.set_level(logging.DEBUG, logger="graphdispatch_backend")
     return caplog

@@ -320,19 +320,6 @@ def test_rand_is_nondeterministic():
     assert "random" in detail
 
 
-@pytest.fixture
-def two_fake_ranks():
-    """A process group of 2 ranks that communicates nothing (torch's fake backend): enough
-    to trace a collective, in this process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_region_holding_a_collective_runs_native_and_the_matmul_before_it_matches(two_fake_ranks):
     """Each rank's gate checks and demotes on its own (a tensor-parallel region's inputs
     differ per rank); a region whose check would run its all-reduce twice on one rank is
