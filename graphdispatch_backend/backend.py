@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from graphdispatch_backend.assemble import eager_checked, runner_for, watched_in_graph
+from graphdispatch_backend.capture import lower as aot_inputs
 from graphdispatch_backend.capture.autocast import AutocastState
 from graphdispatch_backend.capture.lower import STATE_KINDS, InputOrigin, input_origins, lower, mutated_inputs
 from graphdispatch_backend.capture.matmul_folds import unfolded_matmul
@@ -155,14 +155,18 @@ def _compile(session: Session, record: GraphRecord, gm: fx.GraphModule,
                                         "cuda_graph_reason": record.cuda_graph_reason,
                                         "autocast": autocast.to_dict()})
     plan, serving = builder.plan, builder.serving
-    if builder.mutated and any(is_traceable_wrapper_subclass(x) for x in example_inputs):
-        # a trial: a DTensor Llama's decode graph, which writes its static cache, put the
-        # cache's position on a sharded weight; its checks and the contract read the wrong
-        # inputs, and the contract's read of the weight's storage raised in the user's call
-        record_fields.not_lowered(record, "the graph writes an input and takes a tensor subclass (a DTensor): aot "
-                                          "flattens the subclass, and the written inputs' positions would not be the "
-                                          "call's: the Dynamo graph runs, as eager")
+    # the checks around the lowered graph index the call's inputs: aot's positions, where a tensor
+    # subclass is flattened (a trial's DTensor Llama's static cache's fell on a weight), taken back
+    written, whole = aot_inputs.outer_positions(builder.flat, builder.mutated or ())
+    if not whole:
+        record_fields.not_lowered(record, "the graph writes inside a tensor subclass (a DTensor's local tensor): "
+                                          "no input of the call is what it writes, for its checks to copy and "
+                                          "compare: the Dynamo graph runs, as eager")
         return _as_traced(generated_forward(gm), record, Decline.SUBCLASS_WRITES)
+    if builder.mutated is not None:
+        builder.mutated = written
+    # a weight inside a subclass that a kernel reads is not fingerprinted at replayed checks
+    builder.artifact_reads = tuple(aot_inputs.outer_positions(builder.flat, builder.artifact_reads)[0])
     if plan is not None and serving is not None and plan.serves_nothing(serving, bool(record.substitutions)):
         # no piece to capture, no artifact, nothing fused: the lowering would serve nothing
         # and cost its checks (a second prefill on the calls of its schedule): eager runs
@@ -237,6 +241,8 @@ class _Builder:
         self.session = session
         self.record = record
         self.origins = origins
+        # aot's inputs where a tensor subclass (a DTensor) is flattened; None: the user's one to one
+        self.flat: aot_inputs.FlatInputs | None = None
         # per Dynamo input, where the novelty checks would watch it (not the inputs: the
         # builder lives as long as the graph, and would keep the first call's inputs alive)
         self.watched = watched
@@ -258,6 +264,7 @@ class _Builder:
 
     def inference(self, gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledGraph:
         self.mutated = mutated_inputs()
+        self.flat = aot_inputs.flat_inputs(gm)
         self.unfaithful = unfolded_matmul(gm, self.requires_grad, [o.name for o in self.origins])
         return self._build(gm, self.record, Role.INFERENCE)
 
@@ -267,6 +274,7 @@ class _Builder:
         copied out of pool memory after a replay, the tensors saved for backward included
         (the generation rule: see docs/design.md, section 6)."""
         self.mutated = mutated_inputs()
+        self.flat = aot_inputs.flat_inputs(gm)
         record_fields.backward_of(self.record, fresh=True)
         return self._build(gm, self.record, Role.FORWARD)
 
@@ -301,7 +309,7 @@ class _Builder:
         scope = self.session.scope(plan.engine.value) if plan.engine is not Engine.OFF else None
         ctx = PassContext(
             # a backward's inputs are saved tensors and gradients: no parameter, no region
-            input_origins=self.origins if role is not Role.BACKWARD else (),
+            input_origins=self._inner_origins() if role is not Role.BACKWARD else (),
             # an autograd graph substitutes nothing: every artifact its pattern names is refused
             matcher=self.artifacts.match if role is Role.INFERENCE else self.artifacts.match_autograd,
             make_call=self.artifacts.make_call,
@@ -349,9 +357,15 @@ class _Builder:
                              lambda detail: self.contract_mismatch(record, detail),
                              guarded=self.guarded and role is not Role.BACKWARD)
 
+    def _inner_origins(self) -> tuple[InputOrigin, ...]:
+        """The origins of the lowered graph's own inputs (aot's, subclasses flattened): what
+        its passes, runners and gates name and key by position."""
+        return self.origins if self.flat is None else self.flat.origins(self.origins)
+
     def _input_name(self, position: int, placeholders: list[fx.Node]) -> str:
-        if position < len(self.origins) and self.origins[position] is not None:
-            return self.origins[position].name
+        origins = self._inner_origins()
+        if position < len(origins) and origins[position] is not None:
+            return origins[position].name
         return placeholders[position].name
 
     def _fusion(self, plan: GraphPlan, record: GraphRecord) -> Fusion | None:

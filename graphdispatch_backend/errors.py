@@ -139,8 +139,8 @@ class Decline(str, enum.Enum):
     # under `strict`, a check failed inside the call, which raised StrictModeError instead of
     # answering: counted, so that a strict run's calls add up too
     STRICT_RAISED = "strict_raised"
-    # the graph writes an input and takes a tensor subclass (a DTensor): aot flattens the
-    # subclass, and the written inputs' positions, taken from aot's, are not the call's
+    # the graph writes inside a tensor subclass (a DTensor's local tensor): no input of the
+    # call is what it writes, for the checks to copy and compare
     SUBCLASS_WRITES = "subclass_writes"
     # the call raised the caller's own error (eager raises it on the same inputs: an index past
     # a static cache's end): counted, answered by no output

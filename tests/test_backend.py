@@ -54,45 +54,60 @@ def test_demo_model_is_bitwise_equal_to_eager_and_accounted():
 
 class _ShardedWithCache(torch.nn.Module):
     """A replicated DTensor weight and a plain cache the forward writes in place, as a
-    tensor-parallel model's decode step writes its static KV cache."""
+    tensor-parallel model's decode step writes its static KV cache (`into_weight`: the
+    forward writes the weight itself, inside the subclass)."""
 
-    def __init__(self, mesh: object) -> None:
+    def __init__(self, mesh: object, into_weight: bool = False) -> None:
         super().__init__()
         from torch.distributed.tensor import Replicate, distribute_tensor
 
         self.w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]), requires_grad=False)
         self.register_buffer("cache", torch.zeros(2, 4))
+        self.into_weight = into_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.cache[0].copy_(x[0])
-        return (self.w * 2).to_local() + self.cache.sum()
+        if self.into_weight:
+            self.w.mul_(1.0)
+        y = (self.w * 2).to_local()  # the weight first: the call's inputs are x, w, cache; aot's x, w's local
+        self.cache[0].copy_(x[0])  # tensor, w's mesh, cache
+        return y + self.cache.sum()
 
 
-def test_a_graph_writing_an_input_beside_a_dtensor_runs_as_eager_and_says_why():
-    """aot flattens a tensor subclass, and the written input's position, taken from aot's,
-    was a sharded weight's in a trial (a DTensor Llama generating with a static cache): the
-    contract's read of its storage raised in the user's call. A graph that writes an input
-    and takes a subclass runs as Dynamo's, whether or not the positions happen to agree (in
-    this toy they do): forced here on purpose, on a fake process group of 2."""
-    import torch.distributed as dist
+def _calls(into_weight: bool) -> dict:
+    """4 calls of the compiled model against its twin, bitwise (outputs and the cache); the graph's report."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        model = _ShardedWithCache(mesh)
-        torch.manual_seed(0)
-        twin = _ShardedWithCache(mesh)
-        compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
-        for i in range(4):
-            x = torch.randn(2, 4)
-            assert torch.equal(compiled(x), twin(x)), i
-        assert torch.equal(model.cache, twin.cache)
-        (graph,) = graphdispatch_backend.latest_report()["graphs"]
-        cg, lowering = graph["cuda_graph"], graph["lowering_check"]
-        assert lowering["status"] == "not_lowered" and "tensor subclass" in lowering["detail"]
-        assert cg["eager_by_reason"] == {"subclass_writes": 4} and graph["calls"] == 4 == cg["eager_calls"]
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = _ShardedWithCache(mesh, into_weight)
+    torch.manual_seed(0)
+    twin = _ShardedWithCache(mesh, into_weight)
+    compiled = torch.compile(model, backend="graphdispatch", options={"cuda_graphs": "emulate"})
+    for i in range(6):
+        x = torch.randn(2, 4)
+        assert torch.equal(compiled(x), twin(x)), i
+    assert torch.equal(model.cache, twin.cache)
+    (graph,) = graphdispatch_backend.latest_report()["graphs"]
+    return graph
+
+
+def test_a_graph_writing_its_cache_beside_a_dtensor_weight_replays(two_fake_ranks):
+    """aot flattens a tensor subclass (a DTensor: its local tensor, its mesh's object), and
+    graphdispatch took aot's positions for the call's: a trial's DTensor Llama put its
+    static cache's position on a sharded weight (the contract's read of its storage raised
+    in the call), and compiled block by block took activations for its parameters (new
+    addresses on every call: parameter_moved, never a replay). The lowered graph names its
+    inputs in aot's numbering, the checks around it in the call's (capture/lower.py FlatInputs)."""
+    graph = _calls(into_weight=False)
+    cg = graph["cuda_graph"]
+    assert graph["lowering_check"]["status"] == "bitwise" and cg["replays"] == 4, graph
+    assert [w["input"] for w in graph["input_writes"]] == ["cache"], graph["input_writes"]
+
+
+def test_a_graph_writing_inside_a_dtensor_runs_as_eager_and_says_why(two_fake_ranks):
+    """A write into the subclass's own inner tensor has no input of the call to copy and
+    compare: the Dynamo graph runs, said in lowering_check (forced here on purpose)."""
+    graph = _calls(into_weight=True)
+    cg, lowering = graph["cuda_graph"], graph["lowering_check"]
+    assert lowering["status"] == "not_lowered" and "inside a tensor subclass" in lowering["detail"]
+    assert cg["eager_by_reason"] == {"subclass_writes": 6} and graph["calls"] == 6 == cg["eager_calls"]

@@ -126,6 +126,50 @@ def lower(
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class FlatInputs:
+    """aot's inputs where a tensor subclass (a DTensor) among the user's is flattened into
+    its inner inputs (its local tensor, its mesh's opaque object): per flat input, the user
+    input (aot's order: lifted state, then the Dynamo graph's placeholders) it is or belongs
+    to (`owner`; None: one of aot's own, an effect token), and which flat inputs are a user
+    input whole (`whole`)."""
+
+    owner: tuple[int | None, ...]
+    whole: dict[int, int]  # flat position -> user position
+
+    def origins(self, origins: Sequence[InputOrigin]) -> tuple[InputOrigin | None, ...]:
+        """`origins` in the flat numbering: a subclass's inner inputs carry its origin."""
+        return tuple(None if u is None or u >= len(origins) else origins[u] for u in self.owner)
+
+
+def outer_positions(flat: FlatInputs | None, positions: Sequence[int]) -> tuple[list[int], bool]:
+    """Positions among aot's inputs (what the graph writes, what artifacts read) as the
+    user's, which the checks around the lowered graph index (lifted state, then the call's
+    arguments), and whether each is a user input whole (not inside a tensor subclass)."""
+    if flat is None:
+        return list(positions), True
+    return [flat.whole[p] for p in positions if p in flat.whole], all(p in flat.whole for p in positions)
+
+
+def flat_inputs(gm: torch.fx.GraphModule) -> FlatInputs | None:
+    """How the aot graph `gm`'s inputs map onto the user's, from the descriptor aot puts on
+    each placeholder (`PlainAOTInput(idx)`, or `SubclassGetAttrAOTInput(base, attr)` for a
+    subclass's inner input); None where they are one to one."""
+    owner: list[int | None] = []
+    whole: dict[int, int] = {}
+    for k, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        root = desc = node.meta.get("desc")
+        while hasattr(root, "base"):
+            root = root.base
+        user = getattr(root, "idx", None)
+        owner.append(user)
+        if user is not None and root is desc:
+            whole[k] = user
+    if all(whole.get(k) == k for k in range(len(owner))):
+        return None
+    return FlatInputs(tuple(owner), whole)
+
+
 def mutated_inputs() -> list[int] | None:
     """Inside an aot compiler: the inputs (aot positions) the graph writes into, from aot's
     metadata; None when the graph cannot be checked against eager (an input's metadata is
