@@ -153,20 +153,30 @@ def outer_positions(flat: FlatInputs | None, positions: Sequence[int]) -> tuple[
 
 def flat_inputs(gm: torch.fx.GraphModule) -> FlatInputs | None:
     """How the aot graph `gm`'s inputs map onto the user's, from the descriptor aot puts on
-    each placeholder (`PlainAOTInput(idx)`, or `SubclassGetAttrAOTInput(base, attr)` for a
-    subclass's inner input); None where they are one to one."""
+    each placeholder (a subclass's inner input, `SubclassGetAttrAOTInput`, has its user
+    input as `base`); None where no subclass is flattened (one to one, as ever). The user
+    inputs come in order, each as one flat input or as its subclass's consecutive ones;
+    aot's own (an effect token, a seed) belong to none."""
+    from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
+
+    descs = [node.meta.get("desc") for node in gm.graph.find_nodes(op="placeholder")]
+    if not any(hasattr(d, "base") for d in descs):
+        return None
     owner: list[int | None] = []
     whole: dict[int, int] = {}
-    for k, node in enumerate(gm.graph.find_nodes(op="placeholder")):
-        root = desc = node.meta.get("desc")
+    users, last = -1, None
+    for k, desc in enumerate(descs):
+        root = desc
         while hasattr(root, "base"):
             root = root.base
-        user = getattr(root, "idx", None)
-        owner.append(user)
-        if user is not None and root is desc:
-            whole[k] = user
-    if all(whole.get(k) == k for k in range(len(owner))):
-        return None
+        if not isinstance(root, (PlainAOTInput, ParamAOTInput, BufferAOTInput)):
+            owner.append(None)
+            continue
+        if root is not last and root != last:
+            users, last = users + 1, root
+        owner.append(users)
+        if root is desc:
+            whole[k] = users
     return FlatInputs(tuple(owner), whole)
 
 
