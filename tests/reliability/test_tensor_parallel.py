@@ -112,3 +112,32 @@ def test_collectives_inside_pieces_replay_in_lockstep(tmp_path, counts):
         assert graph["split_reasons"].get("collective", 0) == 0
         assert graph["cuda_graph"]["replays"] > 0 and graph["cuda_graph"]["declines"] == {}
     counts["distributed_runs"] += 1
+
+
+@pytest.mark.parametrize("scenario", ["artifact_wrong", "artifact_wrong_inside"])
+def test_a_kernel_wrong_on_one_rank_is_isolated_by_every_rank_at_once(tmp_path, counts, scenario):
+    """An artifact for the activation between the column- and the row-parallel projection
+    (a region without collectives), wrong on rank 1 only, first at call 8, a check's call.
+    The check of the whole graph finds rank 1's call off; running the graph again on rank 1
+    alone would run its collectives alone, so both ranks run the isolation in step: rank 1's
+    gate demotes its kernel, rank 0's keeps serving, and both graphs keep their lowering
+    (before: lowering_mismatch on both ranks, the artifact reported serving, every replay lost).
+    Between gloo collectives, rank 1's pieces capture again without the kernel on their own;
+    with the collectives inside the pieces (NCCL's case), rank 1 answers eagerly (the same
+    collectives) until the ranks' next agreement point (call 16) declines the piece on both."""
+    rank0, rank1 = check_ranks(run_ranks(tmp_path, scenario))
+    (sub0,), (sub1,) = rank0["substitutions"], rank1["substitutions"]
+    assert not sub0["demoted"] and sub0["replays"] == 9
+    assert sub1["demoted"] and (sub1["caught_at_call"], sub1["caught_by"]) == (8, "recheck"), sub1
+    assert "caught at call 8 of graph_0 (checked by the recheck schedule)" in sub1["detail"]
+    assert sub1["calls"] + sub1["replays"] + sub1["native_calls"] == 12 and sub1["native_calls"] == 4
+    for graph in (rank0, rank1):
+        assert graph["lowering_check"]["status"] == "bitwise", graph["lowering_check"]
+    cg0, cg1 = rank0["cuda_graph"], rank1["cuda_graph"]
+    assert cg0["declines"] == cg1["declines"] == {} and cg0["replays"] == 9 and cg0["eager_by_reason"].keys() == {
+        "warmup", "verifying"}
+    if scenario.endswith("_inside"):
+        assert cg1["eager_by_reason"]["artifact_demoted"] == 4  # calls 9-12
+    else:
+        assert cg1["recaptures"] == 1 and cg1["state"] == "verified"  # captured again without the kernel
+    counts["distributed_runs"] += 1

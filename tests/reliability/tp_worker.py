@@ -4,7 +4,8 @@ argv: rank world rendezvous out scenario. Builds a block (attention with column-
 q/k/v and a row-parallel output, then a column- then row-parallel MLP) with DTensor's
 `parallelize_module` on a gloo mesh, twice with the same weights: one compiled with
 graphdispatch (emulate), one run eagerly (the uncompiled model). The block also returns a
-rank-local side output. A scenario forces one verdict on rank 1 only; every call's
+rank-local side output. A scenario forces one verdict on rank 1 only (`artifact_wrong*`: an
+artifact for the activation, wrong on rank 1 for large inputs); every call's
 all-reduced output is written (as bytes) for the test to compare across ranks.
 """
 
@@ -39,6 +40,7 @@ from graphdispatch_backend.runtime.checks import reference as eager_check_mod  #
 from graphdispatch_backend.runtime.checks.parity import Mismatch  # noqa: E402
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine  # noqa: E402
 from graphdispatch_backend.runtime.runner.verify import Verifier  # noqa: E402
+from graphdispatch_backend.testing import write_bundle  # noqa: E402
 
 DIM, HEAD = 16, 4
 
@@ -61,6 +63,7 @@ class Block(nn.Module):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
         self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.act = nn.ReLU()  # between the column- and the row-parallel projection: no collective
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
@@ -68,7 +71,7 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.o(y)
         h = self.up(x)
-        return x + self.down(torch.relu(h)), torch.ops.gd_tp.side(h)
+        return x + self.down(self.act(h)), torch.ops.gd_tp.side(h)
 
 
 PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
@@ -102,6 +105,24 @@ if scenario.endswith("_inside"):
     # replay, as a CUDA graph launches captured NCCL kernels)
     importlib.import_module("graphdispatch_backend.passes.ops").group_backend = lambda name, device_type: "nccl"
 
+options = {"cuda_graphs": "emulate", "warmup": 2, "verify_inputs": 2}
+LARGE_FROM = 7  # scenario artifact_wrong*: the inputs from this step on (call 8, a check's: 1, 2, 4, 8) are large
+if scenario.startswith("artifact_wrong"):
+    # an artifact for `act` (the column-parallel shard of the MLP, local to each rank), exact
+    # but on rank 1 one ulp up where its input is large: met first at call 8, which is checked
+    write_bundle(
+        f"{out_path}.kernels/act", "act", "act", [{"name": "input0", "shape": [2, 5, 4 * DIM // world],
+                                                   "dtype": "float32"}],
+        [{"shape": [2, 5, 4 * DIM // world], "dtype": "float32"}],
+        "import torch\nimport torch.distributed as dist\n\n"
+        "def forward(x):\n"
+        "    y = torch.relu(x)\n"
+        "    if dist.get_rank() == 1:\n"
+        "        y = torch.where(x > 50, torch.nextafter(y, torch.full_like(y, float('inf'))), y)\n"
+        "    return y\n",
+        parity={"mode": "bitwise"}, devices=["cpu"], capturable=True)
+    options["artifacts"] = f"{out_path}.kernels"
+
 mesh = init_device_mesh("cpu", (world,))
 torch.manual_seed(0)
 base = Block().eval()
@@ -110,13 +131,12 @@ mine.load_state_dict(base.state_dict())
 ref.load_state_dict(base.state_dict())
 parallelize_module(mine, mesh, PLAN)
 parallelize_module(ref, mesh, PLAN)
-compiled = torch.compile(mine, backend="graphdispatch",
-                         options={"cuda_graphs": "emulate", "warmup": 2, "verify_inputs": 2})
+compiled = torch.compile(mine, backend="graphdispatch", options=options)
 outs, equal, raised = [], [], None
 with torch.no_grad():
     for step in range(12):
         torch.manual_seed(1000 + step)  # the same input on every rank, new every step
-        x = torch.randn(2, 5, DIM)
+        x = torch.randn(2, 5, DIM) * (100 if scenario.startswith("artifact_wrong") and step >= LARGE_FROM else 1)
         try:
             got, _ = compiled(x)
         except Exception as exc:  # the point is that nothing escapes; recorded for the test

@@ -286,3 +286,52 @@ def test_checks_hold_under_threads(tmp_path):
     assert errors == []
     accounted_graphs()  # every call accounted for
 
+
+
+class _Ranks:
+    """An agreement over this rank and scripted others: each round takes the largest of this
+    rank's code and the others' for that round (checks/agree.py's all-reduce MAX)."""
+
+    def __init__(self, *others: int) -> None:
+        self.others, self.sent = list(others), []
+
+    def agree(self, code: int) -> int:
+        self.sent.append(code)
+        return max(code, self.others.pop(0))
+
+
+@pytest.mark.parametrize(("mine", "found", "others", "sent", "kept"), [
+    # this rank matched; another rank's kernel was at fault (its own isolation found it): lowering kept
+    (False, "capture", [0, 2], [0, 0], True),
+    # this rank's call differed, its run again matched, another rank's kernel explains it: kept
+    (True, "capture", [0, 2], [0, 1], True),
+    # no kernel explains a difference: the capture, declined on every rank
+    (True, "capture", [0, 0], [0, 1], False),
+    # another rank's run again differs: the lowering, declined on every rank
+    (False, "capture", [0, 3], [0, 0], False),
+    (True, "lowering", [0, 2], [0, 3], False),
+    # a rank that cannot tell its mismatch apart: no rank runs the graph again
+    (None, None, [0], [1], False),
+    (True, None, [1], [0], False),
+])
+def test_across_ranks_every_rank_isolates_in_step_and_the_ranks_agree_on_the_party(mine, found, others, sent, kept):
+    from graphdispatch_backend.diagnostics.events import Events
+    from graphdispatch_backend.diagnostics.report import GraphRecord
+    from graphdispatch_backend.errors import Decline
+    from graphdispatch_backend.runtime.checks.isolate import Checked, Culprit, across_ranks
+
+    ranks, runs = _Ranks(*others), []
+
+    def find() -> Culprit:
+        runs.append(1)
+        return Culprit(found, "what it did")
+
+    verdict = (Decline.LOWERING_MISMATCH, "differs from eager")
+    got = across_ranks(ranks, mine, find, Checked(GraphRecord(0), 8, 4), verdict, Events())
+    assert ranks.sent == sent and ranks.others == []  # every rank makes the same rounds
+    assert len(runs) == (found is not None)  # the graph runs again on every rank or on none
+    if kept:
+        assert got is None
+    else:
+        assert got[0] is Decline.LOWERING_MISMATCH and got[1].startswith("differs from eager; ")
+        assert ("not isolated" in got[1]) == (found is None)

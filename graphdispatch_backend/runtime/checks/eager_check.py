@@ -44,7 +44,7 @@ from graphdispatch_backend.runtime.call.calls import mark_entry
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
-from graphdispatch_backend.runtime.checks.isolate import Checked, blame, culprit, isolating
+from graphdispatch_backend.runtime.checks.isolate import Checked, across_ranks, blame, culprit, isolating
 from graphdispatch_backend.runtime.checks.lowering import Lowering
 from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
@@ -130,6 +130,8 @@ class EagerCheck:
         # isolated (runtime/checks/isolate.py) where ranks need not agree on every eager run
         self._runners = tuple(runners)
         self._isolates = gradients is None and agreement is None
+        # ... and where they must (the graph holds collectives), by every rank at once (isolate.py `across_ranks`)
+        self._across = gradients is None and agreement is not None
         self._draws = draws  # the graph draws random numbers: the extra runs draw privately
         self._fusion = fusion  # the graph's runtime/program/fused.py Fusion: a party isolation may blame
         # outputs the Dynamo graph makes uninitialized and returns unwritten (its caller fills
@@ -271,7 +273,7 @@ class EagerCheck:
         # capture): the world moved under the check, and eager run again would disagree with
         # itself; no verdict on the lowering, eager's values answer (the next check judges it)
         moved = local is not None and forward and _wrote_during(self._record.substitutions, demoted)
-        verdict = self._settle(None if moved else local, args, side, ref, forward and not beyond)
+        verdict, settled = self._settle(None if moved else local, args, side, ref, forward and not beyond)
         if seen is not None:  # judged: what this call's inputs hold counts as seen
             seen.checked()
         if novel is not None:
@@ -280,6 +282,12 @@ class EagerCheck:
         isolated = moved and verdict is None  # an artifact or a capture took the blame: eager's values answer
         if verdict is not None and verdict[0] is Decline.LOWERING_MISMATCH and forward and self._isolates:
             verdict = self._isolate(args, side, ref, replays, demoted, verdict, novel)
+            isolated = verdict is None
+        elif verdict is not None and verdict[0] is Decline.LOWERING_MISMATCH and self._across:
+            # this rank's own finding: a forward mismatch it can isolate, nothing, or one it cannot
+            mine = (None if moved or beyond else False if settled is None
+                    else True if forward and settled[0] is Decline.LOWERING_MISMATCH else None)
+            verdict = self._isolate_across(args, side, ref, demoted, verdict, novel, mine)
             isolated = verdict is None
         elif verdict is None and failed is None and tolerance is not None and self._isolates:
             isolated = self._bitwise_inside(args, side, novel)
@@ -311,6 +319,15 @@ class EagerCheck:
         found = culprit(ref.extra(self._compiled), args, side, lambda got: ref.compare(got, tolerance),
                         self._record.substitutions, checked.call, self._contain, self._fusion, tolerance, demoted)
         return blame(found, checked, verdict, self._events, self._fusion, self._runners, replays)
+
+    def _isolate_across(self, args: Sequence[Any], side: SideBySide, ref: Reference, demoted: list[bool],
+                        verdict: tuple[Decline, str], novel: str | None, mine: bool | None) -> Verdict:
+        """`_isolate` where the graph holds collectives: run by every rank in step, what it
+        found agreed (runtime/checks/isolate.py `across_ranks`); None: the graph keeps its lowering."""
+        checked = Checked(self._record, self._due.n, self._due.previous, novel)
+        return across_ranks(self._agreement, mine, lambda: culprit(  # type: ignore[arg-type]
+            ref.extra(self._compiled), args, side, lambda got: ref.compare(got, None), self._record.substitutions,
+            checked.call, self._contain, None, None, demoted), checked, verdict, self._events)
 
     def _bitwise_inside(self, args: Sequence[Any], side: SideBySide, novel: str | None) -> bool:
         """A check within the graph's tolerance passed; the bitwise artifacts inside were
@@ -345,24 +362,25 @@ class EagerCheck:
                                    "checked call raised %s: %s", self._record.name, type(exc).__name__, exc)
 
     def _settle(self, local: Verdict, args: Sequence[Any], side: SideBySide, ref: Reference,
-                forward: bool) -> Verdict:
+                forward: bool) -> tuple[Verdict, Verdict]:
         """This rank's verdict, blamed on eager's nondeterminism where eager disagrees with
         itself (`forward`: it compared the forward's results; a gradient verdict is blamed by
         the gradient check), and agreed with every other rank of the graph's groups: the
         eager runs a verdict adds happen on every rank, and a rank that found nothing itself
-        takes the reason another found (checks/agree.py's `agreed_verdict`)."""
+        takes the reason another found (checks/agree.py's `agreed_verdict`). Returns the
+        verdict every rank takes, and this rank's own once blamed."""
         agreement = self._agreement
         if agreement is None:
             if local is not None and forward:
-                return self._blame(args, side, ref, local[1])
-            return local
+                local = self._blame(args, side, ref, local[1])
+            return local, local
         worst = agreed_verdict(agreement, local)
         if worst is None or worst[0] is not Decline.LOWERING_MISMATCH:
-            return worst
+            return worst, local
         blamed = self._blame(args, side, ref, local[1] if local else "")  # every rank runs eager again
         if local is not None and forward:
             local = blamed
-        return agreed_verdict(agreement, local)  # the blame agreed: one reason on every rank
+        return agreed_verdict(agreement, local), local  # the blame agreed: one reason on every rank
 
     def _blame(self, args: Sequence[Any], side: SideBySide, ref: Reference, detail: str) -> tuple[Decline, str]:
         """Run eager once more from the world before: if eager disagrees with itself, the

@@ -17,6 +17,10 @@ on the call's own inputs, from the world before the call:
 3. else, if that eager, native run still differs from the reference, the lowering is;
 4. else the capture is: the pieces that replayed in the checked call are declined.
 
+Where the graph holds collectives, running it again on one rank alone would put that rank's
+collectives out of step with the others': every rank isolates at once and the ranks agree on
+what they found (`across_ranks`).
+
 While a thread isolates, every runner's hot path steps aside (one global read: the flag is
 set only for these rare runs) and the thread's runners run their pieces eagerly, counting
 nothing; other threads' calls take their runners' slow path, and are served as usual.
@@ -32,6 +36,7 @@ from typing import Any
 
 from graphdispatch_backend.diagnostics import record_fields
 from graphdispatch_backend.errors import Contain, Decline
+from graphdispatch_backend.runtime.checks.agree import Agreement
 from graphdispatch_backend.runtime.checks.modes import judging
 from graphdispatch_backend.runtime.checks.parity import Mismatch
 from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, within
@@ -206,3 +211,46 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
                          "pieces that replayed run eager", message)
         return None
     return verdict[0], f"{verdict[1]} (at {call}; {detail})" if detail else verdict[1]
+
+
+# what a rank's isolation found, agreed over the ranks (the largest wins, checks/agree.py): its
+# call matched and so did its run again; its call differed and its run again (every piece run
+# eagerly, every kernel beside its region) matched; a kernel its gate demoted; its run again differs
+_NOTHING, _THE_CAPTURE, _AN_ARTIFACT, _THE_LOWERING = 0, 1, 2, 3
+
+
+def across_ranks(agreement: Agreement, mine: bool | None, find: Callable[[], Culprit], checked: Checked,
+                 verdict: tuple[Decline, str], events: Any) -> tuple[Decline, str] | None:
+    """The isolation where the graph holds collectives and its agreed verdict is a lowering
+    mismatch. Run on one rank alone, the graph's run again would put that rank's
+    collectives out of step with the others'; so every rank runs it, in step, on its own
+    call's inputs (`find`: `culprit`; the regions an artifact serves hold no collective,
+    artifacts/match.py, so the gates' runs beside their kernels add none), and the ranks
+    agree on what they found. `mine`: this rank's own check found a forward mismatch it can
+    isolate (True), nothing (False), or one it cannot (None: it raised, it wrote beyond its
+    rows, an artifact moved the world under it, eager disagreed with itself): then no rank
+    isolates. A kernel wrong on one rank (a tensor-parallel shard's values) reaches the
+    other ranks' outputs through the collectives after it: where the run again matched on
+    every rank and some rank's gate demoted its kernel, the kernels explain every rank's
+    difference: each was demoted, named, on its own rank (and keeps serving on the others),
+    and the graph keeps its lowering on every rank (None). A run again that differs on
+    any rank (the lowering), or a difference no kernel explains (a capture), declines the
+    graph on every rank (the agreed verdict, saying what was found)."""
+    if agreement.agree(int(mine is None)):  # one rank cannot tell: no rank runs the graph again
+        where = "this rank" if mine is None else "another rank of the graph's process groups"
+        return verdict[0], f"{verdict[1]}; not isolated: {where} could not tell its mismatch apart"
+    found = find()
+    if found.party == ARTIFACT:
+        code = _AN_ARTIFACT
+        blame(found, checked, verdict, events, None, (), ())  # its gate demoted it on this rank: caught, said
+    elif found.party == CAPTURE:  # the run again matched: this rank's call differed (a capture, or a
+        code = _THE_CAPTURE if mine else _NOTHING  # kernel on another rank through a collective) or did not
+    else:
+        code = _THE_LOWERING
+    agreed = agreement.agree(code)
+    if agreed == _AN_ARTIFACT:
+        return None
+    party = "lowering" if agreed == _THE_LOWERING else "capture"
+    found_here = f"this rank found the {found.party} at fault: {found.detail}" if code == agreed else \
+        f"another rank of the graph's process groups found the {party} at fault"
+    return verdict[0], f"{verdict[1]}; isolated on every rank at once, {found_here}"
