@@ -148,6 +148,7 @@ import gc
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -711,6 +712,9 @@ def section_llama(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
     served = [sub for length in CACHE_LENS if (kernels / f"served{length}" / "dispatch.json").exists()
               for g in json.loads((kernels / f"served{length}" / "dispatch.json").read_text())["graphs"]
               for sub in g.get("substitutions", [])]
+    # the reports are read: written and forgotten (none is written there again at exit), and the folder goes
+    graphdispatch_backend.reset()
+    shutil.rmtree(kernels, ignore_errors=True)
     rows = []
     for key in models:
         name = f"{key[0]}@{key[1]}"
