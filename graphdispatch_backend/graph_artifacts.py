@@ -114,7 +114,7 @@ class GraphArtifacts:
                             recheck=session.options.artifact_recheck,
                             # under emulate, a region's statistics come a call late, as a GPU's would
                             novelty=Arrival.NEXT_CALL if session.options.cuda_graphs == "emulate" else Arrival.NOW,
-                            kin=session.kin.setdefault((artifact.id, region.fingerprint), Kin()))
+                            kin=session.kin.setdefault(artifact.id, Kin()).kind(region.fingerprint))
         session.events.decision("substitution",
                                 {"graph": self.record.name, "region": region.name, "artifact": artifact.id})
         return call_target(gate, f"gd_artifact_{artifact.id}")

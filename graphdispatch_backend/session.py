@@ -74,9 +74,9 @@ class Session:
         self.report.runtime = self._runtime_figures
         self._note_rank()
         self._lock = threading.Lock()
-        # (artifact, region fingerprint) -> the gates one kernel serves a kind through
-        # (runtime/gates/kin.py, made by graph_artifacts.py): a fault met at one demotes all
-        self.kin: dict[tuple[str, str], Any] = {}
+        # artifact -> the gates one kernel serves its regions through (runtime/gates/kin.py,
+        # made by graph_artifacts.py): a fault of the kernel's met at one demotes the others
+        self.kin: dict[str, Any] = {}
         for error in self.registry.errors:
             self.events.warn_once(
                 f"bundle:{error['bundle']}", "graphdispatch: artifacts: %s rejected (%s): %s",

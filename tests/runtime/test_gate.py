@@ -1030,3 +1030,53 @@ def test_a_kernel_caught_at_one_block_is_demoted_at_every_block_of_its_kind(tmp_
     assert other["detail"].startswith(f"its kernel was demoted at region {caught} (parity): "), other["detail"]
     assert all(s["calls"] + s["replays"] + s["native_calls"] == 12 for s in subs.values()), subs
     assert wrong == [], wrong  # the kernel's 3rd run is the 2nd call's first region's: a checked call
+
+
+def test_a_kernel_caught_at_one_kind_of_region_serves_no_other_kind(tmp_path):
+    """A trial's RMSNorm kernel, one ulp high above a magnitude, with a dynamic sequence
+    dimension: demoted at an LLM's decode graph, it kept serving the prefill graph's replays
+    (the same module over other shapes: another kind) and gave a request wrong logits at a
+    call no schedule checked. A fault in the kernel's values follows no shape: met at one
+    kind of region, it demotes the kernel at every region it serves. Here two graphs of one
+    Block (batches 2 and 3, `dynamic=False`), replaying under emulate, where a call's
+    statistics decide the next call: graph A's first large call is served as computed and
+    its next one catches the kernel; graph B's first large call, after that, is native."""
+    body = ("        out = torch.where(x.abs().amax() > 50, torch.nextafter(out, torch.full_like(out, float('inf'))),"
+            " out)")
+    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, KERNEL.format(k=1, behaviour=body))
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=False,
+                             options={"artifacts": str(tmp_path), "cuda_graphs": "emulate"})
+    wrong = []
+    with torch.no_grad():
+        for step, (batch, scale) in enumerate([(2, 1)] * 5 + [(3, 1)] * 6 + [(2, 100)] * 3 + [(3, 100)] * 3):
+            x = torch.randn(batch, 8) * scale
+            if not torch.equal(compiled(x), model(x)):
+                wrong.append(step)
+    graphs = graphdispatch_backend.latest_report()["graphs"]
+    (a,), (b,) = ([s for s in g["substitutions"]] for g in graphs)
+    assert (a["demoted"], a["reason"], a["caught_by"], a["caught_at_call"]) == (True, "parity", "novelty", 7), a
+    assert (b["demoted"], b["reason"]) == (True, "demoted_elsewhere"), b
+    assert b["detail"].startswith("its kernel was demoted at region mlp (parity): "), b["detail"]
+    assert all(g["cuda_graph"]["replays"] > 0 for g in graphs)
+    assert wrong == [11], wrong  # graph A's first large call, its 6th (module docstring of runtime/checks/novelty.py)
+
+
+def test_a_kernel_that_raises_at_one_kind_of_region_keeps_serving_the_others(tmp_path):
+    """A raise (or an output of the wrong shape or strides) follows the shapes the kernel is
+    given and never serves a wrong value (every shape key's first call is checked): the kernel
+    is demoted at the regions of that kind only (runtime/gates/kin.py)."""
+    body = "        assert x.shape[0] != 3, 'this kernel takes no batch of 3'"
+    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, KERNEL.format(k=1, behaviour=body))
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=False,
+                             options={"artifacts": str(tmp_path), "cuda_graphs": False})
+    with torch.no_grad():
+        for batch in (2, 3, 2, 3, 2):
+            x = torch.randn(batch, 8)
+            assert torch.equal(compiled(x), model(x))
+    (a,), (b,) = (g["substitutions"] for g in graphdispatch_backend.latest_report()["graphs"])
+    assert (a["demoted"], a["calls"]) == (False, 3), a
+    assert (b["demoted"], b["reason"]) == (True, "raised"), b

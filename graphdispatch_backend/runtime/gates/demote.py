@@ -55,7 +55,7 @@ class Demoter:
         self._said(reason, where, detail)
 
     def elsewhere(self, region: str, reason: Demotion, detail: str) -> None:
-        """The same kernel was demoted at `region`, another region of this kind, for `reason`
+        """The same kernel was demoted at `region`, another region it serves, for `reason`
         (runtime/gates/kin.py): recorded and said here too; never raised (under strict, the
         region that met the fault raises)."""
         said = f"its kernel was demoted at region {region} ({reason.value}): {detail}"

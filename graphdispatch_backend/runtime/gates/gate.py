@@ -66,7 +66,7 @@ from graphdispatch_backend.runtime.gates.beside import Beside
 from graphdispatch_backend.runtime.gates.checked import CheckBook
 from graphdispatch_backend.runtime.gates.demote import Demoter, describe, describe_meta, raised
 from graphdispatch_backend.runtime.gates.judge import GateJudge, as_tuple, meta
-from graphdispatch_backend.runtime.gates.kin import Kin
+from graphdispatch_backend.runtime.gates.kin import KindOf
 from graphdispatch_backend.runtime.gates.reuse import memory_of, reused_detail
 from graphdispatch_backend.runtime.gates.speed import SpeedTrial
 
@@ -96,7 +96,7 @@ class ArtifactGate:
         input_names: Sequence[str] = (),
         recheck: str | int = "dense",
         novelty: Arrival = Arrival.NOW,
-        kin: Kin | None = None,
+        kin: KindOf | None = None,
     ) -> None:
         if kernel_inputs is None:
             self._artifact = artifact
@@ -131,7 +131,7 @@ class ArtifactGate:
         self._names = list(input_names)
         self._lock = threading.Lock()
         self.demoted = False
-        # the gates of this kernel at other regions of this kind: a fault of the kernel's demotes them all
+        # the gates of this kernel at its other regions: a fault of the kernel's demotes them (kin.py)
         self._kin = kin
         if kin is not None:
             kin.join(self)
@@ -318,7 +318,7 @@ class ArtifactGate:
         self._demoter(reason, detail, mismatch, **how)
 
     def kin_demoted(self, region: str, reason: Demotion, detail: str) -> None:
-        """This kernel was demoted at `region`, of this kind, for a fault of its own
+        """This kernel was demoted at `region` for a fault of its own
         (runtime/gates/kin.py): not served here either. A plain write, no lock: a call that
         read the flag before it serves the kernel once more, as one racing a demotion here
         would; a runner sees the flag at its next call and captures again without it."""

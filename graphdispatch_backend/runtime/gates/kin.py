@@ -1,17 +1,27 @@
-"""Kin: the gates one kernel serves one kind of region through, so that a fault of the
-kernel met at one of them keeps it from all of them.
+"""Kin: the gates one kernel serves its regions through, so that a fault of the kernel met
+at one of them keeps it from the others.
 
 A model compiled whole puts a gate at each region an artifact serves (`blocks.0.mlp`,
 `blocks.1.mlp`): each judges its own calls on its own schedule. A kernel's fault is the
 kernel's, not the region's: a kernel one ulp off above a magnitude, caught at block 1's
 second call, kept serving block 0 and served it a wrong value at an unchecked call (a trial,
 2026-12-07), where the same model compiled block by block shares one gate and one catch
-demotes it everywhere. Kin are the gates of one artifact over regions of one fingerprint
-(one graph of ATen ops over the same shapes: the same kind): one demoted for a fault of the
-kernel's (its values, its outputs, its writes, its raise, its draws, its settings) demotes
-the others, said as `demoted_elsewhere` naming the region and what was found there. Being
-slower than native (`slower`) is the region's, and stays there. The gates are held weakly:
-a dropped graph's gates leave.
+demotes it everywhere. Kin are the gates of one artifact; a kind is the regions of one
+fingerprint (one graph of ATen ops over the same shapes). One gate demoted for a fault of
+the kernel's demotes the others, said as `demoted_elsewhere` naming the region and what was
+found there:
+
+- its values (`parity`), a write it does not declare, a draw, a process-wide setting
+  changed: at every region it serves, of every kind. No shape explains such a fault away:
+  a kernel one ulp off above a magnitude, demoted at an LLM's decode graph, kept serving
+  the prefill graph's replays (another kind: other shapes, the same module) and gave a
+  request wrong logits at a call no schedule checked (a trial, 2026-12-07);
+- a raise, an output of the wrong count, shape, dtype or strides: at the regions of the
+  same kind. These follow the shapes and never serve a wrong value: a gate meets them at
+  the first call of each of its shape keys, which it checks.
+
+Being slower than native (`slower`) is the region's, and stays there. The gates are held
+weakly: a dropped graph's gates leave.
 """
 
 from __future__ import annotations
@@ -22,25 +32,48 @@ from typing import Any
 
 from graphdispatch_backend.errors import Demotion
 
+# faults that follow the shapes a kernel is given (module docstring): kept to the kind
+_OF_THE_KIND = frozenset({Demotion.RAISED, Demotion.BAD_OUTPUT})
+
 
 class Kin:
-    """The gates of one artifact over one kind of region (module docstring)."""
+    """The gates of one artifact, each with the kind of its region (module docstring)."""
 
     def __init__(self) -> None:
-        self._gates: list[weakref.ref[Any]] = []
+        self._gates: list[tuple[weakref.ref[Any], str]] = []
         self._lock = threading.Lock()
 
-    def join(self, gate: Any) -> None:
-        with self._lock:
-            self._gates = [g for g in self._gates if g() is not None]
-            self._gates.append(weakref.ref(gate))
+    def kind(self, fingerprint: str) -> KindOf:
+        """What a gate at a region of this `fingerprint` joins and reports to."""
+        return KindOf(self, fingerprint)
 
-    def demoted(self, gate: Any, region: str, reason: Demotion, detail: str) -> None:
-        """`gate` (at `region`) was demoted for `reason`: its kin are too, unless the reason is
-        the region's own (slower)."""
+    def join(self, gate: Any, fingerprint: str) -> None:
+        with self._lock:
+            self._gates = [(g, f) for g, f in self._gates if g() is not None]
+            self._gates.append((weakref.ref(gate), fingerprint))
+
+    def demoted(self, gate: Any, fingerprint: str, region: str, reason: Demotion, detail: str) -> None:
+        """`gate` (at `region`, of the kind `fingerprint`) was demoted for `reason`: its kin are
+        too, of every kind or of its own (module docstring), unless the reason is the region's own."""
         if reason is Demotion.SLOWER:
             return
         with self._lock:
-            others = [g for g in (r() for r in self._gates) if g is not None and g is not gate]
+            others = [g for g, f in ((r(), f) for r, f in self._gates) if g is not None and g is not gate
+                      and (f == fingerprint or reason not in _OF_THE_KIND)]
         for other in others:  # outside the lock: each takes none of ours
             other.kin_demoted(region, reason, detail)
+
+
+class KindOf:
+    """A gate's handle on its kin, naming its region's kind."""
+
+    __slots__ = ("_fingerprint", "_kin")
+
+    def __init__(self, kin: Kin, fingerprint: str) -> None:
+        self._kin, self._fingerprint = kin, fingerprint
+
+    def join(self, gate: Any) -> None:
+        self._kin.join(gate, self._fingerprint)
+
+    def demoted(self, gate: Any, region: str, reason: Demotion, detail: str) -> None:
+        self._kin.demoted(gate, self._fingerprint, region, reason, detail)
