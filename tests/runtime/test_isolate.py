@@ -288,6 +288,53 @@ def test_checks_hold_under_threads(tmp_path):
 
 
 
+class Gated(nn.Module):
+    """The MLP's output reaches the graph's output only where `m` says: a kernel's difference
+    that stops short of the outputs at a check (rounded away downstream, in a trial)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, self.mlp(x), 0.0)
+
+
+def test_a_check_that_passes_on_a_replay_judges_the_kernels_inside_beside_their_regions(tmp_path):
+    """A trial (diffusers Wan, emulate): a patch-embedding kernel one ulp off in its last
+    element for large latents. The call its new inputs made due was checked, but the
+    difference stopped short of the graph's outputs there, so the check passed and those
+    inputs counted as seen; the next call was served wrong, unchecked. A check of a replayed
+    call now judges each kernel still serving beside its region on the call's inputs
+    (runtime/checks/isolate.py `beside`): demoted there, and no call is served wrong. Here
+    the MLP's output is masked at the first two large calls (the first served as computed,
+    its statistics arriving a call late as a GPU's; the second checked for them)."""
+    torch.manual_seed(0)
+    make = Gated().eval
+    region = region_entry(make(), torch.randn(4, 16), torch.ones(4, 16, dtype=torch.bool), name="mlp",
+                          cuda_graphs=False)
+    sig = manifest_from_region(region)
+    write_bundle(tmp_path / "mlp", "mlp-bug", "mlp", sig["inputs"], sig["outputs"],
+                 KERNEL.format(names=[i["name"] for i in region["inputs"]]))
+    torch.manual_seed(0)
+    model = Gated().eval()
+    compiled = torch.compile(model, backend="graphdispatch", options={
+        "cuda_graphs": "emulate", "artifacts": str(tmp_path), "recheck": 1024, "artifact_recheck": 1024})
+    wrong = []
+    with torch.no_grad():
+        for i in range(1, 16):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) * 0.2
+            x[0, 0] = 5.0 if i >= 10 else 0.1
+            m = torch.full((4, 16), i not in (10, 11))
+            if not torch.equal(compiled(x, m), model(x, m)):
+                wrong.append(i)
+    (graph,) = accounted_graphs()
+    (sub,) = graph["substitutions"]
+    assert (sub["demoted"], sub["caught_at_call"], sub["caught_by"]) == (True, 11, "novelty"), sub
+    assert graph["lowering_check"]["status"] == "bitwise"
+    assert wrong == [], wrong
+
+
 class _Ranks:
     """An agreement over this rank and scripted others: each round takes the largest of this
     rank's code and the others' for that round (checks/agree.py's all-reduce MAX)."""

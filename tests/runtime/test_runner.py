@@ -28,6 +28,7 @@ from graphdispatch_backend.diagnostics.report import CudaGraphStats
 from graphdispatch_backend.diagnostics.timing import Timing
 from graphdispatch_backend.errors import Decline
 from graphdispatch_backend.examples.dit import DiTConfig, example_inputs, make_model
+from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine
 from graphdispatch_backend.runtime.runner import GraphRunner, RuntimeScope, State
 from graphdispatch_backend.runtime.runner import book as book_mod
@@ -1132,7 +1133,10 @@ def test_a_replay_runs_none_of_the_artifacts_python(tmp_path, monkeypatch):
     write_bundle(tmp_path / "ff", "ff-relu", "ff", **manifest_from_region(region), source=source)
     monkeypatch.delenv("GD_TEST_KERNEL_FAIL", raising=False)
     monkeypatch.setenv("GD_TEST_KERNEL_CALLS", "0")
-    compiled = emulate(model, artifacts=str(tmp_path), warmup=2, recheck=1024)  # no re-check in these calls
+    # no check in these calls: a check (by schedule or for new inputs) judges the kernel beside its
+    # region, running its Python (runtime/checks/isolate.py `beside`)
+    monkeypatch.setattr(novelty, "ENABLED", False)
+    compiled = emulate(model, artifacts=str(tmp_path), warmup=2, recheck=1024, artifact_recheck=1024)
     run_checked(compiled, model, [(torch.randn(2, 8),) for _ in range(6)])
     assert only_graph()["cuda_graph"]["replays"] == 3
     ran = int(os.environ["GD_TEST_KERNEL_CALLS"])

@@ -44,7 +44,7 @@ from graphdispatch_backend.runtime.call.calls import mark_entry
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
-from graphdispatch_backend.runtime.checks.isolate import Checked, across_ranks, blame, culprit, isolating
+from graphdispatch_backend.runtime.checks.isolate import Checked, across_ranks, beside, blame, culprit
 from graphdispatch_backend.runtime.checks.lowering import Lowering
 from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
@@ -53,7 +53,7 @@ from graphdispatch_backend.runtime.checks.posted import Posted
 from graphdispatch_backend.runtime.checks.reference import Reference, flat
 from graphdispatch_backend.runtime.checks.schedule import MAX_KEYS as KEPT_KEYS
 from graphdispatch_backend.runtime.checks.schedule import GraphDue
-from graphdispatch_backend.runtime.checks.side_by_side import CANDIDATE, REFERENCE, Compared, Kind, SideBySide, within
+from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, Compared, Kind, SideBySide, within
 from graphdispatch_backend.runtime.checks.suspects import Suspects
 from graphdispatch_backend.runtime.checks.world import Region
 from graphdispatch_backend.runtime.cudagraph.engine import is_out_of_memory
@@ -227,7 +227,7 @@ class EagerCheck:
         # eager's gradients now, before its world is put back and the compiled forward writes it again
         grads = self._gradients.reference(args, ref.outputs, start) \
             if self._gradients is not None and self._gradients.needed(args) else None
-        replays = [s.replays for s in self._record.piece_stats] if self._isolates else []
+        replays = [s.replays for s in self._record.piece_stats] if self._gradients is None else []
         demoted = [s.demoted for s in self._record.substitutions]
         _, exc = self._contain(lambda: side.set_aside(REFERENCE))  # eager's world kept aside, the world before back
         if exc is not None:
@@ -289,8 +289,10 @@ class EagerCheck:
                     else True if forward and settled[0] is Decline.LOWERING_MISMATCH else None)
             verdict = self._isolate_across(args, side, ref, demoted, verdict, novel, mine)
             isolated = verdict is None
-        elif verdict is None and failed is None and tolerance is not None and self._isolates:
-            isolated = self._bitwise_inside(args, side, novel)
+        elif verdict is None and failed is None and self._judges_kernels(tolerance, replays):
+            isolated = beside(ref.extra(self._compiled), args, side, self._record.substitutions,
+                              Checked(self._record, self._due.n, self._due.previous, novel), self._contain,
+                              self._events, self._agreement is not None)
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
         if verdict is None:
@@ -329,26 +331,20 @@ class EagerCheck:
             ref.extra(self._compiled), args, side, lambda got: ref.compare(got, None), self._record.substitutions,
             checked.call, self._contain, None, None, demoted), checked, verdict, self._events)
 
-    def _bitwise_inside(self, args: Sequence[Any], side: SideBySide, novel: str | None) -> bool:
-        """A check within the graph's tolerance passed; the bitwise artifacts inside were
-        judged only within it (a kernel 1e-3 off, its manifest saying bitwise, passed a
-        tolerance of 1e-2: a trial, 2026-12-07). Each is judged now, bit for bit, beside its
-        native region on this call's inputs: the call run again from the world before with
-        every gate judging (isolation's run, runtime/checks/isolate.py). True: one was demoted,
-        and eager's values answer the call; else the served call's world is put back."""
-        subs = self._record.substitutions
-        if not any(not s.demoted and s.parity_mode == "bitwise" for s in subs):
-            return False
-        demoted = [s.demoted for s in subs]
-        call = Checked(self._record, self._due.n, self._due.previous, novel).call
-        self._contain(lambda: side.keep(CANDIDATE))
-        _, exc = self._contain(side.back)
-        if exc is None:
-            with isolating(call):
-                self._contain(lambda: self._compiled(*args))
-        newly = any(s.demoted and not was for s, was in zip(subs, demoted))
-        self._contain(lambda: side.back(REFERENCE if newly else CANDIDATE))
-        return newly
+    def _judges_kernels(self, tolerance: Any, replays: list[int]) -> bool:
+        """Whether a passing check judged the kernels inside only through the graph's outputs
+        (isolate.py `beside`): within a tolerance, or where a piece replayed them (no gate
+        saw the call); where ranks agree (collectives), every rank runs `beside` or none."""
+        record = self._record
+        if not any(not s.demoted for s in record.substitutions):
+            here = False
+        elif tolerance is not None:
+            here = any(not s.demoted and s.parity_mode == "bitwise" for s in record.substitutions)
+        else:
+            here = any(s.replays > was for s, was in zip(record.piece_stats, replays))
+        if self._agreement is not None and record.substitutions:
+            return bool(self._agreement.agree(int(here)))
+        return here
 
     def _judged(self, tolerance: Any, within: bool, ref: Reference, got: list[Any], side: SideBySide) -> None:
         """A check of a graph fused under a tolerance: counted, and (served) its errors kept."""

@@ -39,7 +39,7 @@ from graphdispatch_backend.errors import Contain, Decline
 from graphdispatch_backend.runtime.checks.agree import Agreement
 from graphdispatch_backend.runtime.checks.modes import judging
 from graphdispatch_backend.runtime.checks.parity import Mismatch
-from graphdispatch_backend.runtime.checks.side_by_side import REFERENCE, SideBySide, within
+from graphdispatch_backend.runtime.checks.side_by_side import CANDIDATE, REFERENCE, SideBySide, within
 
 
 class Isolation:
@@ -151,6 +151,41 @@ def _fusion(fusion: Any, again: Callable[[], Any], fused: Any) -> Culprit | None
 def _trying(fusion: Any, keep: Any, again: Callable[[], Any]) -> bool:
     with fusion.trying(keep):
         return again() is None
+
+
+def beside(compiled: Callable[..., Any], args: Sequence[Any], side: SideBySide, substitutions: Sequence[Any],
+           checked: Checked, contain: Contain, events: Any, in_step: bool = False) -> bool:
+    """A check of the whole graph passed, but it judged the kernels inside only through the
+    graph's outputs: within a tolerance (a bitwise kernel 1e-3 off passed a tolerance of
+    1e-2: a trial, 2026-12-07), or inside a replay, where no gate sees the call and a
+    kernel's difference can stop short of the outputs (a trial's patch embedding one ulp off
+    in its last element for large latents, rounded away downstream at the check that saw
+    them first: that check widened what counts as seen and the next call was served wrong,
+    unchecked). So each kernel still serving is judged now beside its native region on this
+    call's inputs: the call run again from the world before with every gate judging
+    (`culprit`'s run). True: one was demoted (caught at this call, said), and eager's values
+    answer the call; else the served call's world is put back. `in_step`: the graph holds
+    collectives and every rank runs the call again, judging kernels or not."""
+    subs = [s for s in substitutions if not s.demoted]
+    if not subs and not in_step:
+        return False
+    contain(lambda: side.keep(CANDIDATE))
+    _, exc = contain(side.back)
+    if exc is None:
+        with isolating(checked.call):
+            contain(lambda: compiled(*args))
+    newly = [s for s in subs if s.demoted]
+    contain(lambda: side.back(REFERENCE if newly else CANDIDATE))
+    n, unchecked = checked.n, checked.n - checked.previous - 1
+    for sub in newly:
+        with sub.lock:
+            record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck")
+    if newly:
+        events.warn_once(f"beside:{checked.record.name}:{','.join(s.artifact for s in newly)}",
+                         "graphdispatch: %s: the graph's outputs matched eager's at %s, but judged beside its "
+                         "region %s; eager's values answered it", checked.record.name, checked.call,
+                         "; ".join(f"artifact {s.artifact} at {s.region} differs ({s.detail})" for s in newly))
+    return bool(newly)
 
 
 @dataclasses.dataclass
