@@ -106,7 +106,8 @@ def graphdispatch_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **k
     except _DYNAMO_CONTROL:
         raise
     except Exception as exc:
-        if options.strict:
+        if options.strict:  # the report says it too: a graph whose compile raised does not read as clean
+            record_fields.failed(record, exc, whole=True)
             raise exc if isinstance(exc, GraphDispatchError) else StrictModeError(
                 f"compiling a graph failed: {type(exc).__name__}: {exc}") from exc
         return _fallback(session, record, gm, exc)

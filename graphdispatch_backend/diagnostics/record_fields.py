@@ -179,10 +179,19 @@ def caught_by(sub: SubstitutionRecord, by: str) -> None:
         sub.caught_by = by
 
 
-def substitution_caught(sub: SubstitutionRecord, at_call: int | None, unchecked_calls: int, by: str) -> None:
+def substitution_caught(sub: SubstitutionRecord, at_call: int | None, unchecked_calls: int, by: str,
+                        stale_state: Sequence[str] = ()) -> None:
     """Under the lock: the call of its shape key that caught the artifact, the calls it
-    served unchecked since the check before, and by which check."""
+    served unchecked since the check before, by which check, and the state those calls
+    wrote from the kernel's values (a cache), which stays."""
     sub.caught_at_call, sub.unchecked_calls, sub.caught_by = at_call, unchecked_calls, by
+    sub.stale_state = list(stale_state)
+
+
+def caught_on_another_rank(record: GraphRecord, at_call: int, unchecked_calls: int) -> None:
+    """Under the record's lock: a check where another rank of the graph's process groups
+    found its kernel off, and the calls served unchecked before it here."""
+    record.caught_on_other_ranks.append({"at_call": at_call, "unchecked_calls": unchecked_calls})
 
 
 def served_unchecked(sub: SubstitutionRecord, since_check: int) -> None:

@@ -75,13 +75,14 @@ def _summary(report: dict[str, Any]) -> list[str]:
     demoted = sum(1 for s in subs if s["demoted"])
     broken = [g["name"] for g in _with_backwards(graphs) if not _balanced(g)]
     fell_back = sum(1 for g in graphs if g["kind"] == "fallback")
+    strict = report.get("options", {}).get("strict")  # then a compile error raised into the user's call
+    failing = "raised a compile error (strict)" if strict else "fell back on a compile error"
     backwards = [g["backward"] for g in graphs if g.get("backward")]
     out = ["", "Summary",
            f"  {plural(len(graphs), 'graph')}, {plural(calls, 'call')}: {replays} replayed from a captured graph, "
            f"{eager} eager" + (f" ({counts(by_reason)})" if eager else ""),
            f"  {plural(len(subs), 'substitution')}, {demoted} demoted to native; "
-           + (f"{plural(fell_back, 'graph')} fell back on a compile error" if fell_back
-              else "no graph fell back on a compile error")]
+           + (f"{plural(fell_back, 'graph')} {failing}" if fell_back else "no graph fell back on a compile error")]
     if subs:  # what the artifacts' check schedule left unjudged (see "Artifact checks")
         unchecked = sum(s.get("served_since_check", 0) for s in subs)
         gap = max(s.get("largest_gap", 0) for s in subs)

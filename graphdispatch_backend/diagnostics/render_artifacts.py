@@ -169,7 +169,10 @@ def artifact_checks(report: dict[str, Any]) -> list[str]:
                     by = _CAUGHT_BY.get(s.get("caught_by") or "", "a check")
                     caught.append(f"  {aid} on {g['name']} {s['region']}: caught at call {s['caught_at_call']} of its "
                                   f"shape key by {by}; {plural(s.get('unchecked_calls') or 0, 'call')} served "
-                                  "unchecked since the check before it")
+                                  "unchecked since the check before it" + (
+                                      f"; what they wrote into {', '.join(s['stale_state'])} (state the graph "
+                                      "writes) stays, computed from the kernel's values: the calls that read it "
+                                      "differ from eager's until it is written anew" if s.get("stale_state") else ""))
     if not rows:
         return []
     rows += [["all graphs", aid, *t[1:]] for aid, t in sorted(per_artifact.items()) if t[0] > 1]

@@ -122,6 +122,9 @@ class SubstitutionRecord:
     caught_at_call: int | None = None
     unchecked_calls: int | None = None
     caught_by: str | None = None
+    # ... and the state the graph writes (a cache) that those unchecked calls wrote from the
+    # kernel's values: it stays, and the calls that read it differ from eager's until it is written anew
+    stale_state: list[str] = dataclasses.field(default_factory=list)
     novelty_checks: int = 0  # the gate's checks made for new inputs (beyond its schedule)
     # calls (eager or replayed) the artifact served since its last check, and the most it
     # served unchecked in a row: what its `artifact_recheck` schedule left unjudged
@@ -151,6 +154,9 @@ class GraphRecord:
     eager_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
     eager_checks: int = 0  # calls on which the lowered graph was compared with real eager
     novelty_checks: int = 0  # of those, the ones made for novel inputs (runtime/checks/novelty.py)
+    # collectives: checks where another rank's kernel was found off (its values reach this rank's
+    # outputs through them): the call, and the calls served unchecked before it (runtime/checks/isolate.py)
+    caught_on_other_ranks: list[dict[str, int]] = dataclasses.field(default_factory=list)
     unchecked: int = 0  # due checks skipped: what the call writes could not be snapshotted
     unchecked_detail: str | None = None
     # set when the lowering was found wrong (its Decline) or never runs (errors.LoweringStatus.NOT_LOWERED)
@@ -331,7 +337,8 @@ class GraphRecord:
     def _lowering_check(self) -> dict[str, Any]:
         """How the lowered graph compared with real eager (runtime/checks/eager_check.py)."""
         skipped = {"skipped": self.unchecked, "skipped_detail": self.unchecked_detail} if self.unchecked else {}
-        checked = {"checked": self.eager_checks, **({"novelty": self.novelty_checks} if self.novelty_checks else {})}
+        checked = {"checked": self.eager_checks, **({"novelty": self.novelty_checks} if self.novelty_checks else {}),
+                   **({"caught_on_other_ranks": self.caught_on_other_ranks} if self.caught_on_other_ranks else {})}
         if self.lowering is not None:
             return {**checked, **self.lowering, **skipped}
         tolerant = (self.fusion or {}).get("checks") and self.fusion.get("tolerance")

@@ -19,6 +19,7 @@ import torch
 import graphdispatch_backend
 from graphdispatch_backend.__main__ import main
 from graphdispatch_backend.artifacts import registry
+from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.errors import StrictModeError
 from graphdispatch_backend.runtime.gates.demote import ArtifactDemoted
 from graphdispatch_backend.testing import MLP_OUTPUTS, MLP_SOURCE, Stack, mlp_inputs, region_entry, write_bundle
@@ -120,6 +121,15 @@ def test_each_failure_fails_the_compile_under_strict(tmp_path, make, said):
         run(make(tmp_path), strict=True)
     assert isinstance(info.value.inner_exception, StrictModeError)
     assert said.split(":")[0] in str(info.value.inner_exception)
+    report = graphdispatch_backend.latest_report()
+    if make in (_missing_root, _empty_root, _tampered_bundle):  # refused as the session starts: no graph, no report
+        assert report is None
+        return
+    # a graph's compile that raised: its report says so too (a trial's read "no graph fell back
+    # on a compile error", the graph clean)
+    (graph,) = report["graphs"]
+    assert graph["kind"] == "fallback" and said.split(":")[0] in graph["error"], graph
+    assert "1 graph raised a compile error (strict)" in render(report)
 
 
 def test_an_unreadable_root(tmp_path, gd_log, monkeypatch):

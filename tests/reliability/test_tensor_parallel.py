@@ -133,6 +133,9 @@ def test_a_kernel_wrong_on_one_rank_is_isolated_by_every_rank_at_once(tmp_path, 
     assert sub1["calls"] + sub1["replays"] + sub1["native_calls"] == 12 and sub1["native_calls"] == 4
     for graph in (rank0, rank1):
         assert graph["lowering_check"]["status"] == "bitwise", graph["lowering_check"]
+    # rank 0's outputs came through the all-reduce from rank 1's kernel: its report says so
+    assert rank0["lowering_check"]["caught_on_other_ranks"] == [{"at_call": 8, "unchecked_calls": 3}]
+    assert "caught_on_other_ranks" not in rank1["lowering_check"]
     cg0, cg1 = rank0["cuda_graph"], rank1["cuda_graph"]
     assert cg0["declines"] == cg1["declines"] == {} and cg0["replays"] == 9 and cg0["eager_by_reason"].keys() == {
         "warmup", "verifying"}

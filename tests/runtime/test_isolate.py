@@ -15,6 +15,7 @@ from torch import nn
 
 import graphdispatch_backend
 from graphdispatch_backend import backend as backend_mod
+from graphdispatch_backend.diagnostics.render import render
 from graphdispatch_backend.runtime.checks import eager_check as eager_check_mod
 from graphdispatch_backend.runtime.checks import novelty
 from graphdispatch_backend.runtime.checks.schedule import Due
@@ -164,6 +165,11 @@ def test_a_catch_says_the_state_the_calls_served_unchecked_wrote_stays(tmp_path,
     said = next(r.getMessage() for r in caplog.records if "the artifact was at fault" in r.getMessage())
     assert "the 3 call(s) since the last check (call 4) were served unchecked, and what they wrote into" in said, said
     assert "acc" in said.split("wrote into", 1)[1].split("(state", 1)[0] and "stays" in said, said
+    # the report says it too, not the log alone (a trial found it only there): the field and the rendered catch
+    assert len(sub["stale_state"]) == 1 and "acc" in sub["stale_state"][0], sub
+    rendered = render(graphdispatch_backend.latest_report())
+    caught = rendered.split("Caught at a check", 1)[1]
+    assert f"what they wrote into {sub['stale_state'][0]} (state the graph writes) stays" in caught, caught
 
 
 def test_without_checks_of_replays_wrong_values_go_on(tmp_path, monkeypatch):

@@ -44,7 +44,7 @@ from graphdispatch_backend.runtime.call.calls import mark_entry
 from graphdispatch_backend.runtime.checks.agree import Agreement, agreed_verdict
 from graphdispatch_backend.runtime.checks.autograd_check import GradientCheck
 from graphdispatch_backend.runtime.checks.draws import Start, privately
-from graphdispatch_backend.runtime.checks.isolate import Checked, across_ranks, beside, blame, culprit
+from graphdispatch_backend.runtime.checks.isolate import Checked, across_ranks, beside, blame, caught_elsewhere, culprit
 from graphdispatch_backend.runtime.checks.lowering import Lowering
 from graphdispatch_backend.runtime.checks.modes import native_regions
 from graphdispatch_backend.runtime.checks.novelty import Novelty, Observation
@@ -289,10 +289,12 @@ class EagerCheck:
                     else True if forward and settled[0] is Decline.LOWERING_MISMATCH else None)
             verdict = self._isolate_across(args, side, ref, demoted, verdict, novel, mine)
             isolated = verdict is None
-        elif verdict is None and failed is None and self._judges_kernels(tolerance, replays):
-            isolated = beside(ref.extra(self._compiled), args, side, self._record.substitutions,
-                              Checked(self._record, self._due.n, self._due.previous, novel), self._contain,
-                              self._events, self._agreement is not None)
+        elif verdict is None and failed is None and self._judges_kernels(tolerance, replays, novel):
+            checked = Checked(self._record, self._due.n, self._due.previous, novel)
+            isolated = beside(ref.extra(self._compiled), args, side, self._record.substitutions, checked,
+                              self._contain, self._events, self._agreement is not None)
+            if self._agreement is not None and self._agreement.agree(int(isolated)) and not isolated:
+                caught_elsewhere(checked, self._events)
         if raised:
             self._record.called(False, verdict[0].value if verdict else Decline.LOWERING_FAILED.value)
         if verdict is None:
@@ -331,17 +333,18 @@ class EagerCheck:
             ref.extra(self._compiled), args, side, lambda got: ref.compare(got, None), self._record.substitutions,
             checked.call, self._contain, None, None, demoted), checked, verdict, self._events)
 
-    def _judges_kernels(self, tolerance: Any, replays: list[int]) -> bool:
-        """Whether a passing check judged the kernels inside only through the graph's outputs
-        (isolate.py `beside`): within a tolerance, or where a piece replayed them (no gate
-        saw the call); where ranks agree (collectives), every rank runs `beside` or none."""
-        record = self._record
-        if not any(not s.demoted for s in record.substitutions):
-            here = False
-        elif tolerance is not None:
+    def _judges_kernels(self, tolerance: Any, replays: list[int], novel: str | None) -> bool:
+        """Whether a passing check must judge the kernels inside beside their regions too
+        (isolate.py `beside`): within a tolerance; where a piece replayed them (no gate saw
+        the call) on inputs new to the checks (a scheduled check's were judged so when new:
+        on every check it would cost a replaying stack of artifacts 7-9% a call, bench/recheck.py
+        part 3), or on any check where ranks agree (no check follows the inputs there)."""
+        record, here = self._record, False
+        if tolerance is not None:
             here = any(not s.demoted and s.parity_mode == "bitwise" for s in record.substitutions)
-        else:
-            here = any(s.replays > was for s, was in zip(record.piece_stats, replays))
+        elif any(not s.demoted for s in record.substitutions):
+            here = (novel is not None or self._agreement is not None) and any(
+                s.replays > was for s, was in zip(record.piece_stats, replays))
         if self._agreement is not None and record.substitutions:
             return bool(self._agreement.agree(int(here)))
         return here

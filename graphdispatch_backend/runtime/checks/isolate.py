@@ -226,9 +226,11 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
         message += (f", and what they wrote into {', '.join(state)} (state the graph writes: a cache) stays, "
                     "computed from the kernel's values: the calls that read it differ from eager's until it is "
                     "written anew")
+    stale = state if unchecked and party == ARTIFACT else []
     for sub in found.demoted:
         with sub.lock:
-            record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck")
+            record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck",
+                                              stale)
     if party == ARTIFACT:
         events.warn_once(f"culprit:{record.name}:{detail}", "graphdispatch: %s (%s; the call: %s); eager's values "
                          "answered it", message, detail, verdict[1])
@@ -284,8 +286,25 @@ def across_ranks(agreement: Agreement, mine: bool | None, find: Callable[[], Cul
         code = _THE_LOWERING
     agreed = agreement.agree(code)
     if agreed == _AN_ARTIFACT:
+        if code != _AN_ARTIFACT:
+            caught_elsewhere(checked, events)
         return None
     party = "lowering" if agreed == _THE_LOWERING else "capture"
     found_here = f"this rank found the {found.party} at fault: {found.detail}" if code == agreed else \
         f"another rank of the graph's process groups found the {party} at fault"
     return verdict[0], f"{verdict[1]}; isolated on every rank at once, {found_here}"
+
+
+def caught_elsewhere(checked: Checked, events: Any) -> None:
+    """A check where only another rank of the graph's process groups found its kernel off:
+    this rank's outputs came through the collectives from that rank's, so the calls served
+    here since the last check may have been off too. Recorded (`lowering_check.
+    caught_on_other_ranks`) and said, so that this rank's report does not read as clean."""
+    record, n = checked.record, checked.n
+    unchecked = n - checked.previous - 1
+    with record.lock:
+        record_fields.caught_on_another_rank(record, n, unchecked)
+    events.warn_once(f"elsewhere:{record.name}:{n}", "graphdispatch: %s: at %s another rank of the graph's process "
+                     "groups found its kernel off; this rank's outputs reach through the collectives, so the %d "
+                     "call(s) served here since the last check may have differed from eager's too", record.name,
+                     checked.call, unchecked)

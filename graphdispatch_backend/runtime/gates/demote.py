@@ -76,9 +76,10 @@ class Demoter:
     def _said(self, reason: Demotion, where: str, detail: str) -> None:
         """The WARNING, once per artifact, region and reason."""
         record = self._record
-        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}",
-                               "graphdispatch: %s; the run goes on",
-                               f"artifact {record.artifact} demoted to native {where}: {detail}")
+        # under strict only a kernel's kin are said (the region that met the fault raises, after them)
+        then = "the call that met it raises (strict)" if self._strict else "the run goes on"
+        self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}", "graphdispatch: %s; %s",
+                               f"artifact {record.artifact} demoted to native {where}: {detail}", then)
 
     def inputs(self, inputs: Sequence[Any]) -> str:
         """The call's tensor inputs that are no parameters: name, shape, dtype, max |x|."""

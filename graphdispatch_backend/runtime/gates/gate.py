@@ -313,9 +313,11 @@ class ArtifactGate:
         """Serve native from now on, the demotion recorded and said (runtime/gates/demote.py;
         under strict it raises instead)."""
         self.demoted = True
-        if self._kin is not None:  # before the demoter, which raises under strict
-            self._kin.demoted(self, self._record.region, reason, detail)
-        self._demoter(reason, detail, mismatch, **how)
+        try:  # said first, then its kin (the demoter raises under strict: they are demoted all the same)
+            self._demoter(reason, detail, mismatch, **how)
+        finally:
+            if self._kin is not None:
+                self._kin.demoted(self, self._record.region, reason, detail)
 
     def kin_demoted(self, region: str, reason: Demotion, detail: str) -> None:
         """This kernel was demoted at `region` for a fault of its own
