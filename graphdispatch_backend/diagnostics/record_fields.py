@@ -186,6 +186,7 @@ def substitution_caught(sub: SubstitutionRecord, at_call: int | None, unchecked_
     wrote from the kernel's values (a cache), which stays."""
     sub.caught_at_call, sub.unchecked_calls, sub.caught_by = at_call, unchecked_calls, by
     sub.stale_state = list(stale_state)
+    sub.served_since_check = 0  # the catch was a check: nothing is served unchecked since (it serves no more)
 
 
 def caught_on_another_rank(record: GraphRecord, at_call: int, unchecked_calls: int) -> None:

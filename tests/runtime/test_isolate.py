@@ -162,6 +162,7 @@ def test_a_catch_says_the_state_the_calls_served_unchecked_wrote_stays(tmp_path,
     (graph,) = accounted_graphs()
     (sub,) = graph["substitutions"]
     assert (sub["caught_at_call"], sub["unchecked_calls"]) == (8, 3), sub
+    assert sub["served_since_check"] == 0 and sub["largest_gap"] >= 3, sub  # the catch was a check
     said = next(r.getMessage() for r in caplog.records if "the artifact was at fault" in r.getMessage())
     assert "the 3 call(s) since the last check (call 4) were served unchecked, and what they wrote into" in said, said
     assert "acc" in said.split("wrote into", 1)[1].split("(state", 1)[0] and "stays" in said, said
