@@ -40,7 +40,11 @@ with the same model run eagerly, bit for bit (a mismatch: exit 1).
    the window's time. Target: <= 1.02 in both modes: DENSE_CAP is the densest power of two
    that meets it with room for the noise (2026-12-05, `--quick`, 2 cores: 256 gives 1.014
    eager, where a check of all 8 regions costs 2.7 calls, and 1.006 replaying; 128 gave
-   1.024 eager and 1.011 replaying).
+   1.024 eager and 1.011 replaying). Since a replaying check fingerprints each weight the
+   kernels read (a kernel writing a weight, runtime/checks/side_by_side.py), twice a check:
+   2026-12-07, `--only artifact --steady-calls 2048 --clock cpu`, replaying 1.038 from its
+   parts (3.3 ms a check, 6.5 calls), then 1.025 (2.0 ms) with a small tensor's digest
+   summed in one piece (runtime/checks/digest.py), timed 1.018; eager 1.019.
 
 4. `novelty`: what the checks that follow the inputs cost (runtime/checks/novelty.py: per
    call, the largest magnitude, NaN and inf of each watched input; a call whose inputs
