@@ -176,10 +176,8 @@ def beside(compiled: Callable[..., Any], args: Sequence[Any], side: SideBySide, 
             contain(lambda: compiled(*args))
     newly = [s for s in subs if s.demoted]
     contain(lambda: side.back(REFERENCE if newly else CANDIDATE))
-    n, unchecked = checked.n, checked.n - checked.previous - 1
     for sub in newly:
-        with sub.lock:
-            record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck")
+        checked.caught(sub)
     if newly:
         events.warn_once(f"beside:{checked.record.name}:{','.join(s.artifact for s in newly)}",
                          "graphdispatch: %s: the graph's outputs matched eager's at %s, but judged beside its "
@@ -200,6 +198,20 @@ class Checked:
     novel: str | None = None
 
     @property
+    def unchecked(self) -> int:
+        """The calls served since the last check, which passed."""
+        return self.n - self.previous - 1
+
+    def caught(self, sub: Any) -> None:
+        """A kernel (its SubstitutionRecord) demoted at this check: the call, the calls it
+        served unchecked before, by which check, and the state those calls wrote from its
+        values (the inputs the graph writes: a cache), which stays."""
+        state = [w["input"] for w in self.record.input_writes] if self.unchecked else []
+        with sub.lock:
+            record_fields.substitution_caught(sub, self.n, self.unchecked,
+                                              "novelty" if self.novel is not None else "recheck", state)
+
+    @property
     def call(self) -> str:
         why = f"checked for novel inputs: {self.novel}" if self.novel is not None else "checked by the recheck schedule"
         return f"call {self.n} of {self.record.name} ({why})"
@@ -214,7 +226,7 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
     verdict, naming the call."""
     record, call, n = checked.record, checked.call, checked.n
     party, detail = found.party, found.detail
-    unchecked = n - checked.previous - 1  # served since the last check, which passed
+    unchecked = checked.unchecked
     message = f"{record.name}: a served call differed from eager at {call}: the {party} was at fault"
     if checked.previous:
         message += f"; the {unchecked} call(s) since the last check (call {checked.previous}) were served unchecked"
@@ -226,11 +238,8 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
         message += (f", and what they wrote into {', '.join(state)} (state the graph writes: a cache) stays, "
                     "computed from the kernel's values: the calls that read it differ from eager's until it is "
                     "written anew")
-    stale = state if unchecked and party == ARTIFACT else []
     for sub in found.demoted:
-        with sub.lock:
-            record_fields.substitution_caught(sub, n, unchecked, "novelty" if checked.novel is not None else "recheck",
-                                              stale)
+        checked.caught(sub)
     if party == ARTIFACT:
         events.warn_once(f"culprit:{record.name}:{detail}", "graphdispatch: %s (%s; the call: %s); eager's values "
                          "answered it", message, detail, verdict[1])
@@ -300,8 +309,7 @@ def caught_elsewhere(checked: Checked, events: Any) -> None:
     this rank's outputs came through the collectives from that rank's, so the calls served
     here since the last check may have been off too. Recorded (`lowering_check.
     caught_on_other_ranks`) and said, so that this rank's report does not read as clean."""
-    record, n = checked.record, checked.n
-    unchecked = n - checked.previous - 1
+    record, n, unchecked = checked.record, checked.n, checked.unchecked
     with record.lock:
         record_fields.caught_on_another_rank(record, n, unchecked)
     events.warn_once(f"elsewhere:{record.name}:{n}", "graphdispatch: %s: at %s another rank of the graph's process "
