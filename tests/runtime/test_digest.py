@@ -103,3 +103,20 @@ def test_the_digest_is_its_definitions_whichever_sum_reads_the_words(monkeypatch
     fast = digest(x)
     monkeypatch.setattr(digest_mod, "weighted_sum", lambda weights, words: (weights * words).sum())
     assert torch.equal(digest(x), fast)
+
+
+def test_many_tensors_at_once_give_each_its_own_digest(monkeypatch):
+    """`digests` reads the small tensors of a device as one stream, summed per tensor: the
+    same digests as one at a time, for every dtype, layout and size (the large one, the
+    strided one, the misaligned one and the single element take `digest` itself)."""
+    monkeypatch.setattr(digest_mod, "SMALL", 40)
+    base = torch.arange(200, dtype=torch.float32)
+    tensors = [_values(d) for d in DTYPES] + [
+        torch.randn(7, 9), torch.randn(100),  # 63 words: past SMALL here
+        torch.randn(4, 6).t(), base[1:65],  # strided; 4 bytes off a word
+        torch.tensor([3.0]), torch.empty(0), torch.randn(3, 8).double(), torch.randn(8, dtype=torch.bfloat16)]
+    got = digest_mod.digests(tensors)
+    assert len(got) == len(tensors)
+    for t, d in zip(tensors, got):
+        assert torch.equal(d, digest(t)), t
+    assert digest_mod.digests([]) == []

@@ -29,7 +29,7 @@ equals the same NaN.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -128,6 +128,58 @@ def _block_multiplier(block: int) -> int:
 _FIRST = _block_multiplier(0)
 
 
+SMALL = 1 << 16  # words: a tensor up to this size is summed with others of its device in one pass (`digests`)
+_SEGMENTS: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`digest` of each tensor. The small ones of one device (a model's norms, biases and
+    small weights: a replaying check fingerprints every weight its kernels read, twice) are
+    read as one stream of words, each tensor's words weighted from position 0 as its own
+    digest weighs them, and summed per tensor with `index_add_` (int64 addition wraps as
+    `dot`'s does, in any order): a few dispatches for them all, where one each was most of
+    such a check's time (bench/recheck.py part 3). They are copied once into that stream,
+    at most SMALL words each."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        words = _whole_words(t.detach()) if not (t.is_conj() or t.is_neg()) else None
+        if words is not None and words.numel() <= SMALL:
+            groups.setdefault(words.device, []).append((i, words))
+        else:
+            out[i] = digest(t)
+    for device, members in groups.items():
+        if len(members) == 1:
+            (i, words), = members
+            out[i] = torch.stack((words.sum(), weighted_sum(_weights(device)[: words.numel()], words) * _FIRST))
+            continue
+        sizes = tuple(w.numel() for _, w in members)
+        segment, positions = _segments(device, sizes)
+        stream = torch.cat([w for _, w in members])
+        totals = torch.zeros(2, len(sizes), dtype=torch.int64, device=device)
+        totals[0].index_add_(0, segment, stream)
+        totals[1].index_add_(0, segment, stream * _weights(device)[positions])
+        totals[1] *= _FIRST
+        for (i, _), row in zip(members, totals.t().unbind(0)):
+            out[i] = row
+    return out  # type: ignore[return-value]
+
+
+def _segments(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a stream of tensors of `sizes` words: each word's tensor, and its position in it
+    (made once per layout: a check fingerprints the same weights every time)."""
+    found = _SEGMENTS.get((device, sizes))
+    if found is None:
+        lengths = torch.tensor(sizes, device=device)
+        segment = torch.repeat_interleave(torch.arange(len(sizes), device=device), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        positions = torch.arange(int(lengths.sum()), device=device) - starts[segment]
+        if len(_SEGMENTS) >= 64:  # bounded: a process with many layouts makes them again
+            _SEGMENTS.clear()
+        found = _SEGMENTS[(device, sizes)] = (segment, positions)
+    return found
+
+
 def _whole_words(t: torch.Tensor) -> torch.Tensor | None:
     """`t`'s memory as int64 words, where it is one contiguous, 8-byte-aligned run of whole
     words within one chunk and one block of the weights (the stream's first `_add`, alone:
@@ -139,7 +191,7 @@ def _whole_words(t: torch.Tensor) -> torch.Tensor | None:
     size = t.numel() * t.element_size()
     if not size or size % WORD or size // WORD > min(CHUNK, SPAN):
         return None
-    return t.reshape(-1).view(torch.uint8).view(torch.int64)
+    return t.view(-1).view(torch.int64)  # contiguous, whole words: the dtype view takes it as is
 
 
 def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from graphdispatch_backend.errors import Contain
-from graphdispatch_backend.runtime.checks.digest import digest
+from graphdispatch_backend.runtime.checks.digest import digests
 from graphdispatch_backend.runtime.checks.parity import BEYOND, Mismatch, compare
 from graphdispatch_backend.runtime.checks.suspects import NONE_KNOWN, Suspects
 from graphdispatch_backend.runtime.checks.world import Region, World
@@ -163,7 +163,7 @@ class SideBySide:
     def set_aside(self, party: str) -> None:
         """`party` ran first: its world kept aside, the world before put back for the other."""
         if self._whole:
-            self._prints[party] = [digest(t) for t in self._whole]
+            self._prints[party] = digests(self._whole)
         self._worlds[party] = self._worlds[BEFORE].swap()
 
     def keep(self, party: str) -> None:
@@ -212,7 +212,7 @@ class SideBySide:
             return None
         candidate = self._worlds[REFERENCE].swap()
         try:
-            now = [digest(t) for t in self._whole]
+            now = digests(self._whole)
         finally:
             candidate.restore()
         found = None
