@@ -148,6 +148,10 @@ def artifact_checks(report: dict[str, Any]) -> list[str]:
     per_artifact: dict[str, list[int]] = {}  # graphs, regions, served, unchecked, largest gap
     caught: list[str] = []
     for g in report["graphs"]:
+        for other in g.get("lowering_check", {}).get("caught_on_other_ranks", ()):  # collectives: not this rank's
+            caught.append(f"  {g['name']}: at call {other['at_call']} another rank of the graph's process groups found "
+                          f"its kernel off; {plural(other['unchecked_calls'], 'call')} served here before it may have "
+                          "differed from eager's too (this rank's outputs come through the collectives)")
         by_artifact: dict[str, list[dict[str, Any]]] = {}
         for s in g["substitutions"]:
             by_artifact.setdefault(s["artifact"], []).append(s)

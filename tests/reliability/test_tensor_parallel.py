@@ -125,8 +125,12 @@ def test_a_kernel_wrong_on_one_rank_is_isolated_by_every_rank_at_once(tmp_path, 
     Between gloo collectives, rank 1's pieces capture again without the kernel on their own;
     with the collectives inside the pieces (NCCL's case), rank 1 answers eagerly (the same
     collectives) until the ranks' next agreement point (call 16) declines the piece on both."""
-    rank0, rank1 = check_ranks(run_ranks(tmp_path, scenario))
+    results = run_ranks(tmp_path, scenario)
+    rank0, rank1 = check_ranks(results)
     (sub0,), (sub1,) = rank0["substitutions"], rank1["substitutions"]
+    # ... and its rendered report, which `report DIR` shows by default (a trial found it in the JSON only)
+    assert "graph_0: at call 8 another rank of the graph's process groups found its kernel off; 3 calls served " \
+           "here before it may have differed" in results[0]["rendered"], results[0]["rendered"]
     assert not sub0["demoted"] and sub0["replays"] == 9
     assert sub1["demoted"] and (sub1["caught_at_call"], sub1["caught_by"]) == (8, "recheck"), sub1
     assert "caught at call 8 of graph_0 (checked by the recheck schedule)" in sub1["detail"]

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 import graphdispatch_backend as gd  # noqa: E402
+from graphdispatch_backend.diagnostics.render import render  # noqa: E402
 from graphdispatch_backend.runtime.checks import reference as eager_check_mod  # noqa: E402
 from graphdispatch_backend.runtime.checks.parity import Mismatch  # noqa: E402
 from graphdispatch_backend.runtime.cudagraph.host import HostReplayEngine  # noqa: E402
@@ -148,6 +149,7 @@ with torch.no_grad():
 report = gd.latest_report()
 with open(out_path, "w") as fh:
     json.dump({"rank": rank, "equal": equal, "outs": outs, "raised": raised,
-               "graphs": [] if report is None else report["graphs"]}, fh)
+               "graphs": [] if report is None else report["graphs"],
+               "rendered": "" if report is None else render(report)}, fh)
 dist.barrier()
 dist.destroy_process_group()

@@ -1081,3 +1081,28 @@ def test_a_kernel_that_raises_at_one_kind_of_region_keeps_serving_the_others(tmp
     (a,), (b,) = (g["substitutions"] for g in graphdispatch_backend.latest_report()["graphs"])
     assert (a["demoted"], a["calls"]) == (False, 3), a
     assert (b["demoted"], b["reason"]) == (True, "raised"), b
+
+
+def test_a_graph_compiled_after_a_kernel_was_caught_does_not_serve_it(tmp_path):
+    """A demotion stands for the session: a trial's kernel, caught in one prefill graph, came
+    back in the next prompt length's graph (compiled after the catch), passed that gate's
+    first call and served 3 wrong decode steps at unchecked calls before it was caught again.
+    Here graph B (batch 3) is compiled after graph A (batch 2) caught the kernel; its first
+    large call is replayed, unchecked, and is eager's: the gate joined demoted."""
+    body = ("        out = torch.where(x.abs().amax() > 50, torch.nextafter(out, torch.full_like(out, float('inf'))),"
+            " out)")
+    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, KERNEL.format(k=1, behaviour=body))
+    torch.manual_seed(0)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="graphdispatch", dynamic=False,
+                             options={"artifacts": str(tmp_path), "cuda_graphs": "emulate"})
+    wrong = []
+    with torch.no_grad():
+        for step, (batch, scale) in enumerate([(2, 1)] * 5 + [(2, 100)] * 2 + [(3, 1)] * 2 + [(3, 100)] * 3):
+            x = torch.randn(batch, 8) * scale
+            if not torch.equal(compiled(x), model(x)):
+                wrong.append(step)
+    (a,), (b,) = (g["substitutions"] for g in graphdispatch_backend.latest_report()["graphs"])
+    assert (a["demoted"], a["reason"], a["caught_at_call"]) == (True, "parity", 7), a
+    assert (b["demoted"], b["reason"], b["calls"], b["replays"]) == (True, "demoted_elsewhere", 0, 0), b
+    assert wrong == [5], wrong  # graph A's first large call, served before its statistics arrived

@@ -133,8 +133,6 @@ class ArtifactGate:
         self.demoted = False
         # the gates of this kernel at its other regions: a fault of the kernel's demotes them (kin.py)
         self._kin = kin
-        if kin is not None:
-            kin.join(self)
         record_fields.parity_mode(record, parity.mode)
         # native and artifact side by side, each from the same state (runtime/gates/beside.py); the
         # inputs the manifest says the kernel writes (signature.mutates), and where
@@ -148,6 +146,8 @@ class ArtifactGate:
                                 contain, events, timing, self._demote, self._memory)
         self._tolerant = self._judge.tolerant
         self._passed = self._judge.passed
+        if kin is not None:  # last: a kernel its kin found at fault before this gate was made is demoted here too
+            kin.join(self)
 
     def __call__(self, *inputs: Any) -> Sequence[Any]:
         if self.demoted:

@@ -20,6 +20,11 @@ found there:
   same kind. These follow the shapes and never serve a wrong value: a gate meets them at
   the first call of each of its shape keys, which it checks.
 
+A demotion stands for the session: a gate made later (a graph compiled after the catch: a
+new prompt length's prefill) joins demoted, where the fault reaches its kind (a trial's
+kernel, caught in one prefill graph on a rank, came back in the next prompt length's
+graph and served 3 more wrong decode steps before it was caught there again).
+
 Being slower than native (`slower`) is the region's, and stays there. The gates are held
 weakly: a dropped graph's gates leave.
 """
@@ -41,6 +46,7 @@ class Kin:
 
     def __init__(self) -> None:
         self._gates: list[tuple[weakref.ref[Any], str]] = []
+        self._standing: list[tuple[str, str, Demotion, str]] = []  # (fingerprint, region, reason, detail)
         self._lock = threading.Lock()
 
     def kind(self, fingerprint: str) -> KindOf:
@@ -48,9 +54,15 @@ class Kin:
         return KindOf(self, fingerprint)
 
     def join(self, gate: Any, fingerprint: str) -> None:
+        """`gate` serves a region of the kind `fingerprint`: demoted now where a fault of the
+        kernel's met before reaches it (module docstring)."""
         with self._lock:
             self._gates = [(g, f) for g, f in self._gates if g() is not None]
             self._gates.append((weakref.ref(gate), fingerprint))
+            standing = next(((region, reason, detail) for f, region, reason, detail in self._standing
+                             if _reaches(reason, f, fingerprint)), None)
+        if standing is not None:
+            gate.kin_demoted(*standing)
 
     def demoted(self, gate: Any, fingerprint: str, region: str, reason: Demotion, detail: str) -> None:
         """`gate` (at `region`, of the kind `fingerprint`) was demoted for `reason`: its kin are
@@ -58,10 +70,17 @@ class Kin:
         if reason is Demotion.SLOWER:
             return
         with self._lock:
+            self._standing.append((fingerprint, region, reason, detail))
             others = [g for g, f in ((r(), f) for r, f in self._gates) if g is not None and g is not gate
-                      and (f == fingerprint or reason not in _OF_THE_KIND)]
+                      and _reaches(reason, fingerprint, f)]
         for other in others:  # outside the lock: each takes none of ours
             other.kin_demoted(region, reason, detail)
+
+
+def _reaches(reason: Demotion, where: str, kind: str) -> bool:
+    """A demotion for `reason` at a region of the kind `where` demotes the kernel at the
+    regions of the kind `kind` (module docstring)."""
+    return kind == where or reason not in _OF_THE_KIND
 
 
 class KindOf:
