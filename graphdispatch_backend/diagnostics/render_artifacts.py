@@ -175,8 +175,9 @@ def artifact_checks(report: dict[str, Any]) -> list[str]:
                                   f"shape key by {by}; {plural(s.get('unchecked_calls') or 0, 'call')} served "
                                   "unchecked since the check before it" + (
                                       f"; what they wrote into {', '.join(s['stale_state'])} (state the graph "
-                                      "writes) stays, computed from the kernel's values: the calls that read it "
-                                      "differ from eager's until it is written anew" if s.get("stale_state") else ""))
+                                      "writes) stays, and may hold values computed from the kernel's: the calls "
+                                      "that read it differ from eager's until it is written anew"
+                                      if s.get("stale_state") else ""))
     if not rows:
         return []
     rows += [["all graphs", aid, *t[1:]] for aid, t in sorted(per_artifact.items()) if t[0] > 1]

@@ -122,8 +122,8 @@ class SubstitutionRecord:
     caught_at_call: int | None = None
     unchecked_calls: int | None = None
     caught_by: str | None = None
-    # ... and the state the graph writes (a cache) that those unchecked calls wrote from the
-    # kernel's values: it stays, and the calls that read it differ from eager's until it is written anew
+    # ... and the state the graph writes (a cache: inputs it writes, tensors it makes and writes in
+    # place) that those unchecked calls wrote, maybe from the kernel's values: it stays
     stale_state: list[str] = dataclasses.field(default_factory=list)
     novelty_checks: int = 0  # the gate's checks made for new inputs (beyond its schedule)
     # calls (eager or replayed) the artifact served since its last check, and the most it

@@ -389,3 +389,18 @@ def test_across_ranks_every_rank_isolates_in_step_and_the_ranks_agree_on_the_par
     else:
         assert got[0] is Decline.LOWERING_MISMATCH and got[1].startswith("differs from eager; ")
         assert ("not isolated" in got[1]) == (found is None)
+
+
+def test_the_state_a_catch_names_holds_the_tensors_the_graph_makes_and_writes():
+    """A trial's prefill made its K/V cache inside the graph and wrote it in place; the catch
+    named only the cache's length counters (the inputs it writes) as what stays."""
+    from graphdispatch_backend.diagnostics.report import GraphRecord
+    from graphdispatch_backend.runtime.checks.isolate import Checked
+
+    record = GraphRecord(0)
+    record.input_writes = [{"input": "cache.cumulative_length", "in_place": True, "detail": ""}]
+    record.buffer_writes_in_place = 4
+    state = Checked(record, 8, 4).state
+    assert state[0] == "cache.cumulative_length" and state[1].startswith("4 tensor(s) the graph makes and writes")
+    record.buffer_writes_in_place = 0
+    assert Checked(record, 8, 4).state == ["cache.cumulative_length"]

@@ -206,10 +206,20 @@ class Checked:
         """A kernel (its SubstitutionRecord) demoted at this check: the call, the calls it
         served unchecked before, by which check, and the state those calls wrote from its
         values (the inputs the graph writes: a cache), which stays."""
-        state = [w["input"] for w in self.record.input_writes] if self.unchecked else []
         with sub.lock:
             record_fields.substitution_caught(sub, self.n, self.unchecked,
-                                              "novelty" if self.novel is not None else "recheck", state)
+                                              "novelty" if self.novel is not None else "recheck",
+                                              self.state if self.unchecked else [])
+
+    @property
+    def state(self) -> list[str]:
+        """What the graph writes that outlives a call: the inputs it writes (a cache's rows,
+        its length counters), and the tensors it makes and writes in place (a cache a prefill
+        creates and returns: a trial's K/V was made so, and only the counters were named)."""
+        made = self.record.buffer_writes_in_place
+        return [w["input"] for w in self.record.input_writes] + (
+            [f"{made} tensor(s) the graph makes and writes in place (a cache it creates and returns is one)"]
+            if made else [])
 
     @property
     def call(self) -> str:
@@ -230,14 +240,14 @@ def blame(found: Culprit, checked: Checked, verdict: tuple[Decline, str], events
     message = f"{record.name}: a served call differed from eager at {call}: the {party} was at fault"
     if checked.previous:
         message += f"; the {unchecked} call(s) since the last check (call {checked.previous}) were served unchecked"
-    state = [w["input"] for w in record.input_writes]
+    state = checked.state
     if unchecked and state and party == ARTIFACT:
-        # what they wrote came from the kernel's values (through the native ops after it too):
-        # later calls read it, eager's reference included, so no check finds it (a trial:
-        # 3 unchecked decode steps, 13 of 16 steps of the request off)
+        # what they wrote may come from the kernel's values (through the native ops after it
+        # too): later calls read it, eager's reference included, so no check finds it (a
+        # trial: 3 unchecked decode steps, 13 of 16 steps of the request off)
         message += (f", and what they wrote into {', '.join(state)} (state the graph writes: a cache) stays, "
-                    "computed from the kernel's values: the calls that read it differ from eager's until it is "
-                    "written anew")
+                    "and may hold values computed from the kernel's: the calls that read it differ from eager's "
+                    "until it is written anew")
     for sub in found.demoted:
         checked.caught(sub)
     if party == ARTIFACT:
