@@ -115,13 +115,17 @@ def _fit(manifest: Manifest, regions: list[dict[str, Any]]) -> tuple[bool, str]:
         if not any(r["fingerprint"] == manifest.fingerprint for r in named):
             return False, f"report: no region `{manifest.module}` names has fingerprint {manifest.fingerprint}"
         named = [r for r in named if r["fingerprint"] == manifest.fingerprint]
-    misses = {}
-    for r in named:
+    misses, fits = {}, []
+    for r in named:  # every region it fits, of every kind (a dynamic dimension fits a prefill's and a decode's)
         miss = manifest_miss(manifest, [i["name"] for i in r["inputs"]], [_Spec(i) for i in r["inputs"]],
                              [_Spec(o) for o in r["outputs"]], r.get("mutates", []))
         if miss is None:
-            return True, f"fits {sum(1 for x in named if x['fingerprint'] == r['fingerprint'])} region(s) of the report"
-        misses.setdefault(miss, r["name"])
+            fits.append(r)
+        else:
+            misses.setdefault(miss, r["name"])
+    if fits:
+        kinds = len({r["fingerprint"] for r in fits})
+        return True, f"fits {len(fits)} region(s) of the report" + (f", of {kinds} kinds" if kinds > 1 else "")
     miss, name = next(iter(misses.items()))
     return False, f"report: does not fit {name}: signature: {miss}"
 

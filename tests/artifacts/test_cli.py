@@ -287,6 +287,18 @@ def test_verify_against_a_report_shows_a_wrong_dtype_before_a_compile(tmp_path, 
     assert main(["artifacts", "verify", str(tmp_path / "bad"), "--report", str(tmp_path / "rep")]) == 1
     out = capsys.readouterr().out
     assert "rejected" in out and "'fc.weight': dtype bfloat16, region has float32" in out
+    # a dynamic first dimension fits every batch's region: each counted, of each kind (a trial's
+    # manifest served 8 regions of 4 graphs, and the check said it fit 2)
+    with torch.no_grad():
+        compiled = torch.compile(Net().eval(), backend="graphdispatch", dynamic=False,
+                                 options={"report_dir": str(tmp_path / "two")})
+        compiled(torch.randn(2, 8))
+        compiled(torch.randn(3, 8))
+    graphdispatch_backend.flush()
+    anybatch = [dict(i, shape=[None, 8]) if i["name"] == "input0" else i for i in sig["inputs"]]
+    write_bundle(tmp_path / "any" / "mlp", "mlp", "mlp", anybatch, [{"shape": [None, 8], "dtype": "float32"}], SOURCE)
+    assert main(["artifacts", "verify", str(tmp_path / "any"), "--report", str(tmp_path / "two")]) == 0
+    assert "fits 2 region(s) of the report, of 2 kinds" in capsys.readouterr().out
 
 
 def test_an_edited_file_says_to_rehash(tmp_path, capsys):
