@@ -176,7 +176,14 @@ def test_only_the_first_gate_copies_the_cache_its_rechecks_fingerprint_it(tmp_pa
     monkeypatch.setattr(beside.Beside, "run", counted_run)
     monkeypatch.setattr(beside.Beside, "_guards", counted_guards)
     monkeypatch.setattr(beside, "digest", counted_digest)  # an undeclared input too large to copy
-    monkeypatch.setattr(side_by_side, "digest", counted_digest)  # the declared inputs, after each run
+    digests = side_by_side.digests
+
+    def counted_digests(tensors):
+        if inside[0]:
+            runs[-1].extend(t.numel() * t.element_size() for t in tensors)
+        return digests(tensors)
+
+    monkeypatch.setattr(side_by_side, "digests", counted_digests)  # the declared inputs, after each run
     sub = _serve(tmp_path, {"cuda_graphs": False})
     assert (sub["parity"], sub["demoted"], sub["gates"]) == ("passed", False, 1 + 4 + sub["novelty_checks"]), sub
     assert sub["novelty_checks"] >= 2, sub
