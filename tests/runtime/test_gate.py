@@ -1033,15 +1033,11 @@ def test_a_kernel_caught_at_one_block_is_demoted_at_every_block_of_its_kind(tmp_
     assert wrong == [], wrong  # the kernel's 3rd run is the 2nd call's first region's: a checked call
 
 
-def test_a_kernel_caught_at_one_kind_of_region_serves_no_other_kind(tmp_path):
-    """A trial's RMSNorm kernel, one ulp high above a magnitude, with a dynamic sequence
-    dimension: demoted at an LLM's decode graph, it kept serving the prefill graph's replays
-    (the same module over other shapes: another kind) and gave a request wrong logits at a
-    call no schedule checked. A fault in the kernel's values follows no shape: met at one
-    kind of region, it demotes the kernel at every region it serves. Here two graphs of one
-    Block (batches 2 and 3, `dynamic=False`), replaying under emulate, where a call's
-    statistics decide the next call: graph A's first large call is served as computed and
-    its next one catches the kernel; graph B's first large call, after that, is native."""
+def _ulp_high_above_50_in_two_graphs(tmp_path: Path, calls: list[tuple[int, int]]) -> tuple[list[int], list[Any]]:
+    """A Block whose MLP kernel is one ulp high where its input's magnitude passes 50, compiled
+    with `dynamic=False` under emulate, called with `(batch, scale)` per step (a batch of 2 and
+    one of 3: two graphs, two kinds of region): the steps whose output differed from eager's,
+    and the report's graphs."""
     body = ("        out = torch.where(x.abs().amax() > 50, torch.nextafter(out, torch.full_like(out, float('inf'))),"
             " out)")
     write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, KERNEL.format(k=1, behaviour=body))
@@ -1051,11 +1047,24 @@ def test_a_kernel_caught_at_one_kind_of_region_serves_no_other_kind(tmp_path):
                              options={"artifacts": str(tmp_path), "cuda_graphs": "emulate"})
     wrong = []
     with torch.no_grad():
-        for step, (batch, scale) in enumerate([(2, 1)] * 5 + [(3, 1)] * 6 + [(2, 100)] * 3 + [(3, 100)] * 3):
+        for step, (batch, scale) in enumerate(calls):
             x = torch.randn(batch, 8) * scale
             if not torch.equal(compiled(x), model(x)):
                 wrong.append(step)
-    graphs = graphdispatch_backend.latest_report()["graphs"]
+    return wrong, graphdispatch_backend.latest_report()["graphs"]
+
+
+def test_a_kernel_caught_at_one_kind_of_region_serves_no_other_kind(tmp_path):
+    """A trial's RMSNorm kernel, one ulp high above a magnitude, with a dynamic sequence
+    dimension: demoted at an LLM's decode graph, it kept serving the prefill graph's replays
+    (the same module over other shapes: another kind) and gave a request wrong logits at a
+    call no schedule checked. A fault in the kernel's values follows no shape: met at one
+    kind of region, it demotes the kernel at every region it serves. Here two graphs of one
+    Block (batches 2 and 3, `dynamic=False`), replaying under emulate, where a call's
+    statistics decide the next call: graph A's first large call is served as computed and
+    its next one catches the kernel; graph B's first large call, after that, is native."""
+    wrong, graphs = _ulp_high_above_50_in_two_graphs(
+        tmp_path, [(2, 1)] * 5 + [(3, 1)] * 6 + [(2, 100)] * 3 + [(3, 100)] * 3)
     (a,), (b,) = ([s for s in g["substitutions"]] for g in graphs)
     assert (a["demoted"], a["reason"], a["caught_by"], a["caught_at_call"]) == (True, "parity", "novelty", 7), a
     assert (b["demoted"], b["reason"]) == (True, "demoted_elsewhere"), b
@@ -1089,20 +1098,9 @@ def test_a_graph_compiled_after_a_kernel_was_caught_does_not_serve_it(tmp_path):
     first call and served 3 wrong decode steps at unchecked calls before it was caught again.
     Here graph B (batch 3) is compiled after graph A (batch 2) caught the kernel; its first
     large call is replayed, unchecked, and is eager's: the gate joined demoted."""
-    body = ("        out = torch.where(x.abs().amax() > 50, torch.nextafter(out, torch.full_like(out, float('inf'))),"
-            " out)")
-    write_bundle(tmp_path / "mlp", "mlp", "mlp", MLP_INPUTS, MLP_OUTPUTS, KERNEL.format(k=1, behaviour=body))
-    torch.manual_seed(0)
-    model = Block().eval()
-    compiled = torch.compile(model, backend="graphdispatch", dynamic=False,
-                             options={"artifacts": str(tmp_path), "cuda_graphs": "emulate"})
-    wrong = []
-    with torch.no_grad():
-        for step, (batch, scale) in enumerate([(2, 1)] * 5 + [(2, 100)] * 2 + [(3, 1)] * 2 + [(3, 100)] * 3):
-            x = torch.randn(batch, 8) * scale
-            if not torch.equal(compiled(x), model(x)):
-                wrong.append(step)
-    (a,), (b,) = (g["substitutions"] for g in graphdispatch_backend.latest_report()["graphs"])
+    wrong, graphs = _ulp_high_above_50_in_two_graphs(
+        tmp_path, [(2, 1)] * 5 + [(2, 100)] * 2 + [(3, 1)] * 2 + [(3, 100)] * 3)
+    (a,), (b,) = (g["substitutions"] for g in graphs)
     assert (a["demoted"], a["reason"], a["caught_at_call"]) == (True, "parity", 7), a
     assert (b["demoted"], b["reason"], b["calls"], b["replays"]) == (True, "demoted_elsewhere", 0, 0), b
     assert wrong == [5], wrong  # graph A's first large call, served before its statistics arrived

@@ -47,7 +47,7 @@ def digest(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj().resolve_neg()
     whole = _whole_words(t)
     if whole is not None:  # the usual small tensor (a weight, an activation): one piece, no stream
-        return torch.stack((whole.sum(), weighted_sum(_weights(t.device)[: whole.numel()], whole) * _FIRST))
+        return _one_piece(whole)
     words = _Words(t.device)
     for part in _parts(t):
         words.feed(_as_bytes(part))
@@ -151,7 +151,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for device, members in groups.items():
         if len(members) == 1:
             (i, words), = members
-            out[i] = torch.stack((words.sum(), weighted_sum(_weights(device)[: words.numel()], words) * _FIRST))
+            out[i] = _one_piece(words)
             continue
         sizes = tuple(w.numel() for _, w in members)
         segment, positions = _segments(device, sizes)
@@ -163,6 +163,11 @@ def digests(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for (i, _), row in zip(members, totals.t().unbind(0)):
             out[i] = row
     return out  # type: ignore[return-value]
+
+
+def _one_piece(words: torch.Tensor) -> torch.Tensor:
+    """The digest of `_whole_words`' words: the stream's first `_add`, alone."""
+    return torch.stack((words.sum(), weighted_sum(_weights(words.device)[: words.numel()], words) * _FIRST))
 
 
 def _segments(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

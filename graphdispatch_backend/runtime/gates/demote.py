@@ -76,7 +76,7 @@ class Demoter:
     def _said(self, reason: Demotion, where: str, detail: str) -> None:
         """The WARNING, once per artifact, region and reason."""
         record = self._record
-        # under strict only a kernel's kin are said (the region that met the fault raises, after them)
+        # under strict the region that met the fault raises instead; its kin are said (after it), and the call raises
         then = "the call that met it raises (strict)" if self._strict else "the run goes on"
         self._events.warn_once(f"demote:{record.artifact}:{record.region}:{reason.value}", "graphdispatch: %s; %s",
                                f"artifact {record.artifact} demoted to native {where}: {detail}", then)
